@@ -1,0 +1,250 @@
+"""Reads and writes HF Qwen3 checkpoint directories (config.json + safetensors)."""
+
+import dataclasses
+import glob
+import json
+import os
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from mgrpo_jax import sharding
+from mgrpo_jax.models import qwen3
+from mgrpo_jax.models.config import Qwen3Config
+from mgrpo_jax.models.safetensors_io import CheckpointError, SafetensorsFile, write
+
+INDEX_FILE = "model.safetensors.index.json"
+# Buffers some exporters write that carry no parameters.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+  """One of our parameters and the HF tensor(s) it comes from."""
+
+  path: tuple[str, ...]  # Path in the parameter state.
+  hf_name: str  # With "{i}" for the layer index when per_layer.
+  per_layer: bool
+  to_ours: Callable[[np.ndarray], np.ndarray]
+  to_hf: Callable[[np.ndarray], np.ndarray]
+
+
+def _tensor_map(cfg: Qwen3Config) -> list[_Tensor]:
+  d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  ident = lambda w: w
+  t = lambda w: w.T  # torch Linear stores [out, in]; we compute x @ W[in, out].
+
+  def proj_in(n):  # [n*dh, d] <-> [d, n, dh]
+    return (lambda w: w.T.reshape(d, n, dh)), (lambda w: w.reshape(d, n * dh).T)
+
+  pre = "model.layers.{i}."
+  q_in, q_out = proj_in(h)
+  kv_in, kv_out = proj_in(k)
+  out = [
+      _Tensor(("embed",), "model.embed_tokens.weight", False, ident, ident),
+      _Tensor(("final_norm", "scale"), "model.norm.weight", False, ident, ident),
+      _Tensor(("layers", "attn", "q"), pre + "self_attn.q_proj.weight", True, q_in, q_out),
+      _Tensor(("layers", "attn", "k"), pre + "self_attn.k_proj.weight", True, kv_in, kv_out),
+      _Tensor(("layers", "attn", "v"), pre + "self_attn.v_proj.weight", True, kv_in, kv_out),
+      _Tensor(("layers", "attn", "o"), pre + "self_attn.o_proj.weight", True,
+              lambda w: w.T.reshape(h, dh, d), lambda w: w.reshape(h * dh, d).T),
+      _Tensor(("layers", "attn", "q_norm", "scale"), pre + "self_attn.q_norm.weight", True,
+              ident, ident),
+      _Tensor(("layers", "attn", "k_norm", "scale"), pre + "self_attn.k_norm.weight", True,
+              ident, ident),
+      _Tensor(("layers", "attn_norm", "scale"), pre + "input_layernorm.weight", True, ident, ident),
+      _Tensor(("layers", "mlp_norm", "scale"), pre + "post_attention_layernorm.weight", True,
+              ident, ident),
+      _Tensor(("layers", "mlp", "gate"), pre + "mlp.gate_proj.weight", True, t, t),
+      _Tensor(("layers", "mlp", "up"), pre + "mlp.up_proj.weight", True, t, t),
+      _Tensor(("layers", "mlp", "down"), pre + "mlp.down_proj.weight", True, t, t),
+  ]
+  if not cfg.tie_embeddings:
+    out.append(_Tensor(("lm_head",), "lm_head.weight", False, t, t))
+  return out
+
+
+def _hf_shape(spec: _Tensor, our_shape: tuple[int, ...]) -> tuple[int, ...]:
+  shape = our_shape[1:] if spec.per_layer else our_shape
+  return spec.to_hf(np.empty(shape, np.int8)).shape
+
+
+class _Checkpoint:
+  """Name -> file lookup over a single or sharded safetensors checkpoint."""
+
+  def __init__(self, path: str):
+    index = os.path.join(path, INDEX_FILE)
+    self.files: dict[str, SafetensorsFile] = {}
+    self.where: dict[str, str] = {}
+    if os.path.exists(index):
+      try:
+        with open(index) as f:
+          weight_map = json.load(f)["weight_map"]
+      except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index}: not a valid safetensors index ({e}).") from e
+      for fname in sorted(set(weight_map.values())):
+        fpath = os.path.join(path, fname)
+        if not os.path.exists(fpath):
+          raise CheckpointError(f"{index} names shard {fname}, which is missing from {path}.")
+        self.files[fname] = SafetensorsFile(fpath)
+      for name, fname in weight_map.items():
+        if name not in self.files[fname].header:
+          raise CheckpointError(f"{index} maps {name!r} to {fname}, which lacks that tensor.")
+        self.where[name] = fname
+    else:
+      paths = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+      if not paths:
+        raise CheckpointError(f"No *.safetensors files (and no {INDEX_FILE}) in {path}.")
+      for fpath in paths:
+        fname = os.path.basename(fpath)
+        self.files[fname] = SafetensorsFile(fpath)
+        for name in self.files[fname].names():
+          self.where[name] = fname
+
+  def shape(self, name):
+    return self.files[self.where[name]].shape(name)
+
+  def read(self, name) -> np.ndarray:
+    return self.files[self.where[name]].read(name)
+
+  def describe(self, name) -> str:
+    return f"{name!r} (in {self.where[name]})"
+
+
+def _check_names(ckpt: _Checkpoint, specs, cfg: Qwen3Config, abstract: dict, path: str):
+  """Raises one error that lists every missing, unexpected or misshapen tensor."""
+  expected = {}
+  for spec in specs:
+    shape = _hf_shape(spec, _get(abstract, spec.path).shape)
+    layers = range(cfg.num_layers) if spec.per_layer else [None]
+    for i in layers:
+      expected[spec.hf_name.format(i=i)] = shape
+  present = {n for n in ckpt.where if not n.endswith(_IGNORED_SUFFIXES)}
+  if cfg.tie_embeddings:
+    present.discard("lm_head.weight")  # Some exporters write the tied head anyway.
+  problems = []
+  missing = sorted(set(expected) - present)
+  unexpected = sorted(present - set(expected))
+  if missing:
+    problems.append(f"missing {len(missing)} tensor(s): {', '.join(missing[:8])}"
+                    + (" ..." if len(missing) > 8 else ""))
+  if unexpected:
+    problems.append(f"unexpected {len(unexpected)} tensor(s): {', '.join(unexpected[:8])}"
+                    + (" ..." if len(unexpected) > 8 else ""))
+  for name in sorted(set(expected) & present):
+    if tuple(ckpt.shape(name)) != tuple(expected[name]):
+      problems.append(f"tensor {ckpt.describe(name)} has shape {tuple(ckpt.shape(name))}, "
+                      f"config.json implies {tuple(expected[name])}")
+  if problems:
+    raise CheckpointError(f"Checkpoint {path} does not match its config.json: "
+                          + "; ".join(problems) + ".")
+
+
+def _get(tree: dict, path):
+  for k in path:
+    tree = tree[k]
+  return tree
+
+
+def _set(tree: dict, path, value):
+  for k in path[:-1]:
+    tree = tree.setdefault(k, {})
+  tree[path[-1]] = value
+
+
+def _load_one(ckpt, spec: _Tensor, cfg, shape, dtype, mesh: Mesh | None):
+  """One parameter; with a mesh, each device reads only the layers of its shard."""
+  def host_slice(index):
+    if not spec.per_layer:
+      return np.asarray(spec.to_ours(ckpt.read(spec.hf_name)))[index].astype(dtype)
+    layers = range(cfg.num_layers)[index[0]]
+    rest = tuple(index[1:])
+    return np.stack([np.asarray(spec.to_ours(ckpt.read(spec.hf_name.format(i=i))))[rest]
+                     for i in layers]).astype(dtype)
+
+  if mesh is None:
+    return jnp.asarray(host_slice(tuple(slice(None) for _ in shape)))
+  path = "/".join(spec.path)
+  named = NamedSharding(mesh, sharding.param_spec(path, shape, mesh))
+  return jax.make_array_from_callback(shape, named, host_slice)
+
+
+def load_hf(path: str, *, dtype=jnp.float32, mesh: Mesh | None = None,
+            compute_dtype=None) -> tuple[Qwen3Config, nnx.State]:
+  """Loads a local HF Qwen3 directory into (config, params).
+
+  Args:
+    path: directory with `config.json` and `model.safetensors`, or sharded
+      `model-0000X-of-0000N.safetensors` plus `model.safetensors.index.json`.
+    dtype: parameter dtype (the checkpoint's dtype is converted).
+    mesh: if given, each tensor is placed straight into its shards by the rules in
+      `mgrpo_jax.sharding`; no device ever holds a full copy of a sharded tensor.
+    compute_dtype: activation dtype; defaults to `dtype`.
+  """
+  if not os.path.isdir(path):
+    raise CheckpointError(f"HF checkpoint directory {path} does not exist.")
+  name = jnp.dtype(dtype).name
+  cfg = Qwen3Config.from_hf_json(path, param_dtype=name,
+                                 compute_dtype=jnp.dtype(compute_dtype or dtype).name)
+  ckpt = _Checkpoint(path)
+  abstract = nnx.to_pure_dict(qwen3.abstract_params(cfg))
+  specs = _tensor_map(cfg)
+  _check_names(ckpt, specs, cfg, abstract, path)
+  pure = {}
+  np_dtype = np.dtype(jnp.dtype(dtype))
+  for spec in specs:
+    shape = tuple(_get(abstract, spec.path).shape)
+    _set(pure, spec.path, _load_one(ckpt, spec, cfg, shape, np_dtype, mesh))
+  params = qwen3.abstract_params(cfg)
+  nnx.replace_by_pure_dict(params, pure)
+  logging.info("Loaded %s: %d layers, %.1fM params.", path, cfg.num_layers,
+               cfg.num_params() / 1e6)
+  return cfg, params
+
+
+def save_hf(path: str, config: Qwen3Config, params: nnx.State, *,
+            max_shard_bytes: int = 5 * 2**30) -> None:
+  """Writes an HF directory that `AutoModelForCausalLM.from_pretrained` loads.
+
+  Tensors keep the parameters' dtype. Shards split at `max_shard_bytes`, with the
+  standard index file when there is more than one.
+  """
+  os.makedirs(path, exist_ok=True)
+  pure = nnx.to_pure_dict(params)
+  tensors = {}
+  for spec in _tensor_map(config):
+    arr = np.asarray(jax.device_get(_get(pure, spec.path)))
+    if spec.per_layer:
+      for i in range(config.num_layers):
+        tensors[spec.hf_name.format(i=i)] = np.ascontiguousarray(spec.to_hf(arr[i]))
+    else:
+      tensors[spec.hf_name] = np.ascontiguousarray(spec.to_hf(arr))
+  shards, current, size = [], {}, 0
+  for name, arr in tensors.items():
+    if current and size + arr.nbytes > max_shard_bytes:
+      shards.append(current)
+      current, size = {}, 0
+    current[name] = arr
+    size += arr.nbytes
+  shards.append(current)
+  if len(shards) == 1:
+    write(os.path.join(path, "model.safetensors"), shards[0])
+  else:
+    weight_map = {}
+    for n, shard in enumerate(shards, 1):
+      fname = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
+      write(os.path.join(path, fname), shard)
+      weight_map.update({name: fname for name in shard})
+    index = {"metadata": {"total_size": sum(a.nbytes for a in tensors.values())},
+             "weight_map": weight_map}
+    with open(os.path.join(path, INDEX_FILE), "w") as f:
+      json.dump(index, f, indent=2)
+  hf = config.to_hf_dict()
+  hf["torch_dtype"] = np.dtype(next(iter(tensors.values())).dtype).name
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(hf, f, indent=2)

@@ -1,0 +1,237 @@
+"""Qwen3 dense decoder in Flax NNX, with the layers run under `jax.lax.scan`.
+
+The NNX modules define the parameters; the public entry points are pure
+functions of `(config, params, ...)` that merge the cached graph definition
+with the parameter state inside whatever jitted function calls them.
+"""
+
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mgrpo_jax.models.config import Qwen3Config
+
+# A large finite negative instead of -inf: a row with no valid key (an all-padding
+# row) then softmaxes to a uniform garbage row instead of NaN, which would leak
+# into gradients through the masked loss.
+_MASK_VALUE = -1e30
+
+
+@flax.struct.dataclass
+class KVCache:
+  """Keys and values of every layer; slot s of row b holds position s of row b."""
+
+  k_LxBxSxKxH: jax.Array
+  v_LxBxSxKxH: jax.Array
+
+  @property
+  def max_len(self) -> int:
+    return self.k_LxBxSxKxH.shape[2]
+
+
+def init_cache(config: Qwen3Config, batch: int, max_len: int, dtype=None) -> KVCache:
+  """An empty cache for `batch` rows of up to `max_len` positions."""
+  shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+  dtype = dtype or config.compute_jnp_dtype
+  return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def _normal(std):
+  return nnx.initializers.normal(stddev=std)
+
+
+class RMSNorm(nnx.Module):
+  """RMSNorm over the last axis, computed in float32 (as HF Qwen3 does)."""
+
+  def __init__(self, dim: int, eps: float, *, param_dtype):
+    self.eps = eps
+    self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+
+  def __call__(self, x):
+    dtype = x.dtype
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return self.scale[...].astype(dtype) * x32.astype(dtype)
+
+
+def rope_sin_cos(positions_BxT, head_dim: int, theta: float):
+  """Rotary angles for each position, in float32: two [B, T, head_dim/2] arrays."""
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  angles = positions_BxT.astype(jnp.float32)[..., None] * inv_freq
+  return jnp.sin(angles), jnp.cos(angles)
+
+
+def _apply_rope(x_BxTxNxH, sin_BxTxH2, cos_BxTxH2):
+  # HF's rotate_half convention: the two halves of the head dim form the pairs.
+  x1, x2 = jnp.split(x_BxTxNxH, 2, axis=-1)
+  sin = sin_BxTxH2[:, :, None, :].astype(x_BxTxNxH.dtype)
+  cos = cos_BxTxH2[:, :, None, :].astype(x_BxTxNxH.dtype)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+class Attention(nnx.Module):
+  """Grouped-query attention with per-head q/k RMSNorm and RoPE."""
+
+  def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs):
+    d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    pd, init = cfg.param_jnp_dtype, _normal(0.02)
+    self.cfg = cfg
+    self.q = nnx.Param(init(rngs.params(), (d, h, dh), pd))
+    self.k = nnx.Param(init(rngs.params(), (d, k, dh), pd))
+    self.v = nnx.Param(init(rngs.params(), (d, k, dh), pd))
+    self.o = nnx.Param(init(rngs.params(), (h, dh, d), pd))
+    self.q_norm = RMSNorm(dh, cfg.rms_norm_eps, param_dtype=pd)
+    self.k_norm = RMSNorm(dh, cfg.rms_norm_eps, param_dtype=pd)
+
+  def __call__(self, x_BxTxD, sin, cos, positions_BxT, key_mask_BxS, cache_kv=None):
+    """Returns the attention output and, with a cache, the updated (k, v) of all layers.
+
+    `cache_kv = (k_LxBxSxKxH, v_LxBxSxKxH, layer)`: this layer's new keys and values are
+    written at their positions first, then the queries attend to the whole cache row.
+    """
+    cfg, dt = self.cfg, x_BxTxD.dtype
+    q = self.q_norm(jnp.einsum("btd,dnh->btnh", x_BxTxD, self.q[...].astype(dt)))
+    k = self.k_norm(jnp.einsum("btd,dkh->btkh", x_BxTxD, self.k[...].astype(dt)))
+    v = jnp.einsum("btd,dkh->btkh", x_BxTxD, self.v[...].astype(dt))
+    q, k = _apply_rope(q, sin, cos), _apply_rope(k, sin, cos)
+    new_cache = None
+    if cache_kv is not None:
+      ck, cv, layer = cache_kv
+      b_idx = jnp.arange(x_BxTxD.shape[0])[:, None]
+      # Per-row positions: each row writes where it is; out-of-range writes are dropped.
+      ck = ck.at[layer, b_idx, positions_BxT].set(k.astype(ck.dtype), mode="drop")
+      cv = cv.at[layer, b_idx, positions_BxT].set(v.astype(cv.dtype), mode="drop")
+      new_cache = (ck, cv)
+      k, v = ck[layer].astype(dt), cv[layer].astype(dt)
+    # Causal over absolute positions, plus key padding: slot s is visible to a
+    # query at position p iff s <= p and the slot holds a real token.
+    s_idx = jnp.arange(k.shape[1])
+    visible_BxTxS = (s_idx[None, None, :] <= positions_BxT[:, :, None]) & key_mask_BxS[:, None, :]
+    b, t, _, _ = q.shape
+    q = q.reshape(b, t, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (cfg.head_dim ** -0.5)
+    scores = jnp.where(visible_BxTxS[:, None, None], scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(b, t, cfg.num_heads, cfg.head_dim)
+    return jnp.einsum("btnh,nhd->btd", out, self.o[...].astype(dt)), new_cache
+
+
+class MLP(nnx.Module):
+  """SwiGLU feed-forward."""
+
+  def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs):
+    d, f, pd, init = cfg.hidden_size, cfg.intermediate_size, cfg.param_jnp_dtype, _normal(0.02)
+    self.gate = nnx.Param(init(rngs.params(), (d, f), pd))
+    self.up = nnx.Param(init(rngs.params(), (d, f), pd))
+    self.down = nnx.Param(init(rngs.params(), (f, d), pd))
+
+  def __call__(self, x_BxTxD):
+    dt = x_BxTxD.dtype
+    gate = jax.nn.silu(x_BxTxD @ self.gate[...].astype(dt))
+    return (gate * (x_BxTxD @ self.up[...].astype(dt))) @ self.down[...].astype(dt)
+
+
+class Block(nnx.Module):
+  """Pre-norm decoder layer."""
+
+  def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs):
+    pd = cfg.param_jnp_dtype
+    self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd)
+    self.attn = Attention(cfg, rngs=rngs)
+    self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd)
+    self.mlp = MLP(cfg, rngs=rngs)
+
+  def __call__(self, x, sin, cos, positions, key_mask, cache_kv=None):
+    h, new_cache = self.attn(self.attn_norm(x), sin, cos, positions, key_mask, cache_kv)
+    x = x + h
+    return x + self.mlp(self.mlp_norm(x)), new_cache
+
+
+class Qwen3(nnx.Module):
+  """The causal LM. `layers` holds one Block whose params are stacked on axis 0."""
+
+  def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs):
+    pd = cfg.param_jnp_dtype
+    self.cfg = cfg
+    self.embed = nnx.Param(_normal(0.02)(rngs.params(), (cfg.vocab_size, cfg.hidden_size), pd))
+
+    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make_layers(rngs):
+      return Block(cfg, rngs=rngs)
+
+    self.layers = make_layers(rngs)
+    self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd)
+    if not cfg.tie_embeddings:
+      self.lm_head = nnx.Param(_normal(0.02)(rngs.params(), (cfg.hidden_size, cfg.vocab_size), pd))
+
+  def __call__(self, tokens_BxT, positions_BxT, key_mask_BxS, cache: KVCache | None = None):
+    cfg = self.cfg
+    dt = cfg.compute_jnp_dtype
+    x = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(dt)
+    sin, cos = rope_sin_cos(positions_BxT, cfg.head_dim, cfg.rope_theta)
+    graphdef, layer_state = nnx.split(self.layers)
+
+    def body(carry, xs):
+      x, kv = carry
+      state_l, layer = xs
+      block = nnx.merge(graphdef, state_l)
+      x, kv = block(x, sin, cos, positions_BxT, key_mask_BxS,
+                    None if kv is None else (*kv, layer))
+      return (x, kv), None
+
+    if cfg.remat:
+      body = jax.checkpoint(body, prevent_cse=False)
+    # The cache rides in the scan carry (not xs/ys) so XLA can update it in place.
+    kv = None if cache is None else (cache.k_LxBxSxKxH, cache.v_LxBxSxKxH)
+    (x, kv), _ = jax.lax.scan(body, (x, kv), (layer_state, jnp.arange(cfg.num_layers)))
+    x = self.final_norm(x)
+    head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
+    logits = jnp.einsum("btd,dv->btv", x, head.astype(dt), preferred_element_type=jnp.float32)
+    return logits, (None if kv is None else KVCache(*kv))
+
+
+@functools.lru_cache(maxsize=64)
+def graphdef(config: Qwen3Config) -> nnx.GraphDef:
+  """The (cached) NNX graph definition of a config, built without allocating params."""
+  gdef, _ = nnx.split(nnx.eval_shape(lambda: Qwen3(config, rngs=nnx.Rngs(0))))
+  return gdef
+
+
+def init_params(config: Qwen3Config, key: jax.Array) -> nnx.State:
+  """Random parameters (normal(0.02), norms at 1)."""
+  _, state = nnx.split(Qwen3(config, rngs=nnx.Rngs(params=key)))
+  return state
+
+
+def abstract_params(config: Qwen3Config) -> nnx.State:
+  """ShapeDtypeStructs of the parameter state, for sharding and checkpoint restore."""
+  _, state = nnx.split(nnx.eval_shape(lambda: Qwen3(config, rngs=nnx.Rngs(0))))
+  return state
+
+
+def forward(config: Qwen3Config, params: nnx.State, tokens_BxT, positions_BxT,
+            cache: KVCache | None = None, key_mask_BxS=None):
+  """Pure forward: float32 logits [B, T, V] and the updated cache.
+
+  Without a cache, keys are the T input tokens and `key_mask_BxS` (S = T) marks the
+  real ones. With a cache, tokens are written at `positions_BxT` and attend to all
+  cache slots up to their position (a row's earlier slots must hold real tokens).
+  """
+  model = nnx.merge(graphdef(config), params)
+  b = tokens_BxT.shape[0]
+  s = tokens_BxT.shape[1] if cache is None else cache.max_len
+  if key_mask_BxS is None:
+    key_mask_BxS = jnp.ones((b, s), bool)
+  return model(tokens_BxT, positions_BxT, key_mask_BxS.astype(bool), cache)
+
+
+def logits(config: Qwen3Config, params: nnx.State, tokens_BxT, mask_BxT):
+  """Float32 logits [B, T, V] of a right-padded batch (mask 1 = real token)."""
+  positions = jnp.broadcast_to(jnp.arange(tokens_BxT.shape[1]), tokens_BxT.shape)
+  out, _ = forward(config, params, tokens_BxT, positions, None, mask_BxT)
+  return out

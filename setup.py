@@ -1,0 +1,37 @@
+"""Installs mgrpo_jax: M-GRPO and MAGRPO multi-agent RL for LLMs in JAX."""
+
+import setuptools
+
+setuptools.setup(
+    name="mgrpo_jax",
+    version="0.1.0",
+    description="Multi-agent GRPO (M-GRPO, MAGRPO) for Qwen3 in JAX + Flax NNX.",
+    packages=setuptools.find_packages(include=["mgrpo_jax", "mgrpo_jax.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "absl-py",
+        "chex",
+        "flax>=0.12",
+        "jax>=0.7",
+        "ml-collections",
+        "numpy",
+        "optax",
+        "orbax-checkpoint",
+        "safetensors",
+        "tensorstore",
+        "tokenizers",
+        "tqdm",
+        # Tokenizers with chat templates and HF checkpoint writing.
+        "transformers>=4.51",
+    ],
+    extras_require={
+        "gpu": ["jax[cuda12]"],
+        # The parity references run torch on CPU; the pin keeps CI off CUDA wheels.
+        "test": [
+            "torch==2.13.0",
+            "pytest",
+            "pytest-xdist",
+            "hypothesis",
+        ],
+    },
+)
