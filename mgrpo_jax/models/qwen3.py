@@ -169,7 +169,8 @@ class Qwen3(nnx.Module):
     if not cfg.tie_embeddings:
       self.lm_head = nnx.Param(_normal(0.02)(rngs.params(), (cfg.hidden_size, cfg.vocab_size), pd))
 
-  def __call__(self, tokens_BxT, positions_BxT, key_mask_BxS, cache: KVCache | None = None):
+  def __call__(self, tokens_BxT, positions_BxT, key_mask_BxS, cache: KVCache | None = None,
+               logits_idx_B=None):
     cfg = self.cfg
     dt = cfg.compute_jnp_dtype
     x = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(dt)
@@ -189,6 +190,9 @@ class Qwen3(nnx.Module):
     # The cache rides in the scan carry (not xs/ys) so XLA can update it in place.
     kv = None if cache is None else (cache.k_LxBxSxKxH, cache.v_LxBxSxKxH)
     (x, kv), _ = jax.lax.scan(body, (x, kv), (layer_state, jnp.arange(cfg.num_layers)))
+    if logits_idx_B is not None:
+      # Only one position per row needs logits (prefill): skip the [B, T, V] projection.
+      x = jnp.take_along_axis(x, logits_idx_B[:, None, None], axis=1)
     x = self.final_norm(x)
     head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
     logits = jnp.einsum("btd,dv->btv", x, head.astype(dt), preferred_element_type=jnp.float32)
@@ -215,19 +219,20 @@ def abstract_params(config: Qwen3Config) -> nnx.State:
 
 
 def forward(config: Qwen3Config, params: nnx.State, tokens_BxT, positions_BxT,
-            cache: KVCache | None = None, key_mask_BxS=None):
+            cache: KVCache | None = None, key_mask_BxS=None, logits_idx_B=None):
   """Pure forward: float32 logits [B, T, V] and the updated cache.
 
   Without a cache, keys are the T input tokens and `key_mask_BxS` (S = T) marks the
   real ones. With a cache, tokens are written at `positions_BxT` and attend to all
   cache slots up to their position (a row's earlier slots must hold real tokens).
+  With `logits_idx_B`, logits are computed only at that index of each row: [B, 1, V].
   """
   model = nnx.merge(graphdef(config), params)
   b = tokens_BxT.shape[0]
   s = tokens_BxT.shape[1] if cache is None else cache.max_len
   if key_mask_BxS is None:
     key_mask_BxS = jnp.ones((b, s), bool)
-  return model(tokens_BxT, positions_BxT, key_mask_BxS.astype(bool), cache)
+  return model(tokens_BxT, positions_BxT, key_mask_BxS.astype(bool), cache, logits_idx_B)
 
 
 def logits(config: Qwen3Config, params: nnx.State, tokens_BxT, mask_BxT):

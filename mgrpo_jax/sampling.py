@@ -1,0 +1,326 @@
+"""Batched KV-cache sampling with per-row positions and behaviour log-probs.
+
+The flow is `prefill` (prompts -> cache), `sample` (decode until every row stops),
+and `extend` (append tool output to live rows, reusing their cached prefix), with
+`generate` = prefill + sample for the single-turn case. Rows are right-padded and
+each row writes its cache at its own position, so short rows waste no attention.
+
+Compilation: one compile per (batch bucket, prompt bucket, cache length, chunk)
+shape. Temperature, top-p, top-k, stop ids and the PRNG key are traced, so changing
+them never recompiles.
+"""
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mgrpo_jax.models import qwen3
+from mgrpo_jax.models.config import Qwen3Config
+
+# Finish reasons.
+RUNNING, STOP_TOKEN, STOP_STRING, LENGTH, CONTEXT = 0, 1, 2, 3, 4
+FINISH_NAMES = {RUNNING: "running", STOP_TOKEN: "stop", STOP_STRING: "stop_string",
+                LENGTH: "length", CONTEXT: "context"}
+_MAX_STOP_IDS = 8  # Stop ids are a fixed-size traced array; -1 pads unused slots.
+
+
+@flax.struct.dataclass
+class Sequences:
+  """Live rows: their cache, how many tokens each holds, and the next-token logits."""
+
+  cache: qwen3.KVCache
+  lengths_B: jax.Array  # Tokens in the cache per row.
+  next_logits_BxV: jax.Array  # Float32 logits for the token after the last one.
+
+  @property
+  def max_len(self) -> int:
+    return self.cache.max_len
+
+
+@dataclasses.dataclass
+class SampleResult:
+  """Completions, host-side numpy. Tokens after a row's end are `pad_id`."""
+
+  tokens: np.ndarray  # [B, N] int32
+  logprobs: np.ndarray  # [B, N] float32, log-softmax(logits / T) at each token (0 after end)
+  sample_logprobs: np.ndarray  # [B, N] under the truncated (top-k/top-p) distribution
+  lengths: np.ndarray  # [B] generated tokens per row (stop token included)
+  finish_reasons: list[str]
+  sequences: Sequences | None = None  # For `extend` / further `sample` calls.
+
+
+@flax.struct.dataclass
+class _SamplingParams:
+  temperature: jax.Array
+  top_p: jax.Array
+  top_k: jax.Array
+  stop_ids: jax.Array  # [_MAX_STOP_IDS]
+
+
+def _bucket(n: int, minimum: int = 8) -> int:
+  """Next power of two (at least `minimum`): few distinct shapes, so few compiles."""
+  return max(minimum, 1 << max(0, int(n - 1).bit_length()))
+
+
+def _filter_logits(logits_BxV, top_k, top_p):
+  """Masks tokens outside top-k and the top-p nucleus (one descending sort)."""
+  sorted_BxV = jnp.sort(logits_BxV, axis=-1)[:, ::-1]
+  vocab = logits_BxV.shape[-1]
+  k = jnp.where((top_k <= 0) | (top_k > vocab), vocab, top_k)
+  probs = jax.nn.softmax(sorted_BxV, axis=-1)
+  # Keep a token if the mass strictly before it is < top_p (the first is always kept).
+  mass_before = jnp.cumsum(probs, axis=-1) - probs
+  keep = (mass_before < top_p) & (jnp.arange(vocab) < k)
+  cutoff_B = jnp.min(jnp.where(keep, sorted_BxV, jnp.inf), axis=-1)
+  return jnp.where(logits_BxV >= cutoff_B[:, None], logits_BxV, -jnp.inf)
+
+
+def _sample_token(logits_BxV, sp: _SamplingParams, key):
+  """Returns (token, log-prob under logits/T, log-prob under the truncated distribution)."""
+  greedy = sp.temperature <= 0
+  scaled = logits_BxV / jnp.where(greedy, 1.0, sp.temperature)
+  needs_filter = (sp.top_k > 0) | (sp.top_p < 1.0)
+  filtered = jax.lax.cond(needs_filter, _filter_logits, lambda x, *_: x, scaled,
+                          sp.top_k, sp.top_p)
+  sampled = jax.random.categorical(key, filtered, axis=-1)
+  token = jnp.where(greedy, jnp.argmax(logits_BxV, axis=-1), sampled).astype(jnp.int32)
+  logp = jnp.take_along_axis(jax.nn.log_softmax(scaled), token[:, None], axis=-1)[:, 0]
+  sample_logp = jnp.take_along_axis(jax.nn.log_softmax(filtered), token[:, None], axis=-1)[:, 0]
+  return token, logp, jnp.where(greedy, 0.0, sample_logp)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnames=("cache",))
+def _prefill(config, params, tokens_BxT, lengths_B, offsets_B, cache):
+  """Writes each row's new tokens at positions offset..offset+len-1 of its cache."""
+  b, t = tokens_BxT.shape
+  positions = offsets_B[:, None] + jnp.arange(t)[None, :]
+  last = jnp.maximum(lengths_B - 1, 0)
+  logits, cache = qwen3.forward(config, params, tokens_BxT, positions, cache,
+                                logits_idx_B=last)
+  return cache, logits[:, 0]
+
+
+@flax.struct.dataclass
+class _LoopState:
+  seqs: Sequences
+  tokens_BxN: jax.Array
+  logp_BxN: jax.Array
+  sample_logp_BxN: jax.Array
+  n_B: jax.Array  # Tokens generated so far per row.
+  finish_B: jax.Array  # 0 while running, else a finish reason.
+  step: jax.Array  # Global decode step (for the per-step PRNG key).
+  budget_B: jax.Array  # max_new_tokens per row.
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4), donate_argnames=("state",))
+def _decode_chunk(config, params, state: _LoopState, sp: _SamplingParams, chunk: int, key):
+  """Up to `chunk` decode steps; exits early once every row has finished."""
+  max_len = state.seqs.max_len
+
+  def cond(carry):
+    i, st = carry
+    return (i < chunk) & jnp.any(st.finish_B == RUNNING)
+
+  def body(carry):
+    i, st = carry
+    seqs = st.seqs
+    running = st.finish_B == RUNNING
+    token, logp, slogp = _sample_token(seqs.next_logits_BxV, sp, jax.random.fold_in(key, st.step))
+    b_idx = jnp.arange(token.shape[0])
+    col = jnp.where(running, st.n_B, st.tokens_BxN.shape[1])  # Finished rows write nowhere.
+    tokens = st.tokens_BxN.at[b_idx, col].set(token, mode="drop")
+    logp_all = st.logp_BxN.at[b_idx, col].set(logp, mode="drop")
+    slogp_all = st.sample_logp_BxN.at[b_idx, col].set(slogp, mode="drop")
+    # Feed the token so the cache always holds every generated token (for `extend`).
+    logits, cache = qwen3.forward(config, params, token[:, None], seqs.lengths_B[:, None],
+                                  seqs.cache)
+    n = st.n_B + running
+    lengths = seqs.lengths_B + running
+    is_stop = jnp.any(token[:, None] == sp.stop_ids[None, :], axis=-1)
+    finish = jnp.where(running & is_stop, STOP_TOKEN, st.finish_B)
+    finish = jnp.where((finish == RUNNING) & (n >= st.budget_B), LENGTH, finish)
+    finish = jnp.where((finish == RUNNING) & (lengths >= max_len), CONTEXT, finish)
+    next_logits = jnp.where(running[:, None], logits[:, 0], seqs.next_logits_BxV)
+    new = st.replace(seqs=Sequences(cache, lengths, next_logits), tokens_BxN=tokens,
+                     logp_BxN=logp_all, sample_logp_BxN=slogp_all, n_B=n, finish_B=finish,
+                     step=st.step + 1)
+    return i + 1, new
+
+  _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
+  return state
+
+
+def _pad_rows(rows: Sequence[Sequence[int]], batch: int, width: int, pad_id: int):
+  out = np.full((batch, width), pad_id, np.int32)
+  for i, r in enumerate(rows):
+    out[i, :len(r)] = r
+  return out
+
+
+def prefill(config: Qwen3Config, params: nnx.State, prompts: Sequence[Sequence[int]], *,
+            max_len: int, pad_id: int = 0) -> Sequences:
+  """Runs the prompts through the model into a fresh cache of `max_len` slots per row."""
+  if not prompts or any(len(p) == 0 for p in prompts):
+    raise ValueError("prefill needs a non-empty list of non-empty prompts.")
+  longest = max(len(p) for p in prompts)
+  if longest >= max_len:
+    raise ValueError(f"A prompt of {longest} tokens does not fit a cache of {max_len}.")
+  b = _bucket(len(prompts), 1)
+  tokens = _pad_rows(prompts, b, min(_bucket(longest, 16), max_len), pad_id)
+  lengths = np.zeros(b, np.int32)
+  lengths[:len(prompts)] = [len(p) for p in prompts]
+  cache = qwen3.init_cache(config, b, max_len)
+  cache, last_logits = _prefill(config, params, jnp.asarray(tokens), jnp.asarray(lengths),
+                                jnp.zeros(b, jnp.int32), cache)
+  # Padding rows (batch bucket) hold one dummy token so they stay well-formed.
+  return Sequences(cache, jnp.asarray(np.maximum(lengths, 1)), last_logits)
+
+
+def extend(config: Qwen3Config, params: nnx.State, seqs: Sequences,
+           new_tokens: Sequence[Sequence[int]], *, pad_id: int = 0) -> Sequences:
+  """Appends tokens to each row (e.g. a tool's output), reusing the cached prefix.
+
+  Rows given an empty list are left unchanged. Only the new tokens are computed:
+  the cost is that of a prefill of the appended chunk, not of the whole context.
+  """
+  b = seqs.lengths_B.shape[0]
+  if len(new_tokens) > b:
+    raise ValueError(f"extend got {len(new_tokens)} rows for a batch of {b}.")
+  counts = np.zeros(b, np.int32)
+  counts[:len(new_tokens)] = [len(t) for t in new_tokens]
+  lengths = np.asarray(seqs.lengths_B)
+  if np.any(lengths + counts > seqs.max_len):
+    row = int(np.argmax(lengths + counts > seqs.max_len))
+    raise ValueError(f"Row {row} would hold {lengths[row] + counts[row]} tokens; the cache "
+                     f"has {seqs.max_len}. Check the context budget before extending.")
+  if not counts.any():
+    return seqs
+  tokens = _pad_rows(new_tokens, b, _bucket(int(counts.max()), 16), pad_id)
+  cache, last_logits = _prefill(config, params, jnp.asarray(tokens), jnp.asarray(counts),
+                                seqs.lengths_B, seqs.cache)
+  extended = jnp.asarray(counts > 0)
+  next_logits = jnp.where(extended[:, None], last_logits, seqs.next_logits_BxV)
+  return Sequences(cache, seqs.lengths_B + jnp.asarray(counts), next_logits)
+
+
+def _stop_string_end(text_pieces: list[str], stop_strings: Sequence[str]) -> int | None:
+  """Number of tokens up to and including the first completed stop string."""
+  text = ""
+  for i, piece in enumerate(text_pieces):
+    text += piece
+    if any(s in text for s in stop_strings):
+      return i + 1
+  return None
+
+
+def sample(config: Qwen3Config, params: nnx.State, seqs: Sequences, *, num_rows: int | None = None,
+           max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+           stop_token_ids: Sequence[int] = (), stop_strings: Sequence[str] = (),
+           tokenizer=None, key: jax.Array | None = None, pad_id: int = 0,
+           chunk: int = 64, active: Sequence[bool] | None = None) -> SampleResult:
+  """Decodes from live `seqs` until each row stops; see module docstring.
+
+  Stop strings are matched on decoded text between chunks of `chunk` steps (so a
+  stop string split across tokens in any way is found); the row is cut right after
+  it, its cache length rolled back to match. `active` restricts decoding to some rows.
+  """
+  if len(stop_token_ids) > _MAX_STOP_IDS:
+    raise ValueError(f"At most {_MAX_STOP_IDS} stop token ids, got {len(stop_token_ids)}.")
+  if stop_strings and tokenizer is None:
+    raise ValueError("stop_strings need a tokenizer to decode the generated text.")
+  b = seqs.lengths_B.shape[0]
+  num_rows = b if num_rows is None else num_rows
+  key = jax.random.key(0) if key is None else key
+  stop_ids = np.full(_MAX_STOP_IDS, -1, np.int32)
+  stop_ids[:len(stop_token_ids)] = list(stop_token_ids)
+  sp = _SamplingParams(jnp.float32(temperature), jnp.float32(top_p), jnp.int32(top_k),
+                       jnp.asarray(stop_ids))
+  n_cols = _bucket(max_new_tokens, 16)
+  finish = np.full(b, LENGTH, np.int32)  # Bucket padding rows start finished.
+  finish[:num_rows] = RUNNING
+  if active is not None:
+    finish[:num_rows] = np.where(np.asarray(active, bool), RUNNING, LENGTH)
+  start_lengths = np.asarray(seqs.lengths_B)
+  finish = np.where((finish == RUNNING) & (start_lengths >= seqs.max_len), CONTEXT, finish)
+  state = _LoopState(seqs, jnp.full((b, n_cols), pad_id, jnp.int32), jnp.zeros((b, n_cols)),
+                     jnp.zeros((b, n_cols)), jnp.zeros(b, jnp.int32), jnp.asarray(finish),
+                     jnp.int32(0), jnp.full(b, max_new_tokens, jnp.int32))
+  was_active = finish == RUNNING
+  while True:
+    state = _decode_chunk(config, params, state, sp, chunk, key)
+    finish = np.asarray(state.finish_B)
+    if stop_strings:
+      state = _apply_stop_strings(state, stop_strings, tokenizer, start_lengths, was_active,
+                                  pad_id)
+      finish = np.asarray(state.finish_B)
+    if not (finish == RUNNING).any():
+      break
+  n = np.asarray(state.n_B)
+  seqs = state.seqs
+  cut = np.flatnonzero(finish == STOP_STRING)
+  if cut.size:
+    # next_logits of a cut row are stale (they follow the dropped tokens): step the row
+    # back one token and re-extend with its last kept token to recompute them.
+    all_tokens = np.asarray(state.tokens_BxN)
+    seqs = seqs.replace(lengths_B=seqs.lengths_B - jnp.asarray(np.isin(np.arange(b), cut)))
+    seqs = extend(config, params, seqs, [[int(all_tokens[i, n[i] - 1])] if i in cut else []
+                                         for i in range(b)], pad_id=pad_id)
+  tokens = np.asarray(state.tokens_BxN)[:num_rows, :max_new_tokens]
+  valid = np.arange(tokens.shape[1])[None, :] < n[:num_rows, None]
+  logp = np.where(valid, np.asarray(state.logp_BxN)[:num_rows, :max_new_tokens], 0.0)
+  slogp = np.where(valid, np.asarray(state.sample_logp_BxN)[:num_rows, :max_new_tokens], 0.0)
+  reasons = [FINISH_NAMES[int(f)] if was_active[i] else "inactive"
+             for i, f in enumerate(finish[:num_rows])]
+  return SampleResult(np.where(valid, tokens, pad_id).astype(np.int32), logp.astype(np.float32),
+                      slogp.astype(np.float32), n[:num_rows].copy(), reasons, seqs)
+
+
+def _apply_stop_strings(state: _LoopState, stop_strings, tokenizer, start_lengths, was_active,
+                        pad_id) -> _LoopState:
+  """Cuts rows after their first stop string; rolls back their cache length to match."""
+  tokens = np.asarray(state.tokens_BxN)
+  n = np.asarray(state.n_B).copy()
+  finish = np.asarray(state.finish_B).copy()
+  changed = False
+  for i in np.flatnonzero(was_active):
+    if finish[i] == STOP_TOKEN:
+      continue
+    pieces = [tokenizer.decode([int(t)]) for t in tokens[i, :n[i]]]
+    end = _stop_string_end(pieces, stop_strings)
+    if end is not None:
+      n[i], finish[i], changed = end, STOP_STRING, True
+  if not changed:
+    return state
+  # The cache beyond the cut holds tokens we drop; lengths say they are not there.
+  lengths = start_lengths + n
+  return state.replace(n_B=jnp.asarray(n), finish_B=jnp.asarray(finish),
+                       seqs=state.seqs.replace(lengths_B=jnp.asarray(lengths)),
+                       tokens_BxN=jnp.asarray(np.where(
+                           np.arange(tokens.shape[1])[None] < n[:, None], tokens, pad_id)))
+
+
+def generate(config: Qwen3Config, params: nnx.State, prompts: Sequence[Sequence[int]], *,
+             max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+             stop_token_ids: Sequence[int] = (), key: jax.Array | None = None,
+             stop_strings: Sequence[str] = (), tokenizer=None, pad_id: int = 0,
+             max_len: int | None = None, chunk: int = 64) -> SampleResult:
+  """Completes each prompt (a list of token ids); greedy when temperature == 0.
+
+  `result.logprobs` are log-softmax(logits / temperature) of the chosen tokens
+  (log-softmax(logits) when greedy): exactly what the trainer recomputes for the
+  importance ratio. `result.sample_logprobs` are under the top-k/top-p truncated
+  distribution that was actually sampled from.
+  """
+  longest = max(len(p) for p in prompts)
+  max_len = max_len or _bucket(longest + max_new_tokens + 1, 16)
+  seqs = prefill(config, params, prompts, max_len=max_len, pad_id=pad_id)
+  return sample(config, params, seqs, num_rows=len(prompts), max_new_tokens=max_new_tokens,
+                temperature=temperature, top_p=top_p, top_k=top_k,
+                stop_token_ids=stop_token_ids, stop_strings=stop_strings, tokenizer=tokenizer,
+                key=key, pad_id=pad_id, chunk=chunk)
