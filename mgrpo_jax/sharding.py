@@ -108,6 +108,6 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
 
 
 def cache_sharding(mesh: Mesh, num_kv_heads: int) -> NamedSharding:
-  """KV cache [L, B, S, K, H]: batch over (data, fsdp), kv heads over tensor if they divide."""
+  """KV cache [L, B, K, S, H]: batch over (data, fsdp), kv heads over tensor if they divide."""
   heads = "tensor" if num_kv_heads % mesh.shape["tensor"] == 0 else None
-  return NamedSharding(mesh, P(None, BATCH, None, heads, None))
+  return NamedSharding(mesh, P(None, BATCH, heads, None, None))

@@ -24,17 +24,17 @@ _MASK_VALUE = -1e30
 class KVCache:
   """Keys and values of every layer; slot s of row b holds position s of row b."""
 
-  k_LxBxSxKxH: jax.Array
-  v_LxBxSxKxH: jax.Array
+  k_LxBxKxSxH: jax.Array
+  v_LxBxKxSxH: jax.Array
 
   @property
   def max_len(self) -> int:
-    return self.k_LxBxSxKxH.shape[2]
+    return self.k_LxBxKxSxH.shape[3]
 
 
 def init_cache(config: Qwen3Config, batch: int, max_len: int, dtype=None) -> KVCache:
   """An empty cache for `batch` rows of up to `max_len` positions."""
-  shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+  shape = (config.num_layers, batch, config.num_kv_heads, max_len, config.head_dim)
   dtype = dtype or config.compute_jnp_dtype
   return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
@@ -64,16 +64,20 @@ def rope_sin_cos(positions_BxT, head_dim: int, theta: float):
   return jnp.sin(angles), jnp.cos(angles)
 
 
-def _apply_rope(x_BxTxNxH, sin_BxTxH2, cos_BxTxH2):
+def _apply_rope(x_BxNxTxH, sin_BxTxH2, cos_BxTxH2):
   # HF's rotate_half convention: the two halves of the head dim form the pairs.
-  x1, x2 = jnp.split(x_BxTxNxH, 2, axis=-1)
-  sin = sin_BxTxH2[:, :, None, :].astype(x_BxTxNxH.dtype)
-  cos = cos_BxTxH2[:, :, None, :].astype(x_BxTxNxH.dtype)
+  x1, x2 = jnp.split(x_BxNxTxH, 2, axis=-1)
+  sin = sin_BxTxH2[:, None].astype(x_BxNxTxH.dtype)
+  cos = cos_BxTxH2[:, None].astype(x_BxNxTxH.dtype)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
 class Attention(nnx.Module):
-  """Grouped-query attention with per-head q/k RMSNorm and RoPE."""
+  """Grouped-query attention with per-head q/k RMSNorm and RoPE.
+
+  Heads come before time ([B, K, T, H]) in every activation and in the cache, so the
+  attention matmuls need no transposes of the (large) cache at decode time.
+  """
 
   def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs):
     d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -89,35 +93,40 @@ class Attention(nnx.Module):
   def __call__(self, x_BxTxD, sin, cos, positions_BxT, key_mask_BxS, cache_kv=None):
     """Returns the attention output and, with a cache, the updated (k, v) of all layers.
 
-    `cache_kv = (k_LxBxSxKxH, v_LxBxSxKxH, layer)`: this layer's new keys and values are
+    `cache_kv = (k_LxBxKxSxH, v_LxBxKxSxH, layer)`: this layer's new keys and values are
     written at their positions first, then the queries attend to the whole cache row.
     """
     cfg, dt = self.cfg, x_BxTxD.dtype
-    q = self.q_norm(jnp.einsum("btd,dnh->btnh", x_BxTxD, self.q[...].astype(dt)))
-    k = self.k_norm(jnp.einsum("btd,dkh->btkh", x_BxTxD, self.k[...].astype(dt)))
-    v = jnp.einsum("btd,dkh->btkh", x_BxTxD, self.v[...].astype(dt))
-    q, k = _apply_rope(q, sin, cos), _apply_rope(k, sin, cos)
+    b, t, _ = x_BxTxD.shape
+    kv, g = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+    q = self.q[...].astype(dt).reshape(-1, kv, g, cfg.head_dim)
+    q = self.q_norm(jnp.einsum("btd,dkgh->bkgth", x_BxTxD, q))
+    k = self.k_norm(jnp.einsum("btd,dkh->bkth", x_BxTxD, self.k[...].astype(dt)))
+    v = jnp.einsum("btd,dkh->bkth", x_BxTxD, self.v[...].astype(dt))
+    q = _apply_rope(q.reshape(b, kv * g, t, -1), sin, cos).reshape(q.shape)
+    k = _apply_rope(k, sin, cos)
     new_cache = None
     if cache_kv is not None:
       ck, cv, layer = cache_kv
-      b_idx = jnp.arange(x_BxTxD.shape[0])[:, None]
+      b_idx = jnp.arange(b)[:, None, None]
+      k_idx = jnp.arange(kv)[None, :, None]
+      pos = positions_BxT[:, None, :]
       # Per-row positions: each row writes where it is; out-of-range writes are dropped.
-      ck = ck.at[layer, b_idx, positions_BxT].set(k.astype(ck.dtype), mode="drop")
-      cv = cv.at[layer, b_idx, positions_BxT].set(v.astype(cv.dtype), mode="drop")
+      ck = ck.at[layer, b_idx, k_idx, pos].set(k.astype(ck.dtype), mode="drop")
+      cv = cv.at[layer, b_idx, k_idx, pos].set(v.astype(cv.dtype), mode="drop")
       new_cache = (ck, cv)
       k, v = ck[layer].astype(dt), cv[layer].astype(dt)
     # Causal over absolute positions, plus key padding: slot s is visible to a
     # query at position p iff s <= p and the slot holds a real token.
-    s_idx = jnp.arange(k.shape[1])
+    s_idx = jnp.arange(k.shape[2])
     visible_BxTxS = (s_idx[None, None, :] <= positions_BxT[:, :, None]) & key_mask_BxS[:, None, :]
-    b, t, _, _ = q.shape
-    q = q.reshape(b, t, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim)
-    scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("bkgth,bksh->bkgts", q, k, preferred_element_type=jnp.float32)
     scores = scores * (cfg.head_dim ** -0.5)
     scores = jnp.where(visible_BxTxS[:, None, None], scores, _MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(b, t, cfg.num_heads, cfg.head_dim)
-    return jnp.einsum("btnh,nhd->btd", out, self.o[...].astype(dt)), new_cache
+    out = jnp.einsum("bkgts,bksh->bkgth", probs, v)
+    o = self.o[...].astype(dt).reshape(kv, g, cfg.head_dim, -1)
+    return jnp.einsum("bkgth,kghd->btd", out, o), new_cache
 
 
 class MLP(nnx.Module):
@@ -188,7 +197,7 @@ class Qwen3(nnx.Module):
     if cfg.remat:
       body = jax.checkpoint(body, prevent_cse=False)
     # The cache rides in the scan carry (not xs/ys) so XLA can update it in place.
-    kv = None if cache is None else (cache.k_LxBxSxKxH, cache.v_LxBxSxKxH)
+    kv = None if cache is None else (cache.k_LxBxKxSxH, cache.v_LxBxKxSxH)
     (x, kv), _ = jax.lax.scan(body, (x, kv), (layer_state, jnp.arange(cfg.num_layers)))
     if logits_idx_B is not None:
       # Only one position per row needs logits (prefill): skip the [B, T, V] projection.
