@@ -157,7 +157,7 @@ def train_step(state: TrainState, batch: dict, *, model_config: Qwen3Config,
   metrics = losses.finalize_metrics(sums, denominator)
   metrics["loss"] = metrics.pop("pg_loss") + (
       loss_config.kl_coef * metrics["kl_ref"] if "kl_ref" in metrics else 0.0)
-  metrics["grad_norm"] = optax.global_norm(grads)
+  metrics["grad_norm"] = optax.tree.norm(grads)
   metrics["finite"] = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
   new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
   return new_state, metrics

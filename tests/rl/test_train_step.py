@@ -1,0 +1,158 @@
+"""Train step: exact gradient accumulation, on-policy ratio 1, non-finite handling, sharding."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from mgrpo_jax import models, sampling, sharding
+from mgrpo_jax.rl import losses
+from mgrpo_jax.rl import train_step as ts
+
+CFG = models.Qwen3Config(vocab_size=61, hidden_size=24, intermediate_size=37, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e4)
+
+
+def _batch(b=8, t=13, seed=0):
+  rng = np.random.RandomState(seed)
+  tokens = rng.randint(0, CFG.vocab_size, (b, t)).astype(np.int32)
+  # Prompt of 3..5 tokens, then generated tokens, then right padding.
+  mask = np.zeros((b, t), np.float32)
+  for i in range(b):
+    start, end = rng.randint(3, 6), rng.randint(8, t + 1)
+    mask[i, start:end] = 1
+  mask[1] = 0  # A row with nothing to learn from (e.g. an invalid aligned row).
+  old_logp = np.where(mask > 0, -rng.uniform(1, 5, (b, t)), 0).astype(np.float32)
+  adv = rng.randn(b).astype(np.float32)
+  return {"tokens": jnp.asarray(tokens), "loss_mask": jnp.asarray(mask),
+          "old_logp": jnp.asarray(old_logp), "adv": jnp.asarray(adv)}
+
+
+def _state(tx, seed=0):
+  return ts.init_state(models.init_params(CFG, jax.random.key(seed)), tx, jax.random.key(1))
+
+
+def _flat(params):
+  return np.concatenate([np.ravel(x) for x in jax.tree.leaves(nnx.to_pure_dict(params))])
+
+
+@pytest.mark.parametrize("agg,micro", [("seq-mean-token-mean", (1, 2, 4)),
+                                       ("token-mean", (1, 4)), ("seq-mean-token-sum", (1, 4))])
+def test_accumulation_matches_full_batch(agg, micro):
+  # SGD makes the update a linear function of the gradient, so equal updates <=> equal grads.
+  tx = optax.sgd(1.0)
+  loss_cfg = ts.LossConfig(agg=agg)
+  batch = _batch()
+  outs = []
+  for m in micro:
+    step = ts.make_train_step(CFG, loss_cfg, tx, num_micro=m)
+    state, metrics = step(_state(tx), batch)
+    outs.append((_flat(state.params), float(metrics["loss"]), float(metrics["clip_frac_high"])))
+  base = _flat(_state(tx).params)
+  assert np.abs(outs[0][0] - base).max() > 1e-4  # The update is not trivially zero.
+  for p, loss, clip in outs[1:]:
+    np.testing.assert_allclose(p, outs[0][0], atol=2e-6)
+    np.testing.assert_allclose(loss, outs[0][1], rtol=1e-5)
+    np.testing.assert_allclose(clip, outs[0][2], atol=1e-6)
+
+
+def test_loss_equals_policy_loss_on_logits():
+  tx = optax.sgd(0.0)
+  batch = _batch(seed=3)
+  cfg = ts.LossConfig(temperature=0.7)
+  _, metrics = ts.make_train_step(CFG, cfg, tx)(_state(tx), batch)
+  params = _state(tx).params
+  logits = models.logits(CFG, params, batch["tokens"], jnp.ones_like(batch["tokens"]))
+  logp = losses.token_logprobs(logits[:, :-1] / 0.7, batch["tokens"][:, 1:])
+  want, _ = losses.policy_loss(logp, batch["old_logp"][:, 1:], batch["adv"],
+                               batch["loss_mask"][:, 1:])
+  np.testing.assert_allclose(float(metrics["loss"]), float(want), rtol=1e-5)
+
+
+def test_on_policy_ratio_is_one():
+  """Behaviour log-probs from the sampler make the first update's ratio exactly 1."""
+  tx = optax.sgd(0.0)
+  params = models.init_params(CFG, jax.random.key(0))
+  prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14]]
+  res = sampling.generate(CFG, params, prompts, max_new_tokens=9, temperature=0.8, top_k=20,
+                          key=jax.random.key(5))
+  t = max(len(p) for p in prompts) + 9
+  tokens, mask, old = (np.zeros((4, t), np.int32), np.zeros((4, t), np.float32),
+                       np.zeros((4, t), np.float32))
+  for i, p in enumerate(prompts):
+    n = res.lengths[i]
+    tokens[i, :len(p) + n] = p + list(res.tokens[i, :n])
+    mask[i, len(p):len(p) + n] = 1
+    old[i, len(p):len(p) + n] = res.logprobs[i, :n]
+  batch = {"tokens": jnp.asarray(tokens), "loss_mask": jnp.asarray(mask),
+           "old_logp": jnp.asarray(old), "adv": jnp.asarray([1.0, -1.0, 0.5, -0.5])}
+  state = ts.init_state(params, tx, jax.random.key(0))
+  _, metrics = ts.make_train_step(CFG, ts.LossConfig(temperature=0.8), tx)(state, batch)
+  assert abs(float(metrics["ratio_mean"]) - 1) < 1e-4
+  assert abs(float(metrics["ratio_max"]) - 1) < 1e-4
+  assert float(metrics["clip_frac_low"]) == 0 and float(metrics["clip_frac_high"]) == 0
+
+
+def test_nonfinite_is_skipped_and_reported_with_step():
+  tx = ts.make_optimizer(learning_rate=1e-2)
+  step = ts.make_train_step(CFG, ts.LossConfig(), tx)
+  state = _state(tx)
+  before = _flat(state.params)
+  bad = dict(_batch(), adv=jnp.full((8,), jnp.nan))
+  state, metrics = step(state, bad)
+  assert not bool(metrics["finite"])
+  np.testing.assert_array_equal(_flat(state.params), before)  # Update not applied.
+  with pytest.raises(ts.NonFiniteError, match="step 7 for agent 'sub'"):
+    ts.check_finite(jax.device_get(metrics), 7, agent="sub")
+  assert ts.check_finite(jax.device_get(metrics), 7, policy="skip") is False
+  state, metrics = step(state, _batch())
+  assert bool(metrics["finite"])
+  assert np.abs(_flat(state.params) - before).max() > 0
+
+
+def test_compiles_once_and_adamw_moves_params():
+  tx = ts.make_optimizer(learning_rate=1e-2)
+  step = ts.make_train_step(CFG, ts.LossConfig(), tx)
+  state = _state(tx)
+  for seed in range(3):
+    state, metrics = step(state, _batch(seed=seed))
+  assert int(state.step) == 3
+  assert step._cache_size() == 1
+  assert float(metrics["grad_norm"]) > 0 and float(metrics["entropy"]) > 0
+
+
+def test_sharded_step_matches_unsharded():
+  tx = ts.make_optimizer(learning_rate=1e-2)
+  batch = _batch()
+  ref_state, ref_metrics = ts.make_train_step(CFG, ts.LossConfig(), tx)(_state(tx), batch)
+  mesh = sharding.make_mesh((2, 2, 2))
+  state = _state(tx)
+  st_sh = ts.state_shardings(state, mesh)
+  state = jax.device_put(state, st_sh)
+  step = ts.make_train_step(CFG, ts.LossConfig(), tx, mesh=mesh, state_sharding=st_sh)
+  new_state, metrics = step(state, batch)
+  q = new_state.params["layers"]["attn"]["q"][...]
+  assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
+  np.testing.assert_allclose(_flat(new_state.params), _flat(ref_state.params), atol=1e-5)
+  np.testing.assert_allclose(float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-5)
+
+
+def test_reinforce_kind_uses_no_ratio():
+  tx = optax.sgd(0.0)
+  batch = dict(_batch(), old_logp=jnp.zeros((8, 13)))  # Would give a wild ratio if used.
+  _, metrics = ts.make_train_step(CFG, ts.LossConfig(kind="reinforce", agg="seq-mean-token-sum"),
+                                  tx)(_state(tx), batch)
+  params = _state(tx).params
+  logits = models.logits(CFG, params, batch["tokens"], jnp.ones_like(batch["tokens"]))
+  logp = losses.token_logprobs(logits[:, :-1], batch["tokens"][:, 1:])
+  want, _ = losses.reinforce_loss(logp, batch["adv"], batch["loss_mask"][:, 1:])
+  np.testing.assert_allclose(float(metrics["loss"]), float(want), rtol=1e-5)
+
+
+def test_bad_loss_config_names_field():
+  with pytest.raises(ValueError, match="LossConfig.agg"):
+    ts.LossConfig(agg="mean")
+  with pytest.raises(ValueError, match="LossConfig.kind"):
+    ts.LossConfig(kind="ppo2")
