@@ -1,0 +1,37 @@
+"""Environments: the offline research world, its search and visit tools, benchmark loaders."""
+
+from mgrpo_jax.envs.datasets import (
+  DatasetError,
+  load_benchmark,
+  load_gaia,
+  load_webwalkerqa,
+  load_xbench_deepsearch,
+)
+from mgrpo_jax.envs.search import (
+  Hit,
+  SearchIndex,
+  SearchTool,
+  Tool,
+  VisitTool,
+  WebSearchTool,
+  format_hits,
+  local_tools,
+)
+from mgrpo_jax.envs.world import (
+  Document,
+  Entity,
+  Hop,
+  Question,
+  World,
+  WorldConfig,
+  generate_world,
+  make_questions,
+  split_questions,
+)
+
+__all__ = [
+  "DatasetError", "Document", "Entity", "Hit", "Hop", "Question", "SearchIndex", "SearchTool",
+  "Tool", "VisitTool", "WebSearchTool", "World", "WorldConfig", "format_hits", "generate_world",
+  "load_benchmark", "load_gaia", "load_webwalkerqa", "load_xbench_deepsearch", "local_tools",
+  "make_questions", "split_questions",
+]  # fmt: skip

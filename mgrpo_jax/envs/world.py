@@ -1,0 +1,395 @@
+"""An offline research world: invented entities, one prose document each, multi-hop questions.
+
+The world stands in for the live web of GAIA / XBench-DeepSearch / WebWalkerQA, which this
+project cannot reach. People, organisations, places and works carry attributes, some of which
+link to other entities (an organisation's founder is a person). Every entity has one document
+whose sentences state its attributes in shuffled order, mixed with distractor sentences naming
+other entities, so a search for a name also returns documents that merely mention it. A
+question follows a chain of 1-3 links ("In which country is the birthplace of the founder of
+X?"); each hop's answer is written literally in that hop's document, so an agent can copy it.
+Everything is a pure function of the seeds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import random
+from typing import Mapping, Sequence
+
+# Attributes per kind, in the order documents list them before shuffling.
+ATTRIBUTES: Mapping[str, tuple[str, ...]] = {
+  "person": ("birth_year", "birthplace", "occupation", "employer"),
+  "organisation": ("founded", "founder", "headquarters"),
+  "place": ("country", "river", "population"),
+  "work": ("medium", "year", "creator", "publisher"),
+}
+# Attributes whose value is another entity's name (and that entity's kind): the hops of a
+# question follow these links. Every other attribute is a literal (a year or one word).
+LINKS: Mapping[str, str] = {
+  "birthplace": "place", "employer": "organisation", "founder": "person",
+  "headquarters": "place", "creator": "person", "publisher": "organisation",
+}  # fmt: skip
+DIFFICULTY = {1: "easy", 2: "medium", 3: "hard"}
+
+_ONSETS = ("b", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z",
+           "br", "dr", "gr", "kr", "st", "th", "tr", "vr")  # fmt: skip
+_VOWELS = ("a", "e", "i", "o", "u", "a", "e", "o", "ae", "ei", "ou")
+_CODAS = ("", "", "l", "n", "r", "s", "th", "nd", "rk")
+_OCCUPATIONS = ("painter", "chemist", "architect", "sailor", "botanist", "engineer", "composer",
+                "surveyor", "physician", "weaver", "astronomer", "historian")  # fmt: skip
+_ORG_SUFFIXES = ("Institute", "Press", "Records", "Pictures", "Society", "Company", "Guild")
+_TITLE_NOUNS = ("Letters", "Tides", "Lanterns", "Harvest", "Echoes", "Winter", "Gardens",
+                "Machines", "Orchard", "Voyage", "Silence", "Mirrors")  # fmt: skip
+_POPULATIONS = ("village", "town", "city", "metropolis")
+# medium -> (maker noun, verb of making, issuer noun, verb of issuing).
+_MEDIA = {
+  "book": ("author", "wrote", "publisher", "published"),
+  "album": ("performer", "recorded", "label", "released"),
+  "film": ("director", "directed", "distributor", "distributed"),
+}
+
+# Sentence templates. Every fact template names the entity and holds the value verbatim.
+_FACTS: Mapping[str, tuple[str, ...]] = {
+  "birth_year": ("{name} was born in the year {value}.",
+                 "Records give {value} as the birth year of {name}."),
+  "birthplace": ("{name} was born in {value}.", "The birthplace of {name} is {value}."),
+  "occupation": ("{name} worked as {a_value}.", "By profession, {name} was {a_value}."),
+  "employer": ("{name} was employed by {value}.", "For many years {name} worked for {value}."),
+  "founded": ("{name} was founded in {value}.",
+              "{name} has existed since {value}, the year of its founding."),
+  "founder": ("{name} was founded by {value}.", "The founder of {name} was {value}."),
+  "headquarters": ("{name} is headquartered in {value}.",
+                   "The headquarters of {name} stand in {value}."),
+  "country": ("{name} lies in the country of {value}.", "{name} is part of the country {value}."),
+  "river": ("{name} lies on the river {value}.", "The river {value} flows through {name}."),
+  "population": ("By population, {name} counts as {a_value}.", "In size, {name} is {a_value}."),
+  "medium": ("{name} is {a_value}.", "{name} was made as {a_value}."),
+  "year": ("{name} was first {issued} in {value}.",
+           "The year {name} first came out was {value}."),
+  "creator": ("{name} is {a_medium} by {value}.", "{value} {made} {name}."),
+  "publisher": ("{name} was {issued} by {value}.", "{value} {issued} {name}."),
+}  # fmt: skip
+_DISTRACTORS = (
+  "{name} is sometimes confused with {other}.",
+  "A survey from {year} mentions {name} alongside {other}.",
+  "In {year}, a newspaper compared {name} with {other}.",
+  "Little is recorded about any link between {name} and {other}.",
+  "Visitors who ask about {name} often ask about {other} as well.",
+)
+# Questions: `_ASK` asks for the final attribute of a noun phrase; `_NP` wraps a phrase in a link.
+_ASK: Mapping[str, str] = {
+  "birth_year": "In what year was {np} born?", "birthplace": "Where was {np} born?",
+  "occupation": "What was the occupation of {np}?", "employer": "Which organisation employed {np}?",
+  "founded": "In what year was {np} founded?", "founder": "Who founded {np}?",
+  "headquarters": "Where is {np} headquartered?", "country": "In which country is {np}?",
+  "river": "On which river does {np} lie?", "population": "What size of settlement is {np}?",
+  "medium": "What kind of work is {np}?", "year": "In what year was {np} first {issued}?",
+  "creator": "Who {made} {np}?", "publisher": "Which organisation {issued} {np}?",
+}  # fmt: skip
+_NP: Mapping[str, str] = {
+  "birthplace": "the birthplace of {np}", "employer": "the employer of {np}",
+  "founder": "the founder of {np}", "headquarters": "the headquarters of {np}",
+  "creator": "the {maker} of {np}", "publisher": "the {issuer} of {np}",
+}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class WorldConfig:
+  """Size and difficulty of a generated world. The defaults make 60 entities."""
+
+  seed: int = 0
+  num_people: int = 24
+  num_orgs: int = 12
+  num_places: int = 12
+  num_works: int = 12
+  num_countries: int = 4  # countries and rivers are literal values, not entities
+  num_rivers: int = 5
+  distractors_per_doc: int = 2  # sentences naming other entities, mixed into each document
+  name_similarity: float = 0.0  # chance a new name reuses the first syllable of an earlier one
+
+
+@dataclasses.dataclass(frozen=True)
+class Entity:
+  """One thing in the world; `attributes` maps name -> value text (linked values are names)."""
+
+  name: str
+  kind: str
+  attributes: Mapping[str, str]
+  doc_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Document:
+  """One searchable page: the document of one entity (title = the entity's name)."""
+
+  doc_id: str
+  title: str
+  text: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Hop:
+  """One step of a question's chain: `entity`'s `attribute` is `answer`, stated in `doc_id`.
+
+  `question` asks for this step alone, naming the entity (what an expert would delegate).
+  """
+
+  entity: str
+  attribute: str
+  answer: str
+  doc_id: str
+  question: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Question:
+  """A question with its answer; world questions also carry the chain that answers them."""
+
+  id: str
+  text: str
+  answer: str
+  hops: tuple[Hop, ...] = ()
+  gold_doc_ids: tuple[str, ...] = ()
+  difficulty: str = ""
+  source: str = "world"
+
+
+@dataclasses.dataclass(frozen=True)
+class World:
+  """Entities and their documents; `entity(name)` and `document(doc_id)` look them up."""
+
+  config: WorldConfig
+  entities: tuple[Entity, ...]
+  documents: tuple[Document, ...]
+
+  @functools.cached_property
+  def _by_name(self) -> dict[str, Entity]:
+    return {e.name: e for e in self.entities}
+
+  @functools.cached_property
+  def _by_doc(self) -> dict[str, Document]:
+    return {d.doc_id: d for d in self.documents}
+
+  def entity(self, name: str) -> Entity:
+    return self._by_name[name]
+
+  def document(self, doc_id: str) -> Document:
+    return self._by_doc[doc_id]
+
+
+class _Namer:
+  """Invents unique pronounceable words: consonant-vowel syllables and an optional coda."""
+
+  def __init__(self, rng: random.Random, similarity: float):
+    self._rng, self._similarity = rng, similarity
+    self._used: set[str] = set()
+    self._firsts: list[str] = []  # first syllables of earlier words, reused for look-alikes
+
+  def word(self, syllables: int = 2) -> str:
+    rng = self._rng
+    for _ in range(10_000):
+      parts = [rng.choice(_ONSETS) + rng.choice(_VOWELS) for _ in range(syllables)]
+      if self._firsts and rng.random() < self._similarity:
+        parts[0] = rng.choice(self._firsts)
+      word = ("".join(parts) + rng.choice(_CODAS)).capitalize()
+      # Uniqueness is on the lower-cased word, because search tokens are lower-cased.
+      if 5 <= len(word) <= 11 and word.lower() not in self._used:
+        self._used.add(word.lower())
+        self._firsts.append(parts[0])
+        return word
+    raise RuntimeError("ran out of unique names; lower the number of entities")
+
+
+def _people(rng, namer, n, places):
+  return [{"name": f"{namer.word(2)} {namer.word(rng.choice((2, 3)))}", "kind": "person",
+           "birth_year": str(rng.randint(1800, 1950)), "birthplace": rng.choice(places)["name"],
+           "occupation": rng.choice(_OCCUPATIONS)} for _ in range(n)]  # fmt: skip
+
+
+def _orgs(rng, namer, n, people, places):
+  # Distinct founders while there are enough people: more distinct chains to ask about.
+  founders = rng.sample(people, n) if n <= len(people) else [rng.choice(people) for _ in range(n)]
+  return [{"name": f"{namer.word(2)} {rng.choice(_ORG_SUFFIXES)}", "kind": "organisation",
+           "founded": str(int(f["birth_year"]) + rng.randint(25, 60)), "founder": f["name"],
+           "headquarters": rng.choice(places)["name"]} for f in founders]  # fmt: skip
+
+
+def _works(rng, namer, n, people, orgs):
+  works = []
+  for _ in range(n):
+    creator = rng.choice(people)
+    works.append({"name": f"The {namer.word(2)} {rng.choice(_TITLE_NOUNS)}", "kind": "work",
+                  "medium": rng.choice(tuple(_MEDIA)), "creator": creator["name"],
+                  "year": str(int(creator["birth_year"]) + rng.randint(20, 60)),
+                  "publisher": rng.choice(orgs)["name"]})  # fmt: skip
+  return works
+
+
+def _article(word: str) -> str:
+  return ("an " if word[0] in "aeiou" else "a ") + word
+
+
+def _medium_words(medium: str) -> dict[str, str]:
+  maker, made, issuer, issued = _MEDIA[medium]
+  return {"maker": maker, "made": made, "issuer": issuer, "issued": issued}
+
+
+def _fact(rng: random.Random, record: dict, attr: str) -> str:
+  value = record[attr]
+  words = _medium_words(record["medium"]) if record["kind"] == "work" else {}
+  medium = _article(record["medium"]) if record["kind"] == "work" else ""
+  return rng.choice(_FACTS[attr]).format(
+    name=record["name"], value=value, a_value=_article(value), a_medium=medium, **words)
+
+
+def _document(rng: random.Random, record: dict, doc_id: str, names: list[str], k: int) -> Document:
+  """Fact sentences plus `k` distractors, shuffled; decoy years never equal a true year."""
+  sentences = [_fact(rng, record, a) for a in ATTRIBUTES[record["kind"]]]
+  own_years = {v for v in record.values() if v.isdigit()}
+  others = [n for n in names if n != record["name"]]
+  for _ in range(k if others else 0):
+    year = str(rng.randint(1800, 2010))
+    while year in own_years:
+      year = str(rng.randint(1800, 2010))
+    template = rng.choice(_DISTRACTORS)
+    sentences.append(template.format(name=record["name"], other=rng.choice(others), year=year))
+  rng.shuffle(sentences)
+  return Document(doc_id, record["name"], " ".join(sentences))
+
+
+def generate_world(cfg: WorldConfig = WorldConfig()) -> World:
+  """Builds the world of `cfg`: same config, same entities and documents, byte for byte."""
+  if min(cfg.num_people, cfg.num_orgs, cfg.num_places) < 1 or cfg.num_works < 0:
+    raise ValueError(f"need at least one person, organisation and place: {cfg}")
+  if min(cfg.num_countries, cfg.num_rivers) < 1 or cfg.distractors_per_doc < 0:
+    raise ValueError(f"need a country and a river, and distractors >= 0: {cfg}")
+  rng = random.Random(cfg.seed)
+  namer = _Namer(rng, cfg.name_similarity)
+  countries = [namer.word(2) + rng.choice(("ia", "land", "mark")) for _ in range(cfg.num_countries)]
+  rivers = [namer.word(2) for _ in range(cfg.num_rivers)]
+  places = [{"name": namer.word(rng.choice((2, 3))), "kind": "place",
+             "country": rng.choice(countries), "river": rng.choice(rivers),
+             "population": rng.choice(_POPULATIONS)} for _ in range(cfg.num_places)]  # fmt: skip
+  people = _people(rng, namer, cfg.num_people, places)
+  orgs = _orgs(rng, namer, cfg.num_orgs, people, places)
+  for person in people:  # employers exist only once the organisations do
+    person["employer"] = rng.choice(orgs)["name"]
+  records = places + people + orgs + _works(rng, namer, cfg.num_works, people, orgs)
+  # Doc ids follow a shuffled order, so an id says nothing about the entity's kind.
+  ranks = list(range(len(records)))
+  rng.shuffle(ranks)
+  width = max(3, len(str(len(records) - 1)))
+  doc_ids = [f"doc{r:0{width}d}" for r in ranks]
+  names = [r["name"] for r in records]
+  entities, documents = [], []
+  for record, doc_id in zip(records, doc_ids):
+    attrs = {a: record[a] for a in ATTRIBUTES[record["kind"]]}
+    entities.append(Entity(record["name"], record["kind"], attrs, doc_id))
+    documents.append(_document(rng, record, doc_id, names, cfg.distractors_per_doc))
+  documents.sort(key=lambda d: d.doc_id)
+  return World(cfg, tuple(entities), tuple(documents))
+
+
+def _chains(world: World, hops: int) -> list[tuple[tuple[Entity, ...], tuple[str, ...]]]:
+  """Every (entities, attributes) path of exactly `hops` steps that never revisits an entity."""
+  found = []
+
+  def walk(path: tuple[Entity, ...], attrs: tuple[str, ...]) -> None:
+    here = path[-1]
+    seen = {e.name for e in path}
+    for attr in ATTRIBUTES[here.kind]:
+      value = here.attributes[attr]
+      if attr in LINKS and value in seen:
+        continue  # a cycle would put the answer into the question text
+      if len(attrs) == hops - 1:
+        found.append((path, attrs + (attr,)))
+      elif attr in LINKS:
+        walk(path + (world.entity(value),), attrs + (attr,))
+
+  for entity in world.entities:
+    walk((entity,), ())
+  return found
+
+
+def _words(entity: Entity) -> dict[str, str]:
+  return _medium_words(entity.attributes["medium"]) if entity.kind == "work" else {}
+
+
+def _question(path: tuple[Entity, ...], attrs: tuple[str, ...]) -> Question:
+  """Nests one noun phrase per link ("the birthplace of the founder of X"), then asks."""
+  phrase = path[0].name
+  hops = []
+  for entity, attr in zip(path, attrs):
+    words = _words(entity)
+    hops.append(Hop(entity.name, attr, entity.attributes[attr], entity.doc_id,
+                    _ASK[attr].format(np=entity.name, **words)))  # fmt: skip
+    if len(hops) < len(attrs):
+      phrase = _NP[attr].format(np=phrase, **words)
+  text = _ASK[attrs[-1]].format(np=phrase, **_words(path[-1]))
+  qid = "q" + hashlib.sha1(text.encode()).hexdigest()[:10]
+  return Question(qid, text, hops[-1].answer, tuple(hops), tuple(h.doc_id for h in hops),
+                  DIFFICULTY.get(len(hops), "hard"))  # fmt: skip
+
+
+def _allocate(num: int, weights: Sequence[float]) -> list[int]:
+  """Splits `num` by `weights` with largest remainders (deterministic, sums to `num`)."""
+  total = float(sum(weights))
+  if total <= 0 or min(weights) < 0:
+    raise ValueError(f"hop_weights must be >= 0 with a positive sum, got {tuple(weights)}")
+  raw = [num * w / total for w in weights]
+  counts = [int(r) for r in raw]
+  by_remainder = sorted(range(len(raw)), key=lambda i: (counts[i] - raw[i], i))
+  for i in by_remainder[: num - sum(counts)]:
+    counts[i] += 1
+  return counts
+
+
+def make_questions(world: World, *, num: int, hop_weights: Sequence[float] = (1.0, 1.0, 1.0),
+                   seed: int = 0) -> list[Question]:  # fmt: skip
+  """Samples `num` distinct questions; `hop_weights[i]` weighs questions of i + 1 hops.
+
+  Counts per hop level are split by the weights exactly (largest remainder). Raises
+  ValueError when the world has fewer distinct questions of some level than asked for.
+  """
+  rng = random.Random(seed)
+  questions = []
+  for level, count in enumerate(_allocate(num, hop_weights), start=1):
+    if count == 0:
+      continue
+    chains = _chains(world, level)
+    if count > len(chains):
+      raise ValueError(f"asked for {count} {level}-hop questions; the world has {len(chains)}")
+    questions += [_question(*chain) for chain in rng.sample(chains, count)]
+  rng.shuffle(questions)
+  return questions
+
+
+def _split_group(question: Question) -> str:
+  return question.hops[0].entity if question.hops else question.id
+
+
+def split_questions(questions: Sequence[Question], test_fraction: float,
+                    seed: int = 0) -> tuple[list[Question], list[Question]]:  # fmt: skip
+  """Splits by the entity a question starts from, so no test start entity is asked about in train.
+
+  Whole groups go to test until it holds at least `test_fraction` of the questions; both
+  lists keep the input order. Questions without hops (benchmarks) are grouped by id.
+  """
+  if not 0.0 <= test_fraction <= 1.0:
+    raise ValueError(f"test_fraction must be in [0, 1], got {test_fraction}")
+  key = _split_group
+  groups = sorted({key(q) for q in questions})
+  random.Random(seed).shuffle(groups)
+  sizes: dict[str, int] = {}
+  for q in questions:
+    sizes[key(q)] = sizes.get(key(q), 0) + 1
+  target, test_groups, taken = test_fraction * len(questions), set(), 0
+  for group in groups:
+    if taken >= target:
+      break
+    test_groups.add(group)
+    taken += sizes[group]
+  train = [q for q in questions if key(q) not in test_groups]
+  return train, [q for q in questions if key(q) in test_groups]
