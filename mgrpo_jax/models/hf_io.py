@@ -215,6 +215,12 @@ def save_hf(path: str, config: Qwen3Config, params: nnx.State, *,
   standard index file when there is more than one.
   """
   os.makedirs(path, exist_ok=True)
+  # Files of an earlier save with other sharding would shadow this one for some loaders.
+  stale = glob.glob(os.path.join(path, "model-*-of-*.safetensors"))
+  stale += [os.path.join(path, f) for f in ("model.safetensors", INDEX_FILE)]
+  for f in stale:
+    if os.path.exists(f):
+      os.remove(f)
   pure = nnx.to_pure_dict(params)
   tensors = {}
   for spec in _tensor_map(config):

@@ -215,10 +215,20 @@ def graphdef(config: Qwen3Config) -> nnx.GraphDef:
   return gdef
 
 
-def init_params(config: Qwen3Config, key: jax.Array) -> nnx.State:
-  """Random parameters (normal(0.02), norms at 1)."""
-  _, state = nnx.split(Qwen3(config, rngs=nnx.Rngs(params=key)))
-  return state
+def init_params(config: Qwen3Config, key: jax.Array, mesh=None) -> nnx.State:
+  """Random parameters (normal(0.02), norms at 1), created by one jitted function.
+
+  With a mesh, each parameter is created directly in its shards (eval_shape ->
+  shardings -> jit with out_shardings), so no device holds a full copy.
+  """
+  def init(key):
+    return nnx.split(Qwen3(config, rngs=nnx.Rngs(params=key)))[1]
+
+  out_shardings = None
+  if mesh is not None:
+    from mgrpo_jax import sharding  # Local: sharding imports nothing from models.
+    out_shardings = sharding.param_shardings(abstract_params(config), mesh)
+  return jax.jit(init, out_shardings=out_shardings)(key)
 
 
 def abstract_params(config: Qwen3Config) -> nnx.State:

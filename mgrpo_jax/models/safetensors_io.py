@@ -47,6 +47,14 @@ class SafetensorsFile:
     self.path = path
     self.header, self._data_start = read_header(path)
     self._mmap = None
+    # Check every tensor's byte range now, so a truncated file fails by name at open.
+    data_len = os.path.getsize(path) - self._data_start
+    for name, info in self.header.items():
+      start, end = info["data_offsets"]
+      if not 0 <= start <= end <= data_len:
+        raise CheckpointError(
+            f"{path}: tensor {name!r} spans bytes [{start}, {end}) of the data, but the file "
+            f"holds only {data_len} data bytes (truncated?).")
 
   def names(self) -> list[str]:
     return list(self.header)
