@@ -315,7 +315,11 @@ class ByteTokenizer(Tokenizer):
         return ids
 
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
-        """Text of `ids`; invalid UTF-8 (a model's stray bytes) decodes to U+FFFD."""
+        """Text of `ids`; invalid UTF-8 (a model's stray bytes) decodes to U+FFFD.
+
+        Ids past the vocabulary (a model whose embedding is padded can sample them) also
+        decode to U+FFFD: never an exception on model output, and never invisible text.
+        """
         parts: list[str] = []
         run = bytearray()
         for i in ids:
@@ -324,7 +328,9 @@ class ByteTokenizer(Tokenizer):
                 run.append(i)
                 continue
             if not 256 <= i < self.vocab_size:
-                raise ValueError(f"token id {i} is outside [0, {self.vocab_size})")
+                parts.append(run.decode("utf-8", errors="replace") + "\ufffd")
+                run.clear()
+                continue
             # Decode byte runs only between specials, so a multi-byte character is never split.
             parts.append(run.decode("utf-8", errors="replace"))
             run.clear()

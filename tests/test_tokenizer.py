@@ -99,8 +99,8 @@ def test_byte_decode_skip_special_drops_control_keeps_tags(byte_tok):
 
 def test_byte_decode_bad_input(byte_tok):
     assert byte_tok.decode([0xC3]) == "\ufffd"  # A truncated 2-byte character.
-    with pytest.raises(ValueError, match="outside"):
-        byte_tok.decode([byte_tok.vocab_size])
+    # Ids past the vocabulary (padded embeddings) are visible garbage, not an exception.
+    assert byte_tok.decode([65, byte_tok.vocab_size, 66]) == "A\ufffdB"
     with pytest.raises(KeyError):
         byte_tok.token_id("ab")
 

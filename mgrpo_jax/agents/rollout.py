@@ -1,0 +1,336 @@
+"""The multi-agent rollout engine: turn-by-turn episodes with batched generation.
+
+One `run_episodes` loop serves both roles. Each turn it asks the policy for the next
+turn of every live episode in one batched call, validates each turn (a malformed turn
+ends its episode as a format failure), runs all tool calls of the turn as one batch
+(`tool_fn`), and appends the tool replies to the live sequences, which the LLM policy
+extends in place (prefix KV reuse). For the main agent, the tool is the sub-agent:
+every delegation issued in a turn runs as one batch of sub-agent episodes through a
+`SubAgentService`, the interface that the exchange implements for decoupled training.
+
+Sequences are built from tokens, never by re-rendering a conversation: the generation
+prompt, then per turn the generated tokens (loss mask 1, behaviour log-probs), the
+end-of-turn token and the template's continuation (loss mask 0).
+"""
+
+import dataclasses
+import time
+from typing import Any, Callable, Protocol, Sequence
+
+import jax
+import numpy as np
+
+from mgrpo_jax import sampling
+from mgrpo_jax import tokenizer as tk
+from mgrpo_jax.agents import protocol
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+  """Episode limits (PAPERS.md 1.1; the reference used 20 turns, 1024 tokens, 32k context)."""
+
+  max_turns: int = 20
+  max_new_tokens: int = 1024  # Per turn.
+  max_len: int = 32_768  # Context: a turn that could overflow it ends the episode.
+  max_delegations: int = 20  # Per main episode; beyond it M is told to answer.
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      v = getattr(self, f.name)
+      if not isinstance(v, int) or v < 1:
+        raise ValueError(f"Limits.{f.name} must be a positive int, got {v!r}.")
+
+
+@dataclasses.dataclass(eq=False)  # Identity semantics: episodes are mutable records.
+class Episode:
+  """One agent episode, as token ids with its loss mask and behaviour log-probs."""
+
+  role: str
+  q: int  # Query index in the step's batch.
+  k: int  # Rollout index within the query's group.
+  call: int  # Delegation index within main rollout (q, k); -1 for main episodes.
+  task: Any  # The Question (main) or the DelegationRequest (sub).
+  tokens: list[int]
+  loss_mask: list[int]
+  logprobs: list[float]
+  validator: protocol.EpisodeValidator
+  policy_version: int = 0
+  turns: list[str] = dataclasses.field(default_factory=list)
+  observations: list[str] = dataclasses.field(default_factory=list)  # Tool replies.
+  actions: list[str] = dataclasses.field(default_factory=list)
+  delegations: int = 0
+  gen_seconds: float = 0.0
+  tool_seconds: float = 0.0
+
+  @property
+  def done(self) -> bool:
+    return self.validator.done
+
+  @property
+  def format_ok(self) -> bool:
+    return self.validator.format_ok
+
+  @property
+  def final(self) -> str | None:
+    """The answer (main) or result (sub) when the episode ended validly."""
+    final = self.validator.final
+    return None if final is None else final.argument
+
+  @property
+  def num_generated(self) -> int:
+    return int(sum(self.loss_mask))
+
+
+def new_episode(tokenizer: tk.Tokenizer, role: str, messages, *, q: int, k: int, call: int,
+                task: Any, max_turns: int, policy_version: int = 0) -> Episode:
+  """An episode whose sequence is the chat-template generation prompt of `messages`."""
+  prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+  return Episode(role=role, q=q, k=k, call=call, task=task, tokens=list(prompt),
+                 loss_mask=[0] * len(prompt), logprobs=[0.0] * len(prompt),
+                 validator=protocol.EpisodeValidator(role, max_turns),
+                 policy_version=policy_version)
+
+
+class TurnPolicy(Protocol):
+  """Produces the next turn of a batch of episodes (an LLM or a scripted expert)."""
+
+  version: int
+
+  def begin(self, episodes: Sequence[Episode]) -> None:
+    """Starts a batch whose rows are `episodes` (their current tokens are the prompts)."""
+
+  def act(self, rows: Sequence[int], key: jax.Array) -> list[tuple[list[int], list[float]]]:
+    """Generated (token ids, behaviour log-probs) of the next turn of each row in `rows`."""
+
+  def append(self, appended: dict[int, list[int]]) -> None:
+    """Environment tokens appended to some rows (tool replies)."""
+
+
+class LLMPolicy:
+  """A Qwen3 policy over the batched KV-cache sampler."""
+
+  def __init__(self, config, params, tokenizer: tk.Tokenizer, role: str, *, limits: Limits,
+               temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+               version: int = 0, chunk: int = 32):
+    self.config, self.params, self.tokenizer, self.role = config, params, tokenizer, role
+    self.limits, self.version, self.chunk = limits, version, chunk
+    self.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
+    try:
+      self.stop_ids, self.stop_strings = protocol.stop_token_ids(tokenizer, role), ()
+    except KeyError:  # Closing tags are not single tokens: match them on text.
+      self.stop_ids, self.stop_strings = tuple(tokenizer.stop_ids), protocol.stop_strings(role)
+    self._seqs = None
+    self._n = 0
+
+  def begin(self, episodes):
+    self._n = len(episodes)
+    self._seqs = sampling.prefill(self.config, self.params, [e.tokens for e in episodes],
+                                  max_len=self.limits.max_len, pad_id=self.tokenizer.pad_id)
+
+  def act(self, rows, key):
+    active = np.zeros(self._n, bool)
+    active[list(rows)] = True
+    res = sampling.sample(self.config, self.params, self._seqs, num_rows=self._n,
+                          max_new_tokens=self.limits.max_new_tokens, stop_token_ids=self.stop_ids,
+                          stop_strings=self.stop_strings, tokenizer=self.tokenizer, key=key,
+                          pad_id=self.tokenizer.pad_id, active=active, chunk=self.chunk,
+                          **self.sampling)
+    self._seqs = res.sequences
+    return [(res.tokens[r, :res.lengths[r]].tolist(), res.logprobs[r, :res.lengths[r]].tolist())
+            for r in rows]
+
+  def append(self, appended):
+    if appended:
+      rows = [appended.get(i, []) for i in range(self._n)]
+      self._seqs = sampling.extend(self.config, self.params, self._seqs, rows,
+                                   pad_id=self.tokenizer.pad_id)
+
+
+class ExpertPolicy:
+  """Wraps a scripted expert (`turn(task, observations, rng) -> text`) as a TurnPolicy."""
+
+  def __init__(self, expert, tokenizer: tk.Tokenizer, *, seed: int = 0, version: int = 0):
+    self.expert, self.tokenizer, self.version = expert, tokenizer, version
+    self._rng = np.random.default_rng(seed)
+    self._episodes: Sequence[Episode] = ()
+
+  def begin(self, episodes):
+    self._episodes = episodes
+
+  def act(self, rows, key):
+    del key
+    out = []
+    for r in rows:
+      ep = self._episodes[r]
+      task = ep.task.subtask if ep.role == "sub" else ep.task
+      ids = self.tokenizer.encode(self.expert.turn(task, list(ep.observations), self._rng))
+      # The expert "generates" its closing tag; the engine appends end-of-turn itself.
+      out.append((ids, [0.0] * len(ids)))
+    return out
+
+  def append(self, appended):
+    del appended
+
+
+# A tool function maps the (episode, parsed turn) pairs of one turn to reply texts.
+ToolFn = Callable[[list[tuple[Episode, protocol.Turn]]], list[str]]
+
+
+def run_episodes(policy: TurnPolicy, episodes: list[Episode], tool_fn: ToolFn, *,
+                 tokenizer: tk.Tokenizer, limits: Limits, key: jax.Array) -> list[Episode]:
+  """Runs `episodes` to completion (final action, format failure or a limit); see module doc."""
+  if not episodes:
+    return episodes
+  policy.begin(episodes)
+  eos = tokenizer.eos_id
+  for turn in range(limits.max_turns):
+    rows = [i for i, ep in enumerate(episodes) if not ep.done]
+    if not rows:
+      break
+    start = time.perf_counter()
+    outputs = policy.act(rows, jax.random.fold_in(key, turn))
+    gen_s = (time.perf_counter() - start) / len(rows)
+    pending, pending_rows = [], []
+    for i, (ids, logps) in zip(rows, outputs):
+      ep = episodes[i]
+      ep.tokens += ids
+      ep.loss_mask += [1] * len(ids)
+      ep.logprobs += logps
+      ep.gen_seconds += gen_s
+      text = tokenizer.decode(ids)
+      ep.turns.append(text)
+      parsed = ep.validator.step(text)
+      ep.actions.append(parsed.action or "invalid")
+      if not ep.done:
+        pending.append((ep, parsed))
+        pending_rows.append(i)
+    if not pending:
+      continue
+    start = time.perf_counter()
+    replies = tool_fn(pending)
+    tool_s = (time.perf_counter() - start) / len(pending)
+    appended = {}
+    for i, (ep, _), reply in zip(pending_rows, pending, replies):
+      ep.tool_seconds += tool_s
+      ids = ([] if ep.tokens[-1] == eos else [eos]) + protocol.continuation_ids(tokenizer, reply)
+      if len(ep.tokens) + len(ids) + limits.max_new_tokens > limits.max_len:
+        ep.validator.abort(f"context: {len(ep.tokens) + len(ids)} tokens + a turn of "
+                           f"{limits.max_new_tokens} would exceed max_len={limits.max_len}")
+        continue
+      ep.observations.append(reply)
+      ep.tokens += ids
+      ep.loss_mask += [0] * len(ids)
+      ep.logprobs += [0.0] * len(ids)
+      appended[i] = ids
+    policy.append(appended)
+  return episodes
+
+
+# ------------------------------------------------------------------ main <-> sub interface
+
+
+@dataclasses.dataclass(frozen=True)
+class DelegationRequest:
+  """What crosses from the main agent to the sub-agent (text and ids only)."""
+
+  step: int
+  q: int
+  k: int
+  call: int
+  subtask: str
+  context: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DelegationResult:
+  """What comes back: the result text and the version of the policy that produced it."""
+
+  text: str
+  policy_version: int
+  format_ok: bool
+
+
+class SubAgentService(Protocol):
+  """Serves a batch of delegations; colocated here, over the exchange when decoupled."""
+
+  def delegate(self, requests: Sequence[DelegationRequest]) -> list[DelegationResult]:
+    ...
+
+
+NO_RESULT = "The sub-agent returned no valid result."
+
+
+class ColocatedSubAgent:
+  """Runs sub-agent episodes in this process and keeps them (for the sub-agent's update)."""
+
+  def __init__(self, policy: TurnPolicy, tokenizer: tk.Tokenizer, tools: dict, *,
+               limits: Limits, key: jax.Array):
+    self.policy, self.tokenizer, self.tools, self.limits = policy, tokenizer, tools, limits
+    self.key = key
+    self.episodes: list[Episode] = []
+    self._calls = 0
+
+  def delegate(self, requests):
+    episodes = [new_episode(self.tokenizer, "sub",
+                            protocol.sub_messages(r.subtask, r.context), q=r.q, k=r.k,
+                            call=r.call, task=r, max_turns=self.limits.max_turns,
+                            policy_version=self.policy.version) for r in requests]
+    self._calls += 1
+    run_episodes(self.policy, episodes, self._tools, tokenizer=self.tokenizer,
+                 limits=self.limits, key=jax.random.fold_in(self.key, self._calls))
+    self.episodes += episodes
+    return [DelegationResult(ep.final if ep.format_ok else NO_RESULT, ep.policy_version,
+                             ep.format_ok) for ep in episodes]
+
+  def _tools(self, pending):
+    return [self.tools[turn.action](turn.argument) for _, turn in pending]
+
+
+def main_tool_fn(service: SubAgentService, *, step: int, limits: Limits) -> ToolFn:
+  """The main agent's tool: each turn's delegations, served as one batch."""
+
+  def tool_fn(pending):
+    requests, replies = [], [None] * len(pending)
+    for j, (ep, turn) in enumerate(pending):
+      if ep.delegations >= limits.max_delegations:
+        replies[j] = "Delegation limit reached; give your final answer."
+        continue
+      requests.append((j, DelegationRequest(step, ep.q, ep.k, ep.delegations, turn.argument,
+                                            turn.context)))
+      ep.delegations += 1
+    results = service.delegate([r for _, r in requests]) if requests else []
+    for (j, _), res in zip(requests, results):
+      replies[j] = res.text
+    return replies
+
+  return tool_fn
+
+
+def rollout_main(policy: TurnPolicy, service: SubAgentService, questions: Sequence[Any], *,
+                 num_rollouts: int, tokenizer: tk.Tokenizer, limits: Limits, key: jax.Array,
+                 step: int = 0) -> list[Episode]:
+  """Q questions x K rollouts of the main agent, delegating through `service`.
+
+  Returns the Q*K main episodes in (q, k) order; sub-agent episodes stay with the service.
+  """
+  episodes = [new_episode(tokenizer, "main", protocol.main_messages(question.text), q=q, k=k,
+                          call=-1, task=question, max_turns=limits.max_turns,
+                          policy_version=policy.version)
+              for q, question in enumerate(questions) for k in range(num_rollouts)]
+  return run_episodes(policy, episodes, main_tool_fn(service, step=step, limits=limits),
+                      tokenizer=tokenizer, limits=limits, key=key)
+
+
+def to_batch(episodes: Sequence[Episode], *, length: int, pad_id: int) -> dict[str, np.ndarray]:
+  """Right-padded training arrays [B, length] (see rl.train_step for the layout)."""
+  b = len(episodes)
+  tokens = np.full((b, length), pad_id, np.int32)
+  mask = np.zeros((b, length), np.float32)
+  logp = np.zeros((b, length), np.float32)
+  for i, ep in enumerate(episodes):
+    n = len(ep.tokens)
+    if n > length:
+      raise ValueError(f"Episode {i} (q={ep.q}, k={ep.k}, call={ep.call}) has {n} tokens; "
+                       f"the batch length is {length}.")
+    tokens[i, :n], mask[i, :n], logp[i, :n] = ep.tokens, ep.loss_mask, ep.logprobs
+  return {"tokens": tokens, "loss_mask": mask, "old_logp": logp}
