@@ -1,0 +1,320 @@
+"""Scripted experts for both agents: text-level policies that act through the real tools.
+
+`MainExpert` plans a world question from its hop chain (the decomposition, never the
+answers), delegates one one-hop subquestion per hop and answers with the last sub-agent
+result; a later hop names whatever the previous result said, so a wrong sub-agent makes a
+wrong main agent, as with a real one. `SubExpert` parses its subquestion, searches for the
+entity, visits the hit titled with that name and reads the answer out of the document text
+with the world's fact-sentence patterns. Both are stateless: every call gets the task and the
+tool replies seen so far, and returns the next turn's text (`protocol.render_action`), so an
+engine can interleave many episodes. With `noise` > 0 each decision is, with that
+probability, a plausible mistake in a still valid turn. `solve` runs both on one question in
+plain Python, for tests, SFT data previews and docs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import re
+from typing import Any, Sequence
+
+import numpy as np
+
+from mgrpo_jax.agents import protocol
+from mgrpo_jax.envs import search as search_lib
+from mgrpo_jax.envs import world as world_lib
+from mgrpo_jax.rl.rewards import exact_match, normalize_answer
+
+__all__ = [
+  "ENTITY_SLOT", "NO_RESULT", "UNKNOWN", "MainExpert", "SubExpert", "extract_facts",
+  "fill_template", "hop_template", "parse_hits", "parse_subquestion", "parse_visit", "solve",
+]
+
+ENTITY_SLOT = "{entity}"  # where `hop_template` leaves the entity out; no question has braces
+UNKNOWN = "unknown"  # what an expert reports when it cannot find an answer
+# What the driver gives the main agent when a sub episode ends without a valid result (the
+# rollout engine sends its own text; `_failed` recognises both by their wording).
+NO_RESULT = "The sub-agent returned no valid result."
+_FAILURE_PHRASES = ("no valid result", "limit reached", "error:")
+
+Rng = random.Random | np.random.Generator
+
+# ----------------------------------------------------------------------------- text patterns
+
+# The world's templates are the single source of truth: patterns are built from them, so a
+# template added to world.py is parsed here too (tests iterate every attribute).
+_MAKES = sorted({m[1] for m in world_lib._MEDIA.values()})  # wrote, recorded, directed
+_ISSUES = sorted({m[3] for m in world_lib._MEDIA.values()})  # published, released, ...
+_MEDIA = sorted(world_lib._MEDIA)
+_SLOTS = {
+  "made": "(?:" + "|".join(_MAKES) + ")", "issued": "(?:" + "|".join(_ISSUES) + ")",
+  "a_medium": "(?:a|an) (?:" + "|".join(_MEDIA) + ")",
+  "name": "(?P<name>.+?)", "np": "(?P<name>.+?)",
+  "value": "(?P<value>.+?)", "a_value": "(?:a|an) (?P<value>.+?)",
+}  # fmt: skip
+_FIELD = re.compile(r"\{(\w+)\}")
+
+
+def _compile(template: str) -> tuple[re.Pattern, int]:
+  """A template as a full-match regex, and its specificity (count of literal characters)."""
+  parts, literal, start = [], 0, 0
+  for m in _FIELD.finditer(template):
+    parts += [re.escape(template[start : m.start()]), _SLOTS[m.group(1)]]
+    literal += m.start() - start
+    start = m.end()
+  parts.append(re.escape(template[start:]))
+  literal += len(template) - start
+  return re.compile("".join(parts)), literal
+
+
+_QUESTIONS = [(attr, _compile(t)[0]) for attr, t in world_lib._ASK.items()]
+_FACT_PATTERNS = [(attr, *_compile(t)) for attr, ts in world_lib._FACTS.items() for t in ts]
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+_HIT_LINE = re.compile(r"\[(?P<doc_id>[^\]\s]+)\] (?P<title>.+?): ")
+_VISIT_HEAD = re.compile(r"\[(?P<doc_id>[^\]\s]+)\] (?P<title>[^\n]+)\n(?P<text>.*)", re.S)
+
+
+def hop_template(hop: world_lib.Hop) -> tuple[str, str]:
+  """(template, entity): `hop.question` with its entity replaced by `ENTITY_SLOT`.
+
+  Raises ValueError unless the entity occurs exactly once in the question.
+  """
+  if hop.question.count(hop.entity) != 1:
+    raise ValueError(f"entity {hop.entity!r} is not named once in {hop.question!r}")
+  return hop.question.replace(hop.entity, ENTITY_SLOT), hop.entity
+
+
+def fill_template(template: str, entity: str) -> str:
+  """The subquestion `template` asks about `entity` (str.replace: names may hold braces)."""
+  return template.replace(ENTITY_SLOT, entity)
+
+
+def parse_subquestion(text: str) -> tuple[str, str] | None:
+  """(entity, attribute) of a one-hop question in the world's wording, else None."""
+  text = " ".join(text.split())
+  for attr, pattern in _QUESTIONS:
+    m = pattern.fullmatch(text)
+    if m and m.group("name").strip():
+      return m.group("name").strip(), attr
+  return None
+
+
+def parse_hits(text: str) -> list[tuple[str, str]]:
+  """(doc_id, title) of each "[doc_id] Title: snippet" line of a search reply, in order."""
+  return [(m.group("doc_id"), m.group("title")) for m in map(_HIT_LINE.match, text.splitlines())
+          if m]  # fmt: skip
+
+
+def parse_visit(text: str) -> tuple[str, str, str] | None:
+  """(doc_id, title, text) of a visit reply ("[doc_id] Title" line, then the text), else None."""
+  m = _VISIT_HEAD.match(text.strip())
+  return None if m is None else (m.group("doc_id"), m.group("title").strip(), m.group("text"))
+
+
+def extract_facts(text: str, name: str) -> list[tuple[str, str, str]]:
+  """(attribute, value, sentence) for every fact sentence about `name` in `text`, in order.
+
+  A sentence several templates match ("X was born in the year 1900" also fits "X was born in
+  {value}") counts for the most specific one, the template with the most literal text.
+  """
+  facts = []
+  for sentence in _SENTENCE_END.split(text.strip()):
+    best = None
+    for attr, pattern, specificity in _FACT_PATTERNS:
+      m = pattern.fullmatch(sentence)
+      if m and m.group("name") == name and (best is None or specificity > best[0]):
+        best = (specificity, attr, m.group("value"))
+    if best is not None:
+      facts.append((best[1], best[2], sentence))
+  return facts
+
+
+# ------------------------------------------------------------------------------------- noise
+
+
+def _uniform(rng: Rng) -> float:
+  return float(rng.random())
+
+
+def _pick(rng: Rng, items: Sequence[Any]) -> Any:
+  if isinstance(rng, np.random.Generator):
+    return items[int(rng.integers(len(items)))]
+  return items[rng.randrange(len(items))]
+
+
+def _slip(noise: float, rng: Rng) -> bool:
+  """True with probability `noise`; draws nothing when noise is 0, so such runs ignore `rng`."""
+  return noise > 0 and _uniform(rng) < noise
+
+
+def _words(attribute: str) -> str:
+  return attribute.replace("_", " ")
+
+
+def _render(action: str, argument: str, thought: str, think: bool) -> str:
+  return protocol.render_action(action, argument, think=thought if think else None)
+
+
+def _failed(observation: str) -> bool:
+  """True when a delegation brought back no usable result."""
+  low = observation.lower()
+  return normalize_answer(observation) in ("", UNKNOWN) or any(p in low for p in _FAILURE_PHRASES)
+
+
+# --------------------------------------------------------------------------------- experts
+
+
+@dataclasses.dataclass(frozen=True)
+class MainExpert:
+  """Delegates one subquestion per hop, then answers with the last result (see module doc).
+
+  `retries` re-delegations of a hop whose result failed, before answering `UNKNOWN`.
+  Mistakes (probability `noise` per turn): answer early with the latest result, or delegate
+  a vague subtask that names the entity but not the attribute.
+  """
+
+  noise: float = 0.0
+  think: bool = True
+  retries: int = 1
+
+  def turn(self, question: world_lib.Question | str, observations: Sequence[str], rng: Rng) -> str:
+    """The next main-agent turn, given the sub-agent results so far (one per delegation)."""
+    text = question if isinstance(question, str) else question.text
+    hops = () if isinstance(question, str) else question.hops
+    # Without a chain (a benchmark question) the plan is one delegation of the whole question.
+    plan = [hop_template(h) for h in hops] or [(ENTITY_SLOT, text)]
+    n = len(plan)
+    results, fails = [], 0
+    for obs in observations:
+      if _failed(obs):
+        fails += 1
+      else:
+        results.append(obs.strip())
+        fails = 0
+    step, think = len(results), self.think
+    if observations and "limit reached" in observations[-1].lower():
+      # The engine refuses further delegations (rollout.Limits.max_delegations).
+      return _render("answer", results[-1] if results else UNKNOWN, "No delegations left.", think)
+    if fails > self.retries:
+      return _render("answer", UNKNOWN, f"Step {step + 1} of {n} failed; giving up.", think)
+    if step >= n:
+      return _render("answer", results[-1], "All steps done.", think)
+    entity = results[-1] if step else plan[0][1]
+    attr = hops[step].attribute if hops else None
+    if _slip(self.noise, rng):
+      if step and _uniform(rng) < 0.5:  # early answers need a result to answer with
+        return _render("answer", results[-1], f"Step {step} of {n} is enough.", think)
+      return _render("delegate", f"Find out about {entity}.", f"Step {step + 1} of {n}: {entity}.",
+                     think)  # fmt: skip
+    goal = f"{_words(attr)} of {entity}" if attr else "the whole question"
+    retry = "retry " if fails else ""
+    return _render("delegate", fill_template(plan[step][0], entity),
+                   f"Step {step + 1} of {n}: {retry}{goal}.", think)
+
+
+@dataclasses.dataclass(frozen=True)
+class SubExpert:
+  """Search the entity, visit its own document, report the value stated there (module doc).
+
+  Turn i is decided by i = len(observations): 0 search, 1 visit, 2 result. Mistakes
+  (probability `noise` per decision): visit another hit; report another fact's value.
+  `search_k` is the k the expert assumes the search tool uses (hits beyond it are ignored).
+  """
+
+  noise: float = 0.0
+  think: bool = True
+  search_k: int = 3
+
+  def turn(self, subtask: str, observations: Sequence[str], rng: Rng) -> str:
+    """The next sub-agent turn, given the tool replies so far (search, then visit)."""
+    parsed = parse_subquestion(subtask)
+    if parsed is None:
+      return _render("result", UNKNOWN, "Not a question I can look up.", self.think)
+    entity, attr = parsed
+    if not observations:
+      return _render("search", entity, f"Find the {_words(attr)} of {entity}.", self.think)
+    if len(observations) == 1:
+      return self._visit(entity, observations[0], rng)
+    return self._report(entity, attr, observations[-1], rng)
+
+  def _visit(self, entity: str, reply: str, rng: Rng) -> str:
+    hits = parse_hits(reply)[: self.search_k]
+    own = next((doc for doc, title in hits if title.strip().lower() == entity.lower()), None)
+    if own is None:
+      return _render("result", UNKNOWN, f"No document about {entity}.", self.think)
+    others = [doc for doc, _ in hits if doc != own]
+    doc = _pick(rng, others) if others and _slip(self.noise, rng) else own
+    return _render("visit", doc, f"{entity}: {doc}.", self.think)
+
+  def _report(self, entity: str, attr: str, reply: str, rng: Rng) -> str:
+    page = parse_visit(reply)
+    if page is None:
+      return _render("result", UNKNOWN, f"Could not read a page about {entity}.", self.think)
+    _, title, text = page
+    # Facts about the page's own subject: on a wrong page they give a wrong answer of the
+    # right type, the mistake a careless reader makes.
+    facts = extract_facts(text, title)
+    right = [(v, s) for a, v, s in facts if a == attr]
+    if not right:
+      return _render("result", UNKNOWN, f"No {_words(attr)} of {title} here.", self.think)
+    # A slip reports another fact, preferring one of the same type (a name for a link).
+    wrong = [(a in world_lib.LINKS, v, s) for a, v, s in facts if a != attr]
+    same = [(v, s) for link, v, s in wrong if link == (attr in world_lib.LINKS)]
+    pool = same or [(v, s) for _, v, s in wrong]
+    value, sentence = _pick(rng, pool) if pool and _slip(self.noise, rng) else right[0]
+    return _render("result", value, sentence, self.think)
+
+
+# ------------------------------------------------------------------------------------ driver
+
+
+def _run_sub(expert: SubExpert, subtask: str, tools, rng: Rng, max_turns: int):
+  """One sub episode: (turns, tool replies, validator)."""
+  validator = protocol.EpisodeValidator("sub", max_turns)
+  turns, replies = [], []
+  while not validator.done:
+    text = expert.turn(subtask, replies, rng)
+    turns.append(text)
+    turn = validator.step(text)
+    if not validator.done:
+      replies.append(tools[turn.action](turn.argument))
+  return turns, replies, validator
+
+
+def solve(question: world_lib.Question, index: search_lib.SearchIndex, *, main_noise: float = 0.0,
+          sub_noise: float = 0.0, rng: Rng | None = None, think: bool = True,
+          max_turns: int = 20, search_k: int = 3, max_chars: int = 800) -> dict[str, Any]:
+  """Runs `MainExpert` and `SubExpert` on `question` through `local_tools(index)`.
+
+  Follows the protocol as the rollout engine does, in text: each main turn that delegates
+  runs a whole sub episode, whose result (or `NO_RESULT`) is the main agent's next
+  observation. `max_turns` limits each agent episode. Returns a dict with `answer` (None
+  unless the main episode is format-valid), `correct`, `main_turns`, `observations` (the main
+  agent's tool replies), `main_format_ok`, and per delegation `subtasks`, `sub_episodes`
+  (turn texts), `sub_observations` (tool replies) and `sub_format_ok`.
+  """
+  rng = random.Random(0) if rng is None else rng
+  tools = search_lib.local_tools(index, k=search_k, max_chars=max_chars)
+  main = MainExpert(main_noise, think)
+  sub = SubExpert(sub_noise, think, search_k)
+  validator = protocol.EpisodeValidator("main", max_turns)
+  out = {"main_turns": [], "observations": [], "subtasks": [], "sub_episodes": [],
+         "sub_observations": [], "sub_format_ok": []}  # fmt: skip
+  while not validator.done:
+    text = main.turn(question, out["observations"], rng)
+    out["main_turns"].append(text)
+    turn = validator.step(text)
+    if validator.done:
+      break
+    turns, replies, sub_validator = _run_sub(sub, turn.argument, tools, rng, max_turns)
+    out["subtasks"].append(turn.argument)
+    out["sub_episodes"].append(turns)
+    out["sub_observations"].append(replies)
+    out["sub_format_ok"].append(sub_validator.format_ok)
+    out["observations"].append(sub_validator.final.argument if sub_validator.format_ok
+                               else NO_RESULT)  # fmt: skip
+  answer = validator.final.argument if validator.format_ok else None
+  out.update(answer=answer, main_format_ok=validator.format_ok,
+             correct=answer is not None and exact_match(answer, question.answer))
+  return out
