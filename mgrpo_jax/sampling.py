@@ -95,14 +95,14 @@ def _sample_token(logits_BxV, sp: _SamplingParams, key):
   return token, logp, jnp.where(greedy, 0.0, sample_logp)
 
 
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnames=("cache",))
-def _prefill(config, params, tokens_BxT, lengths_B, offsets_B, cache):
+@functools.partial(jax.jit, static_argnums=(0, 6), donate_argnames=("cache",))
+def _prefill(config, params, tokens_BxT, lengths_B, offsets_B, cache, window):
   """Writes each row's new tokens at positions offset..offset+len-1 of its cache."""
   b, t = tokens_BxT.shape
   positions = offsets_B[:, None] + jnp.arange(t)[None, :]
   last = jnp.maximum(lengths_B - 1, 0)
   logits, cache = qwen3.forward(config, params, tokens_BxT, positions, cache,
-                                logits_idx_B=last)
+                                logits_idx_B=last, attn_window=window)
   return cache, logits[:, 0]
 
 
@@ -118,9 +118,14 @@ class _LoopState:
   budget_B: jax.Array  # max_new_tokens per row.
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4), donate_argnames=("state",))
-def _decode_chunk(config, params, state: _LoopState, sp: _SamplingParams, chunk: int, key):
-  """Up to `chunk` decode steps; exits early once every row has finished."""
+@functools.partial(jax.jit, static_argnums=(0, 4, 6), donate_argnames=("state",))
+def _decode_chunk(config, params, state: _LoopState, sp: _SamplingParams, chunk: int, key,
+                  window: int):
+  """Up to `chunk` decode steps; exits early once every row has finished.
+
+  Attention reads only the first `window` cache slots; the caller picks a window that
+  covers every position this chunk can reach.
+  """
   max_len = state.seqs.max_len
 
   def cond(carry):
@@ -138,8 +143,11 @@ def _decode_chunk(config, params, state: _LoopState, sp: _SamplingParams, chunk:
     logp_all = st.logp_BxN.at[b_idx, col].set(logp, mode="drop")
     slogp_all = st.sample_logp_BxN.at[b_idx, col].set(slogp, mode="drop")
     # Feed the token so the cache always holds every generated token (for `extend`).
-    logits, cache = qwen3.forward(config, params, token[:, None], seqs.lengths_B[:, None],
-                                  seqs.cache)
+    # Stopped rows write nowhere (slot max_len is dropped): their cache may hold real
+    # tokens beyond this chunk's window.
+    pos = jnp.where(running, seqs.lengths_B, max_len)[:, None]
+    logits, cache = qwen3.forward(config, params, token[:, None], pos, seqs.cache,
+                                  attn_window=window)
     n = st.n_B + running
     lengths = seqs.lengths_B + running
     is_stop = jnp.any(token[:, None] == sp.stop_ids[None, :], axis=-1)
@@ -154,6 +162,16 @@ def _decode_chunk(config, params, state: _LoopState, sp: _SamplingParams, chunk:
 
   _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
   return state
+
+
+def _window(end: int, max_len: int) -> int:
+  """The static attention window for positions below `end`.
+
+  Four sizes per octave (multiples of a quarter of the power of two below `end`): at
+  most ~25% of the slots read are unused, and a run compiles only a few windows.
+  """
+  granule = max(64, (1 << (max(end, 1).bit_length() - 1)) // 4)
+  return min(max_len, -(-end // granule) * granule)
 
 
 def _pad_rows(rows: Sequence[Sequence[int]], batch: int, width: int, pad_id: int):
@@ -177,7 +195,8 @@ def prefill(config: Qwen3Config, params: nnx.State, prompts: Sequence[Sequence[i
   lengths[:len(prompts)] = [len(p) for p in prompts]
   cache = qwen3.init_cache(config, b, max_len)
   cache, last_logits = _prefill(config, params, jnp.asarray(tokens), jnp.asarray(lengths),
-                                jnp.zeros(b, jnp.int32), cache)
+                                jnp.zeros(b, jnp.int32), cache,
+                                _window(tokens.shape[1], max_len))
   # Padding rows (batch bucket) hold one dummy token so they stay well-formed.
   return Sequences(cache, jnp.asarray(np.maximum(lengths, 1)), last_logits)
 
@@ -202,8 +221,9 @@ def extend(config: Qwen3Config, params: nnx.State, seqs: Sequences,
   if not counts.any():
     return seqs
   tokens = _pad_rows(new_tokens, b, _bucket(int(counts.max()), 16), pad_id)
+  window = _window(int(lengths.max()) + tokens.shape[1], seqs.max_len)
   cache, last_logits = _prefill(config, params, jnp.asarray(tokens), jnp.asarray(counts),
-                                seqs.lengths_B, seqs.cache)
+                                seqs.lengths_B, seqs.cache, window)
   extended = jnp.asarray(counts > 0)
   next_logits = jnp.where(extended[:, None], last_logits, seqs.next_logits_BxV)
   return Sequences(cache, seqs.lengths_B + jnp.asarray(counts), next_logits)
@@ -252,15 +272,17 @@ def sample(config: Qwen3Config, params: nnx.State, seqs: Sequences, *, num_rows:
                      jnp.zeros((b, n_cols)), jnp.zeros(b, jnp.int32), jnp.asarray(finish),
                      jnp.int32(0), jnp.full(b, max_new_tokens, jnp.int32))
   was_active = finish == RUNNING
-  while True:
-    state = _decode_chunk(config, params, state, sp, chunk, key)
+  lengths = start_lengths
+  while (finish == RUNNING).any():
+    # Rows can grow by at most `chunk` positions in this call; attend to just those slots.
+    window = _window(int(lengths[finish == RUNNING].max()) + chunk + 1, seqs.max_len)
+    state = _decode_chunk(config, params, state, sp, chunk, key, window)
+    lengths = np.asarray(state.seqs.lengths_B)
     finish = np.asarray(state.finish_B)
     if stop_strings:
       state = _apply_stop_strings(state, stop_strings, tokenizer, start_lengths, was_active,
                                   pad_id)
       finish = np.asarray(state.finish_B)
-    if not (finish == RUNNING).any():
-      break
   n = np.asarray(state.n_B)
   seqs = state.seqs
   cut = np.flatnonzero(finish == STOP_STRING)

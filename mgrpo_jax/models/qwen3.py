@@ -93,8 +93,9 @@ class Attention(nnx.Module):
   def __call__(self, x_BxTxD, sin, cos, positions_BxT, key_mask_BxS, cache_kv=None):
     """Returns the attention output and, with a cache, the updated (k, v) of all layers.
 
-    `cache_kv = (k_LxBxKxSxH, v_LxBxKxSxH, layer)`: this layer's new keys and values are
-    written at their positions first, then the queries attend to the whole cache row.
+    `cache_kv = (k_LxBxKxSxH, v_LxBxKxSxH, layer, window)`: this layer's new keys and values
+    are written at their positions first, then the queries attend to the first `window`
+    slots of the cache row (the caller guarantees no position reaches past it).
     """
     cfg, dt = self.cfg, x_BxTxD.dtype
     b, t, _ = x_BxTxD.shape
@@ -107,7 +108,7 @@ class Attention(nnx.Module):
     k = _apply_rope(k, sin, cos)
     new_cache = None
     if cache_kv is not None:
-      ck, cv, layer = cache_kv
+      ck, cv, layer, window = cache_kv
       b_idx = jnp.arange(b)[:, None, None]
       k_idx = jnp.arange(kv)[None, :, None]
       pos = positions_BxT[:, None, :]
@@ -115,7 +116,9 @@ class Attention(nnx.Module):
       ck = ck.at[layer, b_idx, k_idx, pos].set(k.astype(ck.dtype), mode="drop")
       cv = cv.at[layer, b_idx, k_idx, pos].set(v.astype(cv.dtype), mode="drop")
       new_cache = (ck, cv)
-      k, v = ck[layer].astype(dt), cv[layer].astype(dt)
+      # Decode is bound by reading the cache: read only the slots in use (static window).
+      k, v = ck[layer, :, :, :window].astype(dt), cv[layer, :, :, :window].astype(dt)
+      key_mask_BxS = key_mask_BxS[:, :window]
     # Causal over absolute positions, plus key padding: slot s is visible to a
     # query at position p iff s <= p and the slot holds a real token.
     s_idx = jnp.arange(k.shape[2])
@@ -179,7 +182,7 @@ class Qwen3(nnx.Module):
       self.lm_head = nnx.Param(_normal(0.02)(rngs.params(), (cfg.hidden_size, cfg.vocab_size), pd))
 
   def __call__(self, tokens_BxT, positions_BxT, key_mask_BxS, cache: KVCache | None = None,
-               logits_idx_B=None):
+               logits_idx_B=None, attn_window: int | None = None):
     cfg = self.cfg
     dt = cfg.compute_jnp_dtype
     x = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(dt)
@@ -191,13 +194,14 @@ class Qwen3(nnx.Module):
       state_l, layer = xs
       block = nnx.merge(graphdef, state_l)
       x, kv = block(x, sin, cos, positions_BxT, key_mask_BxS,
-                    None if kv is None else (*kv, layer))
+                    None if kv is None else (*kv, layer, window))
       return (x, kv), None
 
     if cfg.remat:
       body = jax.checkpoint(body, prevent_cse=False)
     # The cache rides in the scan carry (not xs/ys) so XLA can update it in place.
     kv = None if cache is None else (cache.k_LxBxKxSxH, cache.v_LxBxKxSxH)
+    window = attn_window or (None if cache is None else cache.max_len)
     (x, kv), _ = jax.lax.scan(body, (x, kv), (layer_state, jnp.arange(cfg.num_layers)))
     if logits_idx_B is not None:
       # Only one position per row needs logits (prefill): skip the [B, T, V] projection.
@@ -238,20 +242,24 @@ def abstract_params(config: Qwen3Config) -> nnx.State:
 
 
 def forward(config: Qwen3Config, params: nnx.State, tokens_BxT, positions_BxT,
-            cache: KVCache | None = None, key_mask_BxS=None, logits_idx_B=None):
+            cache: KVCache | None = None, key_mask_BxS=None, logits_idx_B=None,
+            attn_window: int | None = None):
   """Pure forward: float32 logits [B, T, V] and the updated cache.
 
   Without a cache, keys are the T input tokens and `key_mask_BxS` (S = T) marks the
   real ones. With a cache, tokens are written at `positions_BxT` and attend to all
   cache slots up to their position (a row's earlier slots must hold real tokens).
   With `logits_idx_B`, logits are computed only at that index of each row: [B, 1, V].
+  `attn_window` (static) limits a cached forward to the first slots of the cache; every
+  position written or attended must be below it.
   """
   model = nnx.merge(graphdef(config), params)
   b = tokens_BxT.shape[0]
   s = tokens_BxT.shape[1] if cache is None else cache.max_len
   if key_mask_BxS is None:
     key_mask_BxS = jnp.ones((b, s), bool)
-  return model(tokens_BxT, positions_BxT, key_mask_BxS.astype(bool), cache, logits_idx_B)
+  return model(tokens_BxT, positions_BxT, key_mask_BxS.astype(bool), cache, logits_idx_B,
+               attn_window)
 
 
 def logits(config: Qwen3Config, params: nnx.State, tokens_BxT, mask_BxT):
