@@ -83,16 +83,23 @@ def _filter_logits(logits_BxV, top_k, top_p):
 
 def _sample_token(logits_BxV, sp: _SamplingParams, key):
   """Returns (token, log-prob under logits/T, log-prob under the truncated distribution)."""
-  greedy = sp.temperature <= 0
-  scaled = logits_BxV / jnp.where(greedy, 1.0, sp.temperature)
-  needs_filter = (sp.top_k > 0) | (sp.top_p < 1.0)
-  filtered = jax.lax.cond(needs_filter, _filter_logits, lambda x, *_: x, scaled,
-                          sp.top_k, sp.top_p)
-  sampled = jax.random.categorical(key, filtered, axis=-1)
-  token = jnp.where(greedy, jnp.argmax(logits_BxV, axis=-1), sampled).astype(jnp.int32)
-  logp = jnp.take_along_axis(jax.nn.log_softmax(scaled), token[:, None], axis=-1)[:, 0]
-  sample_logp = jnp.take_along_axis(jax.nn.log_softmax(filtered), token[:, None], axis=-1)[:, 0]
-  return token, logp, jnp.where(greedy, 0.0, sample_logp)
+
+  def greedy(_):
+    token = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+    logp = jnp.take_along_axis(jax.nn.log_softmax(logits_BxV), token[:, None], axis=-1)[:, 0]
+    return token, logp, jnp.zeros_like(logp)
+
+  def sample(_):
+    scaled = logits_BxV / sp.temperature
+    needs_filter = (sp.top_k > 0) | (sp.top_p < 1.0)
+    filtered = jax.lax.cond(needs_filter, _filter_logits, lambda x, *_: x, scaled,
+                            sp.top_k, sp.top_p)
+    token = jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
+    pick = lambda x: jnp.take_along_axis(jax.nn.log_softmax(x), token[:, None], axis=-1)[:, 0]
+    return token, pick(scaled), pick(filtered)
+
+  # A traced branch: greedy skips the random draw and the sort, and never recompiles.
+  return jax.lax.cond(sp.temperature <= 0, greedy, sample, None)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 6), donate_argnames=("cache",))
