@@ -34,6 +34,7 @@ PROTOCOL_TAGS: tuple[str, ...] = (
     "<result>", "</result>",
     "<tool_response>", "</tool_response>",
     "<context>", "</context>",
+    "<python>", "</python>",
 )  # fmt: skip
 
 _ROLES = ("system", "user", "assistant", "tool")

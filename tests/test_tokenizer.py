@@ -86,7 +86,7 @@ def test_byte_ids_and_padding(byte_tok):
     assert byte_tok.eos_id == ids["<|im_end|>"]
     assert byte_tok.pad_id == ids["<pad>"]
     assert byte_tok.stop_ids == (ids["<|im_end|>"], ids["<|endoftext|>"])
-    assert byte_tok.vocab_size == 276
+    assert byte_tok.vocab_size == 278
     assert byte_tok.padded_vocab_size() == 384
     assert byte_tok.padded_vocab_size(8) == 280
     assert isinstance(byte_tok, tk.Tokenizer)

@@ -5,7 +5,8 @@ Two roles speak it (PAPERS.md 1.1). Role names are the strings "main" (M) and "s
 Turn grammar. A turn is the text an agent generates for one assistant message:
 
     turn   := ws [ "<think>" text "</think>" ws ] action ws
-    main   := "<delegate>" subtask "</delegate>" | "<answer>" text "</answer>"
+    main   := "<delegate>" subtask "</delegate>" | "<python>" code "</python>"
+            | "<answer>" text "</answer>"
     sub    := "<search>" text "</search>" | "<visit>" text "</visit>" | "<result>" text "</result>"
     subtask := text [ "<context>" text "</context>" ] text
 
@@ -18,7 +19,8 @@ Turn grammar. A turn is the text an agent generates for one assistant message:
   before parsing, so a turn may be passed with or without the token that closed it.
 
 Actions. "delegate" (M) runs a whole S episode on the subtask, with the context block as S's
-context; "search" and "visit" (S) call a tool. After each of these the environment appends a
+context; "python" (M, the reasoning tool) runs the code in the sandbox and returns its output;
+"search" and "visit" (S) call a tool. After each of these the environment appends a
 tool message (`tool_message`), which Qwen3's chat template renders as a user turn holding
 ``<tool_response>\\n...\\n</tool_response>``; for a delegation its content is S's result.
 "answer" (M) and "result" (S) are final: they end the episode.
@@ -72,7 +74,7 @@ __all__ = [
 ]
 
 ROLES = ("main", "sub")
-ACTIONS = {"main": ("delegate", "answer"), "sub": ("search", "visit", "result")}
+ACTIONS = {"main": ("delegate", "python", "answer"), "sub": ("search", "visit", "result")}
 FINAL_ACTION = {"main": "answer", "sub": "result"}
 _ALL_ACTIONS = {a: role for role, actions in ACTIONS.items() for a in actions}
 _TAG_NAMES = ("think", *_ALL_ACTIONS, "context", "tool_response")
@@ -485,6 +487,7 @@ You are the main agent. Answer the question; a sub-agent can research subtasks f
 Each turn: optionally think in <think>...</think>, then exactly one action:
 <delegate>subtask<context>what the sub-agent needs to know</context></delegate> gives a subtask \
 to the sub-agent (context is optional); its report comes back in <tool_response>...</tool_response>.
+<python>code</python> runs Python and returns what it prints.
 <answer>short final answer</answer> ends the episode.
 Write nothing outside these tags."""
 

@@ -286,12 +286,17 @@ class ColocatedSubAgent:
     return [self.tools[turn.action](turn.argument) for _, turn in pending]
 
 
-def main_tool_fn(service: SubAgentService, *, step: int, limits: Limits) -> ToolFn:
-  """The main agent's tool: each turn's delegations, served as one batch."""
+def main_tool_fn(service: SubAgentService, *, step: int, limits: Limits,
+                 tools: dict | None = None) -> ToolFn:
+  """The main agent's tools: each turn's delegations served as one batch; others by name."""
 
   def tool_fn(pending):
     requests, replies = [], [None] * len(pending)
     for j, (ep, turn) in enumerate(pending):
+      if turn.action != "delegate":
+        tool = (tools or {}).get(turn.action)
+        replies[j] = tool(turn.argument) if tool else f"Error: no {turn.action} tool here."
+        continue
       if ep.delegations >= limits.max_delegations:
         replies[j] = "Delegation limit reached; give your final answer."
         continue
@@ -308,7 +313,7 @@ def main_tool_fn(service: SubAgentService, *, step: int, limits: Limits) -> Tool
 
 def rollout_main(policy: TurnPolicy, service: SubAgentService, questions: Sequence[Any], *,
                  num_rollouts: int, tokenizer: tk.Tokenizer, limits: Limits, key: jax.Array,
-                 step: int = 0) -> list[Episode]:
+                 step: int = 0, tools: dict | None = None) -> list[Episode]:
   """Q questions x K rollouts of the main agent, delegating through `service`.
 
   Returns the Q*K main episodes in (q, k) order; sub-agent episodes stay with the service.
@@ -317,8 +322,8 @@ def rollout_main(policy: TurnPolicy, service: SubAgentService, questions: Sequen
                           call=-1, task=question, max_turns=limits.max_turns,
                           policy_version=policy.version)
               for q, question in enumerate(questions) for k in range(num_rollouts)]
-  return run_episodes(policy, episodes, main_tool_fn(service, step=step, limits=limits),
-                      tokenizer=tokenizer, limits=limits, key=key)
+  tool_fn = main_tool_fn(service, step=step, limits=limits, tools=tools)
+  return run_episodes(policy, episodes, tool_fn, tokenizer=tokenizer, limits=limits, key=key)
 
 
 def to_batch(episodes: Sequence[Episode], *, length: int, pad_id: int) -> dict[str, np.ndarray]:

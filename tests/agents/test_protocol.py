@@ -428,7 +428,8 @@ def test_continuation_text_refuses_a_template_that_is_not_prefix_stable():
 
 def test_stop_token_ids(any_tok):
   ids = pr.stop_token_ids(any_tok, "main")
-  assert ids[:2] == (any_tok.token_id("</delegate>"), any_tok.token_id("</answer>"))
+  assert ids[:3] == (any_tok.token_id("</delegate>"), any_tok.token_id("</python>"),
+                     any_tok.token_id("</answer>"))
   assert set(any_tok.stop_ids) <= set(ids) and len(set(ids)) == len(ids)
   assert pr.stop_strings("sub") == ("</search>", "</visit>", "</result>", "<|im_end|>",
                                     "<|endoftext|>")

@@ -1,0 +1,29 @@
+"""The main agent's reasoning tool: Python run in the sandbox, never in this process."""
+
+from mgrpo_jax import sandbox
+from mgrpo_jax.envs.search import truncate
+
+
+class PythonTool:
+  """`tool(code) -> text`: what the program printed, or why it failed. Never raises."""
+
+  name = "python"
+
+  def __init__(self, *, timeout_s: float = 5.0, memory_mb: int = 256, max_chars: int = 400):
+    self.timeout_s, self.memory_mb, self.max_chars = timeout_s, memory_mb, max_chars
+
+  def __call__(self, code) -> str:
+    if not isinstance(code, str) or not code.strip():
+      return "Error: empty program."
+    try:
+      res = sandbox.run(code, timeout_s=self.timeout_s, memory_mb=self.memory_mb,
+                        max_output_bytes=4 * self.max_chars)
+    except sandbox.SandboxError as e:  # The sandbox failed, not the program: say so.
+      return f"Error: the sandbox could not run the program ({e})."
+    if res.ok:
+      return truncate(res.stdout.strip() or "(no output)", self.max_chars)
+    # The last lines of a traceback carry the exception: keep the tail within the budget.
+    head = f"Error ({res.status}): "
+    detail = res.stderr.strip() or res.status
+    budget = max(self.max_chars - len(head), 16)
+    return head + (detail if len(detail) <= budget else "..." + detail[-budget + 3:])
