@@ -1,0 +1,130 @@
+"""From episodes to training batches: rewards, alignment and hierarchical advantages.
+
+The glue between the rollout engine's episode records and the pure maths of
+`rewards`, `alignment` and `advantages` (PAPERS.md 1.2-1.4):
+
+  R_M[Q, K]      main reward of each rollout             -> A_M = group_advantages(R_M)
+  R_S per call   sub reward, using R_M's correctness      (ragged: d[q, k] calls)
+  align(d, D)    fixed [Q, K, D] rows into each rollout's own calls
+  A_S            group_advantages(R_S[aligned], valid) per query over its K*D rows
+"""
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mgrpo_jax.rl import advantages, alignment, rewards
+
+
+@dataclasses.dataclass
+class MainOutcome:
+  """Per-rollout outcome [Q, K]: what the sub-agent needs, and what is logged."""
+
+  reward: np.ndarray
+  correct: np.ndarray
+  format_ok: np.ndarray
+
+
+def main_outcomes(episodes: Sequence[Any], answers: Sequence[Any], q: int, k: int, *,
+                  alpha=(0.1, 0.9), judge=None) -> MainOutcome:
+  """R_M = alpha1 * r_format + alpha2 * r_correct (correctness gated on format).
+
+  `episodes` are in (q, k) order with `.final` and `.format_ok`; `answers[q]` is the gold
+  answer (a string or a list of accepted strings).
+  """
+  fmt = np.zeros((q, k), np.float32)
+  correct = np.zeros((q, k), np.float32)
+  for ep in episodes:
+    fmt[ep.q, ep.k] = float(ep.format_ok)
+    if ep.format_ok:
+      correct[ep.q, ep.k] = rewards.correctness(ep.final, answers[ep.q], judge=judge)
+  reward = np.asarray(rewards.main_reward(fmt, correct, alpha=alpha), np.float32)
+  return MainOutcome(reward, correct, fmt)
+
+
+def sub_rewards(sub_episodes: Sequence[Any], outcome: MainOutcome, *, beta=(0.1, 0.9, 0.0),
+                expert_score: Callable[[Any], float] | None = None) -> np.ndarray:
+  """R_S of each sub episode: beta1 * r_format(S) + beta2 * r_correct(M) + beta3 * r_expert(S).
+
+  r_correct(M) is the outcome of the main rollout the call belonged to; the whole reward is
+  0 when S's own format is invalid. `expert_score(episode)` is only called when beta3 != 0.
+  """
+  out = np.zeros(len(sub_episodes), np.float32)
+  for i, ep in enumerate(sub_episodes):
+    expert = expert_score(ep) if (beta[2] and expert_score is not None) else 0.0
+    out[i] = rewards.sub_reward(float(ep.format_ok), outcome.correct[ep.q, ep.k], expert,
+                                beta=beta)
+  return out
+
+
+@dataclasses.dataclass
+class AlignedSub:
+  """Sub-agent rows [Q, K, D] ready for a batch: episode per row (None = invalid)."""
+
+  episodes: list  # Flat Q*K*D, (q, k, d) order.
+  rewards_QxKxD: np.ndarray
+  valid_QxKxD: np.ndarray
+  advantages_QxKxD: np.ndarray
+  stats: dict
+
+
+def align_sub(sub_episodes: Sequence[Any], sub_rewards_N: np.ndarray, q: int, k: int, d: int,
+              key: jax.Array, *, on_empty: str = "mask", scale: str = "std",
+              eps: float = 1e-6) -> AlignedSub:
+  """Trajectory alignment and the per-query group advantages of the sub-agent."""
+  calls = [[[] for _ in range(k)] for _ in range(q)]
+  for ep, r in zip(sub_episodes, sub_rewards_N):
+    calls[ep.q][ep.k].append((ep.call, ep, float(r)))
+  for row in calls:
+    for c in row:
+      c.sort(key=lambda t: t[0])  # Call order, whatever order the service returned them in.
+  counts = np.array([[len(c) for c in row] for row in calls], np.int32)
+  if on_empty == "borrow":
+    src_k, index, valid = alignment.align_borrow(jnp.asarray(counts), d, key)
+    src_k = np.asarray(src_k)
+  else:
+    index, valid = alignment.align(jnp.asarray(counts), d, key, on_empty=on_empty)
+    src_k = np.broadcast_to(np.arange(k)[None, :, None], (q, k, d))
+  index, valid = np.asarray(index), np.asarray(valid)
+  eps_rows, rew = [], np.zeros((q, k, d), np.float32)
+  for qi in range(q):
+    for ki in range(k):
+      for di in range(d):
+        if valid[qi, ki, di]:
+          _, ep, r = calls[qi][src_k[qi, ki, di]][index[qi, ki, di]]
+          eps_rows.append(ep)
+          rew[qi, ki, di] = r
+        else:
+          eps_rows.append(None)
+  adv = np.asarray(advantages.group_advantages(jnp.asarray(rew), valid=jnp.asarray(valid),
+                                               scale=scale, eps=eps))
+  stats = {f"align/{k_}": v for k_, v in alignment.alignment_stats(counts, d).items()}
+  return AlignedSub(eps_rows, rew, valid, adv, stats)
+
+
+def batch_length(episodes: Sequence[Any], max_len: int, minimum: int = 128) -> int:
+  """A padded length for a batch: the next power of two, so few shapes are compiled."""
+  longest = max([len(e.tokens) for e in episodes if e is not None] + [1])
+  return min(max_len, max(minimum, 1 << (longest - 1).bit_length()))
+
+
+def make_batch(episodes: Sequence[Any], adv_B: np.ndarray, *, length: int,
+               pad_id: int) -> dict[str, np.ndarray]:
+  """The train-step batch (see rl.train_step); `None` rows are fully masked padding."""
+  b = len(episodes)
+  tokens = np.full((b, length), pad_id, np.int32)
+  mask = np.zeros((b, length), np.float32)
+  old = np.zeros((b, length), np.float32)
+  for i, ep in enumerate(episodes):
+    if ep is None:
+      continue
+    n = len(ep.tokens)
+    if n > length:
+      raise ValueError(f"Episode (q={ep.q}, k={ep.k}, call={ep.call}) has {n} tokens; the "
+                       f"batch length is {length}.")
+    tokens[i, :n], mask[i, :n], old[i, :n] = ep.tokens, ep.loss_mask, ep.logprobs
+  adv = np.where(np.asarray([e is not None for e in episodes]), adv_B, 0.0)
+  return {"tokens": tokens, "loss_mask": mask, "old_logp": old, "adv": adv.astype(np.float32)}
