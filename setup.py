@@ -6,7 +6,7 @@ setuptools.setup(
     name="mgrpo_jax",
     version="0.1.0",
     description="Multi-agent GRPO (M-GRPO, MAGRPO) for Qwen3 in JAX + Flax NNX.",
-    packages=setuptools.find_packages(include=["mgrpo_jax", "mgrpo_jax.*"]),
+    packages=setuptools.find_packages(include=["mgrpo_jax", "mgrpo_jax.*", "configs"]),
     python_requires=">=3.10",
     install_requires=[
         "absl-py",
@@ -21,6 +21,8 @@ setuptools.setup(
         "tensorstore",
         "tokenizers",
         "tqdm",
+        "tensorboardX",  # TensorBoard event files from the training loops.
+        "matplotlib",  # Learning-curve PNGs.
         # Tokenizers with chat templates and HF checkpoint writing.
         "transformers>=4.51",
     ],

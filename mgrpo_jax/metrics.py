@@ -1,0 +1,233 @@
+"""Run metrics: a JSON-lines file and TensorBoard scalars, a progress bar, late fetching.
+
+`workdir/metrics.jsonl` holds one JSON object per written step, e.g.
+`{"step": 3, "main/reward": 0.5, "eval/accuracy": 0.25}`; keys that are measured only
+sometimes (evaluation) appear only on those lines. Non-finite floats are written as
+the strings "nan", "inf" and "-inf" (strict JSON has no NaN), and `read_metrics`
+turns them back into floats, so the file stays valid JSON and nothing is lost.
+"""
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+import tqdm
+from absl import logging
+
+METRICS_FILE = "metrics.jsonl"
+_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def _to_py(x):
+  """A JSON-ready Python value: jax/numpy scalars unboxed, non-finite floats as strings."""
+  if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+    x = np.asarray(x)
+    x = x.item() if x.ndim == 0 else x.tolist()
+  if isinstance(x, (list, tuple)):
+    return [_to_py(v) for v in x]
+  if isinstance(x, float) and not math.isfinite(x):
+    return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+  if x is None or isinstance(x, (bool, int, float, str)):
+    return x
+  raise TypeError(f"Metric value of type {type(x).__name__} is not a number, string or list.")
+
+
+def flatten(metrics: Mapping, prefix: str = "") -> dict:
+  """{"main": {"loss": 1}} -> {"main/loss": 1}."""
+  out = {}
+  for k, v in metrics.items():
+    name = f"{prefix}{k}"
+    if isinstance(v, Mapping):
+      out.update(flatten(v, name + "/"))
+    else:
+      out[name] = v
+  return out
+
+
+def _from_json(x):
+  if isinstance(x, str) and x in _NONFINITE:
+    return _NONFINITE[x]
+  if isinstance(x, list):
+    return [_from_json(v) for v in x]
+  return x
+
+
+def _read_lines(path: str) -> list[dict]:
+  """Records of a metrics file; a torn last line (crash mid-write) is skipped."""
+  records = []
+  with open(path) as f:
+    for i, line in enumerate(f):
+      if not line.strip():
+        continue
+      try:
+        records.append(json.loads(line))
+      except json.JSONDecodeError:
+        logging.warning("Skipping unreadable line %d of %s.", i + 1, path)
+  return records
+
+
+def read_metrics(workdir: str) -> list[dict]:
+  """All records of `workdir/metrics.jsonl` (or of that file itself), in file order."""
+  path = workdir if os.path.isfile(workdir) else os.path.join(workdir, METRICS_FILE)
+  return [{k: _from_json(v) for k, v in r.items()} for r in _read_lines(path)]
+
+
+class MetricsWriter:
+  """Appends per-step metrics to `workdir/metrics.jsonl` and TensorBoard (`workdir/tb/`).
+
+  Each `write` is flushed to the OS at once, so a crashed process loses nothing it
+  wrote. Only process 0 writes (others are silent) unless `enabled` says otherwise.
+  """
+
+  def __init__(self, workdir: str, *, tensorboard: bool = True, enabled: bool | None = None):
+    self.workdir = workdir
+    self.path = os.path.join(workdir, METRICS_FILE)
+    self.enabled = jax.process_index() == 0 if enabled is None else enabled
+    self._tensorboard = tensorboard and self.enabled
+    self._file = self._tb = None
+    if self.enabled:
+      os.makedirs(workdir, exist_ok=True)
+      self._file = open(self.path, "a")
+      self._open_tb()
+
+  def _open_tb(self, purge_step: int | None = None):
+    if not self._tensorboard:
+      return
+    try:
+      from tensorboardX import SummaryWriter  # Imported late: it is slow and optional.
+    except ImportError:
+      logging.warning("tensorboardX is not installed; metrics go to %s only.", self.path)
+      self._tensorboard = False
+      return
+    if self._tb is not None:
+      self._tb.close()
+    # purge_step tells TensorBoard to hide events at and after it from a crashed run.
+    self._tb = SummaryWriter(os.path.join(self.workdir, "tb"), purge_step=purge_step)
+
+  def write(self, step: int, metrics: Mapping[str, Any]):
+    """Writes one record {"step": step, **metrics}; nested dicts become "a/b" keys."""
+    if not self.enabled:
+      return
+    flat = flatten(metrics)
+    if "step" in flat:
+      raise ValueError("Metric name 'step' is reserved for the step number.")
+    record = {"step": int(step), **{k: _to_py(v) for k, v in flat.items()}}
+    self._file.write(json.dumps(record, allow_nan=False) + "\n")
+    self._file.flush()
+    if self._tb is not None:
+      for k, v in record.items():
+        v = _from_json(v)  # TensorBoard plots NaN/inf natively.
+        if k != "step" and isinstance(v, (bool, int, float)):
+          self._tb.add_scalar(k, float(v), int(step))
+      self._tb.flush()
+
+  def truncate_after(self, step: int):
+    """Drops records of steps > `step` (a resumed run rewrites them), and torn lines.
+
+    The file is rewritten to a temporary name and renamed over the old one, so a
+    crash here leaves either the old or the new file, never a mix.
+    """
+    if not self.enabled:
+      return
+    self._file.close()
+    kept = [r for r in _read_lines(self.path) if int(r["step"]) <= step]
+    tmp = self.path + ".tmp"
+    with open(tmp, "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in kept)
+    os.replace(tmp, self.path)
+    self._file = open(self.path, "a")
+    self._open_tb(purge_step=step + 1)
+
+  def close(self):
+    if self._file is not None:
+      self._file.close()
+      self._file = None
+    if self._tb is not None:
+      self._tb.close()
+      self._tb = None
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+
+def _format(v) -> str:
+  if isinstance(v, float) or isinstance(v, (np.floating, jax.Array)):
+    return f"{float(v):.4g}"
+  return str(v)
+
+
+class Progress:
+  """A tqdm bar with ETA and a few metrics, shown only on a terminal.
+
+  In CI logs (stderr not a TTY) the bar is off unless `force=True`; with
+  `log_every=N` a plain absl log line with rate, ETA and the metrics is written
+  every N steps instead.
+  """
+
+  def __init__(self, total: int, initial: int = 0, desc: str = "", *, force: bool | None = None,
+               log_every: int | None = None):
+    enabled = sys.stderr.isatty() if force is None else force
+    self._bar = tqdm.tqdm(total=total, initial=initial, desc=desc, disable=not enabled,
+                          dynamic_ncols=True, smoothing=0.1)
+    self.total, self.n, self._start_n, self.desc = total, initial, initial, desc
+    self._log_every = log_every
+    self._t0 = time.monotonic()
+    self._postfix = {}
+
+  def postfix(self, metrics: Mapping[str, Any]):
+    """Shows `metrics` (pick a few: reward, accuracy) after the bar."""
+    self._postfix = {k: _format(v) for k, v in metrics.items()}
+    self._bar.set_postfix(self._postfix, refresh=False)
+
+  def update(self, n: int = 1, metrics: Mapping[str, Any] | None = None):
+    """Advances by `n` steps, optionally replacing the shown metrics."""
+    if metrics is not None:
+      self.postfix(metrics)
+    self.n += n
+    self._bar.update(n)
+    if self._log_every and self._bar.disable and self.n % self._log_every == 0:
+      logging.info("%s", self.summary())
+
+  def summary(self) -> str:
+    """'desc 12/100 (0.5 step/s, ETA 02:56) key=value ...' for logs."""
+    elapsed = time.monotonic() - self._t0
+    rate = (self.n - self._start_n) / elapsed if elapsed > 0 else 0.0
+    eta = tqdm.tqdm.format_interval((self.total - self.n) / rate) if rate > 0 else "?"
+    post = " ".join(f"{k}={v}" for k, v in self._postfix.items())
+    return f"{self.desc} {self.n}/{self.total} ({rate:.3g} step/s, ETA {eta}) {post}".strip()
+
+  def close(self):
+    self._bar.close()
+
+
+class DeferredMetrics:
+  """Hands back each step's metrics one step late, so fetching never stalls dispatch.
+
+  `push(step, device_metrics)` starts the device-to-host copy of this step's
+  metrics and returns the previous step's, by then usually computed and copied:
+  the host never waits on the step it just dispatched. Call `flush()` after the loop.
+  """
+
+  def __init__(self):
+    self._pending = None
+
+  def push(self, step: int, metrics) -> tuple[int, Any] | None:
+    """Queues (step, metrics); returns the previously queued pair, fetched, or None."""
+    for x in jax.tree.leaves(metrics):
+      if isinstance(x, jax.Array):
+        x.copy_to_host_async()
+    previous, self._pending = self._pending, (step, metrics)
+    return None if previous is None else (previous[0], jax.device_get(previous[1]))
+
+  def flush(self) -> tuple[int, Any] | None:
+    """Returns the last queued pair, fetched (None when nothing is queued)."""
+    previous, self._pending = self._pending, None
+    return None if previous is None else (previous[0], jax.device_get(previous[1]))

@@ -1,0 +1,151 @@
+"""Metrics files, TensorBoard output, late fetching, progress logging and curve plots."""
+
+import glob
+import json
+import math
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mgrpo_jax import metrics, plotting
+
+
+def _lines(workdir):
+  with open(os.path.join(workdir, metrics.METRICS_FILE)) as f:
+    return f.read().splitlines()
+
+
+def test_jsonl_is_strict_json_with_steps(tmp_path):
+  with metrics.MetricsWriter(str(tmp_path)) as w:
+    w.write(0, {"loss": jnp.float32(0.5), "count": np.int64(3), "ok": jnp.bool_(True),
+                "main": {"reward": 1.0}, "name": "x", "hist": np.array([1.0, np.inf])})
+    w.write(1, {"loss": float("nan"), "up": np.float32(np.inf), "down": -math.inf})
+    # Written and flushed before close: a crash after `write` loses nothing.
+    assert len(_lines(tmp_path)) == 2
+  lines = _lines(tmp_path)
+  # Strict parsing: NaN/Infinity literals would be rejected here.
+  strict = [json.loads(l, parse_constant=lambda c: pytest.fail(f"non-JSON {c}")) for l in lines]
+  assert strict[0] == {"step": 0, "loss": 0.5, "count": 3, "ok": True, "main/reward": 1.0,
+                       "name": "x", "hist": [1.0, "inf"]}
+  assert type(strict[0]["count"]) is int and type(strict[0]["loss"]) is float
+  assert strict[1] == {"step": 1, "loss": "nan", "up": "inf", "down": "-inf"}
+  back = metrics.read_metrics(str(tmp_path))
+  assert math.isnan(back[1]["loss"]) and back[1]["up"] == math.inf and back[1]["down"] == -math.inf
+  assert back[0]["hist"] == [1.0, math.inf]
+
+
+def test_reserved_step_key(tmp_path):
+  with metrics.MetricsWriter(str(tmp_path), tensorboard=False) as w:
+    with pytest.raises(ValueError):
+      w.write(0, {"step": 1})
+
+
+def test_tensorboard_events_written(tmp_path):
+  with metrics.MetricsWriter(str(tmp_path)) as w:
+    w.write(0, {"main/reward": 0.25, "name": "not a scalar"})
+  events = glob.glob(os.path.join(tmp_path, "tb", "events.out.tfevents.*"))
+  assert events and os.path.getsize(events[0]) > 0
+  with open(events[0], "rb") as f:
+    assert b"main/reward" in f.read()
+
+
+def test_truncate_after_resume(tmp_path):
+  workdir = str(tmp_path)
+  with metrics.MetricsWriter(workdir, tensorboard=False) as w:
+    for step in range(5):
+      w.write(step, {"x": step})
+  with open(os.path.join(workdir, metrics.METRICS_FILE), "a") as f:
+    f.write('{"step": 5, "x"')  # Torn by a crash mid-write.
+  # Resume from a checkpoint taken after step 2: steps 3.. are redone.
+  with metrics.MetricsWriter(workdir, tensorboard=False) as w:
+    w.truncate_after(2)
+    for step in range(3, 6):
+      w.write(step, {"x": 10 * step})
+  records = metrics.read_metrics(workdir)
+  assert [r["step"] for r in records] == [0, 1, 2, 3, 4, 5]
+  assert [r["x"] for r in records] == [0, 1, 2, 30, 40, 50]
+  assert all(json.loads(l) for l in _lines(workdir))
+
+
+def test_truncate_everything_on_fresh_start(tmp_path):
+  with metrics.MetricsWriter(str(tmp_path)) as w:
+    w.write(0, {"x": 1})
+    w.truncate_after(-1)
+    w.write(0, {"x": 2})
+  assert metrics.read_metrics(str(tmp_path)) == [{"step": 0, "x": 2}]
+
+
+def test_disabled_writer_writes_nothing(tmp_path):
+  w = metrics.MetricsWriter(str(tmp_path / "w"), enabled=False)
+  w.write(0, {"x": 1})
+  w.truncate_after(0)
+  w.close()
+  assert not os.path.exists(tmp_path / "w")
+
+
+def test_deferred_metrics_one_step_late():
+  d = metrics.DeferredMetrics()
+  assert d.push(0, {"loss": jnp.float32(0.0)}) is None
+  step, m = d.push(1, {"loss": jnp.float32(1.0)})
+  assert step == 0 and m["loss"] == 0.0 and isinstance(m["loss"], np.ndarray | np.generic)
+  step, m = d.push(2, {"loss": jnp.float32(2.0)})
+  assert step == 1 and m["loss"] == 1.0
+  step, m = d.flush()
+  assert step == 2 and m["loss"] == 2.0
+  assert d.flush() is None
+
+
+def test_progress_logs_when_not_a_tty(caplog):
+  caplog.set_level("INFO")
+  p = metrics.Progress(10, initial=4, desc="train", force=False, log_every=2)
+  p.update(1, {"reward": 0.123456})
+  p.update(1)
+  p.close()
+  lines = [r.getMessage() for r in caplog.records if "train" in r.getMessage()]
+  assert len(lines) == 1 and "6/10" in lines[0] and "reward=0.1235" in lines[0]
+  assert "ETA" in lines[0]
+
+
+def _fake_run(root, name, steps, slope, eval_every=2):
+  workdir = os.path.join(root, name)
+  with metrics.MetricsWriter(workdir, tensorboard=False) as w:
+    for s in range(steps):
+      m = {"main/reward": slope * s}
+      if s % eval_every == 0:
+        m["eval/accuracy"] = 0.1 * s
+      w.write(s, m)
+  return workdir
+
+
+def test_plot_curves_png(tmp_path):
+  runs = [_fake_run(tmp_path, "mgrpo", 10, 0.1), _fake_run(tmp_path, "grpo", 6, 0.05)]
+  out = plotting.plot_curves(runs, ["main/reward", "eval/accuracy"], str(tmp_path / "c.png"),
+                             smooth=0.5)
+  with open(out, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_grouped_seeds(tmp_path):
+  runs = [_fake_run(tmp_path, f"mgrpo_seed{i}", 8 + i, 0.1 * (i + 1)) for i in range(3)]
+  out = plotting.plot_curves(runs, None, str(tmp_path / "g.png"), group_by="_seed")
+  with open(out, "rb") as f:
+    assert f.read(4) == b"\x89PNG"
+  # Grouping aligns on the steps every seed reached.
+  curves = [plotting.series(metrics.read_metrics(r), "eval/accuracy") for r in runs]
+  steps, stack = plotting._aligned(curves)
+  np.testing.assert_array_equal(steps, [0, 2, 4, 6])
+  assert stack.shape == (3, 4)
+
+
+def test_series_skips_missing_and_nonfinite():
+  records = [{"step": 0, "a": 1.0}, {"step": 1}, {"step": 2, "a": math.nan}, {"step": 3, "a": 4}]
+  steps, values = plotting.series(records, "a")
+  np.testing.assert_array_equal(steps, [0, 3])
+  np.testing.assert_array_equal(values, [1.0, 4.0])
+
+
+def test_ema_debiased():
+  np.testing.assert_allclose(plotting.ema(np.array([2.0, 2.0, 2.0]), 0.9), [2.0, 2.0, 2.0])
+  np.testing.assert_allclose(plotting.ema(np.array([0.0, 1.0]), 0.5), [0.0, 0.5 / 0.75])
