@@ -1,15 +1,17 @@
-"""Scripted experts for both agents: text-level policies that act through the real tools.
+"""Scripted experts for every role: text-level policies that act through the real tools.
 
 `MainExpert` plans a world question from its hop chain (the decomposition, never the
 answers), delegates one one-hop subquestion per hop and answers with the last sub-agent
 result; a later hop names whatever the previous result said, so a wrong sub-agent makes a
 wrong main agent, as with a real one. `SubExpert` parses its subquestion, searches for the
 entity, visits the hit titled with that name and reads the answer out of the document text
-with the world's fact-sentence patterns. Both are stateless: every call gets the task and the
-tool replies seen so far, and returns the next turn's text (`protocol.render_action`), so an
+with the world's fact-sentence patterns. `SingleExpert`, the single-agent baseline
+(PAPERS.md 1.7), does both jobs itself: it walks the hop chain with search, visit and the
+sub-agent's reading, and answers. All are stateless: every call gets the task and the tool
+replies seen so far, and returns the next turn's text (`protocol.render_action`), so an
 engine can interleave many episodes. With `noise` > 0 each decision is, with that
-probability, a plausible mistake in a still valid turn. `solve` runs both on one question in
-plain Python, for tests, SFT data previews and docs.
+probability, a plausible mistake in a still valid turn. `solve` runs main and sub on one
+question in plain Python, `solve_single` the single agent, for tests, SFT data previews and docs.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from mgrpo_jax.envs import world as world_lib
 from mgrpo_jax.rl.rewards import exact_match, normalize_answer
 
 __all__ = [
-  "ENTITY_SLOT", "NO_RESULT", "UNKNOWN", "MainExpert", "SubExpert", "extract_facts",
-  "fill_template", "hop_template", "parse_hits", "parse_subquestion", "parse_visit", "solve",
+  "ENTITY_SLOT", "NO_RESULT", "UNKNOWN", "MainExpert", "SingleExpert", "SubExpert",
+  "extract_facts", "fill_template", "hop_template", "parse_hits", "parse_subquestion",
+  "parse_visit", "solve", "solve_single",
 ]
 
 ENTITY_SLOT = "{entity}"  # where `hop_template` leaves the entity out; no question has braces
@@ -156,6 +159,43 @@ def _render(action: str, argument: str, thought: str, think: bool) -> str:
   return protocol.render_action(action, argument, think=thought if think else None)
 
 
+def _choose_hit(entity: str, reply: str, search_k: int, noise: float, rng: Rng) -> str | None:
+  """The doc id to visit for `entity`, from a search reply; None when no hit has its title.
+
+  That is the hit titled with the entity or, as a slip (probability `noise`), another of the
+  top `search_k` hits.
+  """
+  hits = parse_hits(reply)[:search_k]
+  own = next((doc for doc, title in hits if title.strip().lower() == entity.lower()), None)
+  if own is None:
+    return None
+  others = [doc for doc, _ in hits if doc != own]
+  return _pick(rng, others) if others and _slip(noise, rng) else own
+
+
+def _read_fact(entity: str, attr: str, reply: str, noise: float,
+               rng: Rng) -> tuple[str | None, str]:
+  """(value, the sentence stating it) of `attr` in a visit reply; (None, why not) if absent.
+
+  The value is that of the page's own subject. A slip (probability `noise`) reads another
+  fact's value, preferring one of the same type (a name for a link).
+  """
+  page = parse_visit(reply)
+  if page is None:
+    return None, f"Could not read a page about {entity}."
+  _, title, text = page
+  # Facts about the page's own subject: on a wrong page they give a wrong answer of the
+  # right type, the mistake a careless reader makes.
+  facts = extract_facts(text, title)
+  right = [(v, s) for a, v, s in facts if a == attr]
+  if not right:
+    return None, f"No {_words(attr)} of {title} here."
+  wrong = [(a in world_lib.LINKS, v, s) for a, v, s in facts if a != attr]
+  same = [(v, s) for link, v, s in wrong if link == (attr in world_lib.LINKS)]
+  pool = same or [(v, s) for _, v, s in wrong]
+  return _pick(rng, pool) if pool and _slip(noise, rng) else right[0]
+
+
 def _failed(observation: str) -> bool:
   """True when a delegation brought back no usable result."""
   low = observation.lower()
@@ -239,46 +279,92 @@ class SubExpert:
     return self._report(entity, attr, observations[-1], rng)
 
   def _visit(self, entity: str, reply: str, rng: Rng) -> str:
-    hits = parse_hits(reply)[: self.search_k]
-    own = next((doc for doc, title in hits if title.strip().lower() == entity.lower()), None)
-    if own is None:
+    doc = _choose_hit(entity, reply, self.search_k, self.noise, rng)
+    if doc is None:
       return _render("result", UNKNOWN, f"No document about {entity}.", self.think)
-    others = [doc for doc, _ in hits if doc != own]
-    doc = _pick(rng, others) if others and _slip(self.noise, rng) else own
     return _render("visit", doc, f"{entity}: {doc}.", self.think)
 
   def _report(self, entity: str, attr: str, reply: str, rng: Rng) -> str:
-    page = parse_visit(reply)
-    if page is None:
-      return _render("result", UNKNOWN, f"Could not read a page about {entity}.", self.think)
-    _, title, text = page
-    # Facts about the page's own subject: on a wrong page they give a wrong answer of the
-    # right type, the mistake a careless reader makes.
-    facts = extract_facts(text, title)
-    right = [(v, s) for a, v, s in facts if a == attr]
-    if not right:
-      return _render("result", UNKNOWN, f"No {_words(attr)} of {title} here.", self.think)
-    # A slip reports another fact, preferring one of the same type (a name for a link).
-    wrong = [(a in world_lib.LINKS, v, s) for a, v, s in facts if a != attr]
-    same = [(v, s) for link, v, s in wrong if link == (attr in world_lib.LINKS)]
-    pool = same or [(v, s) for _, v, s in wrong]
-    value, sentence = _pick(rng, pool) if pool and _slip(self.noise, rng) else right[0]
-    return _render("result", value, sentence, self.think)
+    value, sentence = _read_fact(entity, attr, reply, self.noise, rng)
+    return _render("result", UNKNOWN if value is None else value, sentence, self.think)
+
+
+def _chain(question: world_lib.Question | str) -> tuple[str, list[tuple[str, str]]] | None:
+  """(first entity, [(subquestion template, attribute) per hop]) of a question, else None.
+
+  A question without a chain (plain text) is one hop when it is in the world's wording.
+  """
+  if not isinstance(question, str) and question.hops:
+    return question.hops[0].entity, [(hop_template(h)[0], h.attribute) for h in question.hops]
+  text = " ".join((question if isinstance(question, str) else question.text).split())
+  parsed = parse_subquestion(text)
+  if parsed is None:
+    return None
+  entity, attr = parsed
+  return entity, [(text.replace(entity, ENTITY_SLOT, 1), attr)]
+
+
+@dataclasses.dataclass(frozen=True)
+class SingleExpert:
+  """One agent with every tool (PAPERS.md 1.7): per hop a search, a visit and a read; then answer.
+
+  For each hop of the chain it searches the hop's entity, visits the hit titled with it and
+  reads the hop's attribute off the page as `SubExpert` does; the value read is the next
+  hop's entity, and the last one is the answer. Turn i is decided by i = len(observations):
+  hop i // 2, a search when i is even, a visit when it is odd. Values of hops already done
+  are read again from their pages, never remembered. Mistakes (probability `noise` per
+  decision): visit another hit; answer early with the value just read; at the last hop, read
+  another fact's value. Only the decision being made draws from `rng`, so rereading a page
+  gives the value the episode went on with. Fails softly: a missing hit, page or fact, or a
+  question it cannot parse, is answered `UNKNOWN`.
+  """
+
+  noise: float = 0.0
+  think: bool = True
+  search_k: int = 3
+
+  def turn(self, question: world_lib.Question | str, observations: Sequence[str], rng: Rng) -> str:
+    """The next turn, given the tool replies so far (a search and a visit reply per hop)."""
+    chain, think = _chain(question), self.think
+    if chain is None:
+      return _render("answer", UNKNOWN, "Not a question I can look up.", think)
+    entity, steps = chain
+    n = len(steps)
+    hop, searched = divmod(len(observations), 2)
+    for j in range(min(hop, n)):
+      fresh = j == hop - 1 and not searched  # this turn is the first to read page j
+      last = j == n - 1
+      value, sentence = _read_fact(entity, steps[j][1], observations[2 * j + 1],
+                                   self.noise if fresh and last else 0.0, rng)
+      if value is None:
+        return _render("answer", UNKNOWN, sentence, think)
+      if last or (fresh and _slip(self.noise, rng)):
+        thought = sentence if last else f"Step {j + 1} of {n} is enough."
+        return _render("answer", value, thought, think)
+      entity = value
+    if not searched:
+      goal = fill_template(steps[hop][0], entity)
+      return _render("search", entity, f"Step {hop + 1} of {n}: {goal}", think)
+    doc = _choose_hit(entity, observations[-1], self.search_k, self.noise, rng)
+    if doc is None:
+      return _render("answer", UNKNOWN, f"No document about {entity}.", think)
+    return _render("visit", doc, f"{entity}: {doc}.", think)
 
 
 # ------------------------------------------------------------------------------------ driver
 
 
-def _run_sub(expert: SubExpert, subtask: str, tools, rng: Rng, max_turns: int):
-  """One sub episode: (turns, tool replies, validator)."""
-  validator = protocol.EpisodeValidator("sub", max_turns)
+def _run_tools(expert, role: str, task, tools, rng: Rng, max_turns: int):
+  """One episode of an expert that calls `tools` itself: (turns, tool replies, validator)."""
+  validator = protocol.EpisodeValidator(role, max_turns)
   turns, replies = [], []
   while not validator.done:
-    text = expert.turn(subtask, replies, rng)
+    text = expert.turn(task, replies, rng)
     turns.append(text)
     turn = validator.step(text)
     if not validator.done:
-      replies.append(tools[turn.action](turn.argument))
+      tool = tools.get(turn.action)
+      replies.append(tool(turn.argument) if tool else f"Error: no {turn.action} tool here.")
   return turns, replies, validator
 
 
@@ -307,7 +393,7 @@ def solve(question: world_lib.Question, index: search_lib.SearchIndex, *, main_n
     turn = validator.step(text)
     if validator.done:
       break
-    turns, replies, sub_validator = _run_sub(sub, turn.argument, tools, rng, max_turns)
+    turns, replies, sub_validator = _run_tools(sub, "sub", turn.argument, tools, rng, max_turns)
     out["subtasks"].append(turn.argument)
     out["sub_episodes"].append(turns)
     out["sub_observations"].append(replies)
@@ -318,3 +404,20 @@ def solve(question: world_lib.Question, index: search_lib.SearchIndex, *, main_n
   out.update(answer=answer, main_format_ok=validator.format_ok,
              correct=answer is not None and exact_match(answer, question.answer))
   return out
+
+
+def solve_single(question: world_lib.Question, index: search_lib.SearchIndex, *,
+                 noise: float = 0.0, rng: Rng | None = None, think: bool = True,
+                 max_turns: int = 20, search_k: int = 3, max_chars: int = 800) -> dict[str, Any]:
+  """Runs `SingleExpert` on `question` through `local_tools(index)`, as the rollout engine does.
+
+  Returns a dict with `answer` (None unless the episode is format-valid), `correct`,
+  `turns` (turn texts), `observations` (tool replies) and `format_ok`.
+  """
+  rng = random.Random(0) if rng is None else rng
+  tools = search_lib.local_tools(index, k=search_k, max_chars=max_chars)
+  expert = SingleExpert(noise, think, search_k)
+  turns, replies, validator = _run_tools(expert, "single", question, tools, rng, max_turns)
+  answer = validator.final.argument if validator.format_ok else None
+  return {"answer": answer, "correct": answer is not None and exact_match(answer, question.answer),
+          "turns": turns, "observations": replies, "format_ok": validator.format_ok}

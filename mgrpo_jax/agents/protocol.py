@@ -1,6 +1,7 @@
 """The M-GRPO agent protocol: turn grammar, strict parsing, r_format validation and rendering.
 
-Two roles speak it (PAPERS.md 1.1). Role names are the strings "main" (M) and "sub" (S).
+Three roles speak it. "main" (M) and "sub" (S) are the two agents of M-GRPO (PAPERS.md 1.1);
+"single" is the single-agent GRPO baseline (PAPERS.md 1.7): one agent with every tool itself.
 
 Turn grammar. A turn is the text an agent generates for one assistant message:
 
@@ -8,6 +9,8 @@ Turn grammar. A turn is the text an agent generates for one assistant message:
     main   := "<delegate>" subtask "</delegate>" | "<python>" code "</python>"
             | "<answer>" text "</answer>"
     sub    := "<search>" text "</search>" | "<visit>" text "</visit>" | "<result>" text "</result>"
+    single := "<search>" text "</search>" | "<visit>" text "</visit>" | "<python>" code "</python>"
+            | "<answer>" text "</answer>"
     subtask := text [ "<context>" text "</context>" ] text
 
 - ``text`` holds no protocol tag (`TAGS`) and no control token (``<|im_start|>`` ...); other
@@ -19,11 +22,11 @@ Turn grammar. A turn is the text an agent generates for one assistant message:
   before parsing, so a turn may be passed with or without the token that closed it.
 
 Actions. "delegate" (M) runs a whole S episode on the subtask, with the context block as S's
-context; "python" (M, the reasoning tool) runs the code in the sandbox and returns its output;
-"search" and "visit" (S) call a tool. After each of these the environment appends a
-tool message (`tool_message`), which Qwen3's chat template renders as a user turn holding
-``<tool_response>\\n...\\n</tool_response>``; for a delegation its content is S's result.
-"answer" (M) and "result" (S) are final: they end the episode.
+context; "python" (M and single, the reasoning tool) runs the code in the sandbox and returns
+its output; "search" and "visit" (S and single) call a tool. After each of these the
+environment appends a tool message (`tool_message`), which Qwen3's chat template renders as a
+user turn holding ``<tool_response>\\n...\\n</tool_response>``; for a delegation its content is
+S's result. "answer" (M and single) and "result" (S) are final: they end the episode.
 
 Generation stops at the closing action tags or the end of turn (`stop_strings`,
 `stop_token_ids`); every tag is a single token in both tokenizers (tokenizer.PROTOCOL_TAGS).
@@ -64,6 +67,8 @@ __all__ = [
   "main_user_prompt",
   "parse_turn",
   "render_action",
+  "single_messages",
+  "single_system_prompt",
   "stop_strings",
   "stop_token_ids",
   "strip_end_of_turn",
@@ -73,10 +78,16 @@ __all__ = [
   "tool_message",
 ]
 
-ROLES = ("main", "sub")
-ACTIONS = {"main": ("delegate", "python", "answer"), "sub": ("search", "visit", "result")}
-FINAL_ACTION = {"main": "answer", "sub": "result"}
-_ALL_ACTIONS = {a: role for role, actions in ACTIONS.items() for a in actions}
+ROLES = ("main", "sub", "single")
+ACTIONS = {
+  "main": ("delegate", "python", "answer"),
+  "sub": ("search", "visit", "result"),
+  "single": ("search", "visit", "python", "answer"),
+}
+FINAL_ACTION = {"main": "answer", "sub": "result", "single": "answer"}
+# Every action once, with the first role that has it: the owner an error names (single adds
+# no action of its own, so the tags and their order stay those of main and sub).
+_ALL_ACTIONS = {a: next(r for r in ROLES if a in ACTIONS[r]) for r in ROLES for a in ACTIONS[r]}
 _TAG_NAMES = ("think", *_ALL_ACTIONS, "context", "tool_response")
 # Every tag string of the protocol; each must be one token (tokenizer.PROTOCOL_TAGS).
 TAGS = tuple(f"<{s}{n}>" for n in _TAG_NAMES for s in ("", "/"))
@@ -102,7 +113,7 @@ class Turn:
   """One parsed turn. When `ok` is False, `error` says why and the other fields are empty."""
 
   ok: bool
-  action: str | None = None  # "delegate", "answer", "search", "visit" or "result"
+  action: str | None = None  # "delegate", "python", "answer", "search", "visit" or "result"
   argument: str = ""  # the action's text, stripped (a delegate's context block removed)
   context: str | None = None  # a delegate's <context> text, stripped; None when absent
   think: str | None = None  # the think text, stripped; None when there was no think block
@@ -227,7 +238,7 @@ def _parse(events, role: str) -> Turn:
 
 
 def parse_turn(text: Any, role: str) -> Turn:
-  """Parses one generated turn of `role` ("main" or "sub") strictly (see the module docstring).
+  """Parses one generated turn of `role` (one of `ROLES`) strictly (see the module docstring).
 
   Never raises on any `text` (model output is arbitrary; a non-string is an invalid turn); an
   unknown `role` is a programming error and raises ValueError.
@@ -245,7 +256,7 @@ class EpisodeValidator:
   """r_format of one agent episode, as a state machine fed one turn at a time.
 
   `step` parses a turn and advances; the episode is `done` after the final action ("answer"
-  for main, "result" for sub), after the first invalid turn (the episode ends early as a
+  for main and single, "result" for sub), after the first invalid turn (the episode ends early as a
   format failure), after `max_turns` turns, or after `abort`. `format_ok` is r_format: True
   iff the episode ended with its final action within `max_turns` turns, every turn parsed and
   no turn came after the end. `failure` says why not (the first reason; None when ok).
@@ -385,7 +396,7 @@ def _escape_re(extra: frozenset[str]) -> re.Pattern:
 
 
 def tool_message(content: str, *, specials: Iterable[str] = ()) -> dict[str, str]:
-  """The tool message that answers a delegate, search or visit action.
+  """The tool message that answers a delegate, python, search or visit action.
 
   Its content is `content` with special strings escaped (`escape_specials`) but NOT wrapped:
   Qwen3's chat template itself renders a "tool" message as
@@ -500,6 +511,16 @@ Each turn: optionally think in <think>...</think>, then exactly one action:
 <result>report for the main agent</result> ends your subtask.
 Write nothing outside these tags."""
 
+_SINGLE_SYSTEM = """\
+You are a research agent with a document library. Answer the question yourself.
+Each turn: optionally think in <think>...</think>, then exactly one action:
+<search>query</search> searches the library; results come back in \
+<tool_response>...</tool_response>.
+<visit>document id or title</visit> reads a document.
+<python>code</python> runs Python and returns what it prints.
+<answer>short final answer</answer> ends the episode.
+Write nothing outside these tags."""
+
 
 def main_system_prompt() -> str:
   """The main agent's system prompt: its two actions and the tag format."""
@@ -509,6 +530,11 @@ def main_system_prompt() -> str:
 def sub_system_prompt() -> str:
   """The sub-agent's system prompt: its three actions and the tag format."""
   return _SUB_SYSTEM
+
+
+def single_system_prompt() -> str:
+  """The single agent's system prompt: every tool, the final answer and the tag format."""
+  return _SINGLE_SYSTEM
 
 
 def main_user_prompt(question: str) -> str:
@@ -534,3 +560,9 @@ def sub_messages(subtask: str, context: str | None = None) -> list[dict[str, str
   """[system, user] messages that start a sub-agent episode."""
   return [{"role": "system", "content": sub_system_prompt()},
           {"role": "user", "content": sub_user_prompt(subtask, context)}]
+
+
+def single_messages(question: str) -> list[dict[str, str]]:
+  """[system, user] messages that start a single-agent episode (the main agent's user turn)."""
+  return [{"role": "system", "content": single_system_prompt()},
+          {"role": "user", "content": main_user_prompt(question)}]

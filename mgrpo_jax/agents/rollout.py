@@ -1,12 +1,14 @@
 """The multi-agent rollout engine: turn-by-turn episodes with batched generation.
 
-One `run_episodes` loop serves both roles. Each turn it asks the policy for the next
+One `run_episodes` loop serves every role. Each turn it asks the policy for the next
 turn of every live episode in one batched call, validates each turn (a malformed turn
 ends its episode as a format failure), runs all tool calls of the turn as one batch
 (`tool_fn`), and appends the tool replies to the live sequences, which the LLM policy
 extends in place (prefix KV reuse). For the main agent, the tool is the sub-agent:
 every delegation issued in a turn runs as one batch of sub-agent episodes through a
 `SubAgentService`, the interface that the exchange implements for decoupled training.
+The single-agent baseline (PAPERS.md 1.7) calls search, visit and python itself
+(`rollout_single`).
 
 Sequences are built from tokens, never by re-rendering a conversation: the generation
 prompt, then per turn the generated tokens (loss mask 1, behaviour log-probs), the
@@ -286,6 +288,12 @@ class ColocatedSubAgent:
     return [self.tools[turn.action](turn.argument) for _, turn in pending]
 
 
+def _call_tool(tools: dict, turn: protocol.Turn) -> str:
+  """The reply of the tool named by the turn's action; an error text when there is none."""
+  tool = tools.get(turn.action)
+  return tool(turn.argument) if tool else f"Error: no {turn.action} tool here."
+
+
 def main_tool_fn(service: SubAgentService, *, step: int, limits: Limits,
                  tools: dict | None = None) -> ToolFn:
   """The main agent's tools: each turn's delegations served as one batch; others by name."""
@@ -294,8 +302,7 @@ def main_tool_fn(service: SubAgentService, *, step: int, limits: Limits,
     requests, replies = [], [None] * len(pending)
     for j, (ep, turn) in enumerate(pending):
       if turn.action != "delegate":
-        tool = (tools or {}).get(turn.action)
-        replies[j] = tool(turn.argument) if tool else f"Error: no {turn.action} tool here."
+        replies[j] = _call_tool(tools or {}, turn)
         continue
       if ep.delegations >= limits.max_delegations:
         replies[j] = "Delegation limit reached; give your final answer."
@@ -323,6 +330,31 @@ def rollout_main(policy: TurnPolicy, service: SubAgentService, questions: Sequen
                           policy_version=policy.version)
               for q, question in enumerate(questions) for k in range(num_rollouts)]
   tool_fn = main_tool_fn(service, step=step, limits=limits, tools=tools)
+  return run_episodes(policy, episodes, tool_fn, tokenizer=tokenizer, limits=limits, key=key)
+
+
+def rollout_single(policy: TurnPolicy, questions: Sequence[Any], *, num_rollouts: int,
+                   tokenizer: tk.Tokenizer, limits: Limits, key: jax.Array, tools: dict,
+                   step: int = 0, system_prompt: bool = True) -> list[Episode]:
+  """Q questions x K rollouts of the single agent, which has every tool itself (PAPERS.md 1.7).
+
+  `tools` maps action names to tools: `envs.search.local_tools(index)`, plus
+  {"python": PythonTool()} for the reasoning tool; each turn's calls run in order, and an
+  action without a tool gets an error reply. `system_prompt=False` starts the episode from
+  the question alone. `step` is taken for symmetry with `rollout_main`; no delegation needs
+  it. Returns the Q*K episodes (role "single", call -1) in (q, k) order.
+  """
+  del step
+  episodes = []
+  for q, question in enumerate(questions):
+    messages = protocol.single_messages(question.text)[0 if system_prompt else 1:]
+    episodes += [new_episode(tokenizer, "single", messages, q=q, k=k, call=-1, task=question,
+                             max_turns=limits.max_turns, policy_version=policy.version)
+                 for k in range(num_rollouts)]
+
+  def tool_fn(pending):
+    return [_call_tool(tools, turn) for _, turn in pending]
+
   return run_episodes(policy, episodes, tool_fn, tokenizer=tokenizer, limits=limits, key=key)
 
 
