@@ -26,6 +26,17 @@ import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
+import logging as py_logging
+
+
+class _QuietOrbax(py_logging.Filter):
+  """Drops orbax's INFO chatter (dozens of lines per save) from the absl log; keeps warnings."""
+
+  def filter(self, record):
+    return record.levelno >= py_logging.WARNING or "/orbax/" not in record.pathname
+
+
+logging.get_absl_handler().addFilter(_QuietOrbax())
 
 _COMMIT_MARKER = "commit_success.txt"  # Written last by both orbax commit protocols.
 _ITEMS = ("states", "meta", "prng_impls")

@@ -266,15 +266,16 @@ class ColocatedSubAgent:
   """Runs sub-agent episodes in this process and keeps them (for the sub-agent's update)."""
 
   def __init__(self, policy: TurnPolicy, tokenizer: tk.Tokenizer, tools: dict, *,
-               limits: Limits, key: jax.Array):
+               limits: Limits, key: jax.Array, system_prompt: bool = True):
     self.policy, self.tokenizer, self.tools, self.limits = policy, tokenizer, tools, limits
-    self.key = key
+    self.key, self.system_prompt = key, system_prompt
     self.episodes: list[Episode] = []
     self._calls = 0
 
   def delegate(self, requests):
+    skip = 0 if self.system_prompt else 1
     episodes = [new_episode(self.tokenizer, "sub",
-                            protocol.sub_messages(r.subtask, r.context), q=r.q, k=r.k,
+                            protocol.sub_messages(r.subtask, r.context)[skip:], q=r.q, k=r.k,
                             call=r.call, task=r, max_turns=self.limits.max_turns,
                             policy_version=self.policy.version) for r in requests]
     self._calls += 1
@@ -285,7 +286,7 @@ class ColocatedSubAgent:
                              ep.format_ok) for ep in episodes]
 
   def _tools(self, pending):
-    return [self.tools[turn.action](turn.argument) for _, turn in pending]
+    return [_call_tool(self.tools, turn) for _, turn in pending]
 
 
 def _call_tool(tools: dict, turn: protocol.Turn) -> str:
@@ -320,12 +321,17 @@ def main_tool_fn(service: SubAgentService, *, step: int, limits: Limits,
 
 def rollout_main(policy: TurnPolicy, service: SubAgentService, questions: Sequence[Any], *,
                  num_rollouts: int, tokenizer: tk.Tokenizer, limits: Limits, key: jax.Array,
-                 step: int = 0, tools: dict | None = None) -> list[Episode]:
+                 step: int = 0, tools: dict | None = None,
+                 system_prompt: bool = True) -> list[Episode]:
   """Q questions x K rollouts of the main agent, delegating through `service`.
 
   Returns the Q*K main episodes in (q, k) order; sub-agent episodes stay with the service.
+  `system_prompt=False` starts episodes from the user turn (tiny models learn the format
+  from SFT, and the prompt costs context).
   """
-  episodes = [new_episode(tokenizer, "main", protocol.main_messages(question.text), q=q, k=k,
+  skip = 0 if system_prompt else 1
+  episodes = [new_episode(tokenizer, "main", protocol.main_messages(question.text)[skip:],
+                          q=q, k=k,
                           call=-1, task=question, max_turns=limits.max_turns,
                           policy_version=policy.version)
               for q, question in enumerate(questions) for k in range(num_rollouts)]

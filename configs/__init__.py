@@ -1,0 +1,1 @@
+"""ml-collections configs: one experiment per file, shared pieces in common.py."""

@@ -1,0 +1,78 @@
+"""Shared config pieces (ml-collections). Every field the code reads is declared here."""
+
+import ml_collections
+
+
+def model(preset: str = "tiny") -> ml_collections.ConfigDict:
+  """One agent's model: a named preset or a local HF checkpoint directory."""
+  return ml_collections.ConfigDict(dict(
+      preset=preset,  # mgrpo_jax.models.PRESETS name; ignored when hf_path is set.
+      hf_path="",  # Local HF Qwen3 directory (config.json + safetensors) to start from.
+      vocab_size=-1,  # -1: the tokenizer's vocabulary size (presets only).
+      param_dtype="float32",  # Master weights.
+      compute_dtype="float32",  # Activations / matmuls ("bfloat16" on GPU).
+      remat=False,  # Recompute layers in the backward pass.
+  ))
+
+
+def limits() -> ml_collections.ConfigDict:
+  """Episode limits (PAPERS.md 1.1: 20 turns, 1024 new tokens per turn, 32k context)."""
+  return ml_collections.ConfigDict(dict(
+      max_turns=20, max_new_tokens=1024, max_len=32_768, max_delegations=20))
+
+
+def sampling() -> ml_collections.ConfigDict:
+  """Rollout sampling (the trainer scores tokens at the same temperature)."""
+  return ml_collections.ConfigDict(dict(temperature=1.0, top_p=1.0, top_k=0, chunk=64))
+
+
+def optimizer(lr: float = 1e-6) -> ml_collections.ConfigDict:
+  """Adam(W) as in the M-GRPO reference: constant lr, wd 0.1, betas (0.9, 0.98), clip 1.0."""
+  return ml_collections.ConfigDict(dict(
+      learning_rate=lr, b1=0.9, b2=0.98, eps=1e-8, weight_decay=0.1, grad_clip=1.0))
+
+
+def loss() -> ml_collections.ConfigDict:
+  """Clipped surrogate (PAPERS.md 1.5)."""
+  return ml_collections.ConfigDict(dict(
+      kind="clipped",  # "clipped" or "reinforce".
+      eps_low=0.2, eps_high=0.28,
+      dual_clip=0.0,  # 0: off; else c > 1.
+      agg="seq-mean-token-mean",  # "token-mean" | "seq-mean-token-mean" | "seq-mean-token-sum".
+      kl_coef=0.0,  # KL to the initial policy (the reference: off).
+      kl_estimator="k3",  # "k1" | "k2" | "k3".
+      nonfinite="raise",  # "raise" or "skip" a step whose loss/gradient is not finite.
+  ))
+
+
+def world(seed: int = 0) -> ml_collections.ConfigDict:
+  """The offline research world and its question sets (mgrpo_jax.envs.world)."""
+  return ml_collections.ConfigDict(dict(
+      seed=seed, num_people=24, num_orgs=12, num_places=12, num_works=12, num_countries=4,
+      num_rivers=5, distractors_per_doc=2, name_similarity=0.0,
+      num_questions=400,  # Generated, then split.
+      hop_weights=(1.0, 1.0, 1.0),  # Relative frequency of 1-, 2-, 3-hop questions.
+      test_fraction=0.25,
+      search_k=3,  # Hits per search.
+      visit_chars=800,  # Characters of a visited document.
+      system_prompt=True,  # Tiny models trained on short traces may drop it.
+  ))
+
+
+def mesh() -> ml_collections.ConfigDict:
+  """Device mesh (mgrpo_jax.sharding); one size may be -1 (= the rest)."""
+  return ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+
+
+def parse_args(arg: str | None, defaults: dict) -> dict:
+  """Parses 'a=1,b=x,flag' (a bare name means True) into typed values by `defaults`."""
+  out = dict(defaults)
+  for item in filter(None, (arg or "").split(",")):
+    name, _, value = item.partition("=")
+    if name not in defaults:
+      raise ValueError(f"Unknown config argument {name!r}; known: {', '.join(sorted(defaults))}.")
+    kind = type(defaults[name])
+    if kind is bool:
+      value = value.lower() in ("", "1", "true", "yes")
+    out[name] = kind(value) if value != "" or kind is bool else value
+  return out

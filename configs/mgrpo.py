@@ -1,0 +1,85 @@
+"""M-GRPO and its ablations (PAPERS.md 1): colocated training of a main agent and a sub-agent.
+
+  python launch/train.py --config=configs/mgrpo.py:runlocal --workdir=/tmp/mgrpo
+  python launch/train.py --config=configs/mgrpo.py:smoke,variant=single --workdir=/tmp/s
+  python launch/evaluate.py --config=configs/mgrpo.py:runlocal,policy=expert --workdir=/tmp/e
+
+Arguments (comma-separated): variant=mgrpo|frozen_sub|single|shared, model=<preset>,
+hf_path=<dir>, init=<sft workdir>, policy=model|expert, seed=<int>, runlocal, smoke.
+"""
+
+import ml_collections
+
+from configs import common
+
+VARIANTS = ("mgrpo", "frozen_sub", "single", "shared")
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  args = common.parse_args(arg, dict(variant="mgrpo", model="tiny", hf_path="", init="",
+                                     policy="model", seed=0, runlocal=False, smoke=False))
+  if args["variant"] not in VARIANTS:
+    raise ValueError(f"variant={args['variant']!r}; expected one of {VARIANTS}.")
+  c = ml_collections.ConfigDict()
+  c.program = "mgrpo"  # Which library entry point launch/train.py runs.
+  c.seed = args["seed"]
+  # mgrpo: both trained; frozen_sub: only main trained; single: one agent with every tool;
+  # shared: one set of weights plays both roles.
+  c.variant = args["variant"]
+  c.policy = args["policy"]  # "model", or "expert": evaluate the scripted experts.
+  c.tokenizer = "byte"  # "byte" or a local HF tokenizer directory.
+  c.main_model = common.model(args["model"])
+  c.sub_model = common.model(args["model"])
+  c.main_model.hf_path = c.sub_model.hf_path = args["hf_path"]
+  c.init = args["init"]  # SFT workdir whose final weights start RL ("" = from the model).
+  c.world = common.world(seed=0)
+  c.limits = common.limits()
+  c.sampling = common.sampling()
+  c.eval_sampling = common.sampling()
+  c.eval_sampling.temperature = 0.0  # Greedy evaluation.
+  c.num_queries = 2  # Q per step (the quick start of the reference: 2 x 8).
+  c.num_rollouts = 8  # K
+  c.align_d = 4  # D: aligned sub-agent episodes per main rollout.
+  c.align_on_empty = "mask"  # "mask" or "borrow" for rollouts that never delegated.
+  c.alpha = (0.1, 0.9)  # Main reward: format, correct.
+  c.beta = (0.1, 0.9, 0.0)  # Sub reward: format, main's correctness, expert judge.
+  c.adv_scale = "std"  # "std" (M-GRPO) or "none" (Dr. GRPO).
+  c.adv_eps = 1e-6
+  c.main_loss = common.loss()
+  c.sub_loss = common.loss()
+  c.main_optim = common.optimizer(1e-6)
+  c.sub_optim = common.optimizer(1e-6)
+  c.num_micro = 1  # Gradient accumulation micro-batches per update.
+  c.mesh = common.mesh()
+  c.num_steps = 100
+  c.eval_every = 20  # Steps; step 0 is always evaluated.
+  c.num_eval_questions = 64
+  c.checkpoint_every = 10
+  c.max_to_keep = 2
+  c.log_every = 1
+  c.max_staleness = 0  # Policy versions a sub-agent result may lag (decoupled runs).
+  if args["runlocal"] or args["smoke"]:
+    _cpu(c)
+  if args["smoke"]:
+    c.num_steps, c.eval_every, c.num_eval_questions, c.checkpoint_every = 2, 1, 4, 1
+    c.num_rollouts, c.align_d = 2, 2
+    c.limits.max_turns, c.limits.max_new_tokens = 3, 24
+  return c
+
+
+def _cpu(c):
+  """A laptop-sized run: tiny models, short contexts, fast learning rates."""
+  c.world.system_prompt = False
+  c.world.search_k, c.world.visit_chars = 2, 400
+  c.limits.update(max_turns=6, max_new_tokens=96, max_len=1024, max_delegations=4)
+  c.num_queries, c.num_rollouts, c.align_d = 4, 4, 3
+  c.main_optim.learning_rate = c.sub_optim.learning_rate = 3e-4
+  c.main_optim.weight_decay = c.sub_optim.weight_decay = 0.0
+  c.num_steps, c.eval_every, c.num_eval_questions = 40, 10, 32
+
+
+def sweep():
+  """The paper's comparison on CPU: 3 variants x 3 seeds, from the same warm start."""
+  for variant in ("mgrpo", "frozen_sub", "single"):
+    for seed in range(3):
+      yield f"runlocal,variant={variant},seed={seed}"

@@ -1,0 +1,36 @@
+"""Supervised warm start on the scripted experts' traces, for any variant of configs/mgrpo.py.
+
+  python launch/train.py --config=configs/sft.py:runlocal --workdir=/tmp/sft
+  python launch/train.py --config=configs/mgrpo.py:runlocal,init=/tmp/sft --workdir=/tmp/rl
+
+Takes the same arguments as configs/mgrpo.py (the variant decides which agents are trained).
+"""
+
+import ml_collections
+
+from configs import mgrpo
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  c = mgrpo.get_config(arg)
+  c.program = "sft"
+  c.sft = ml_collections.ConfigDict(dict(
+      num_questions=300,  # Training questions the experts solve (one trace each).
+      expert_noise=0.1,  # Imperfect demonstrations leave room for RL to improve.
+      only_correct=False,  # Keep wrong-but-well-formed traces too.
+      num_steps=300,
+      batch_size=16,  # Episodes per agent per step.
+      learning_rate=1e-3,
+      weight_decay=0.0,
+      eval_every=100,
+      checkpoint_every=50,
+  ))
+  smoke = "smoke" in (arg or "")
+  if smoke:
+    c.sft.update(num_questions=8, num_steps=2, batch_size=4, eval_every=2, checkpoint_every=1)
+  return c
+
+
+def sweep():
+  for variant in ("mgrpo", "single"):
+    yield f"runlocal,variant={variant}"

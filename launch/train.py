@@ -1,0 +1,31 @@
+"""Trains from a config: M-GRPO and its ablations, or the SFT warm start.
+
+  python launch/train.py --config=configs/mgrpo.py:runlocal --workdir=/tmp/mgrpo
+"""
+
+import jax
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from mgrpo_jax import sft, train
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file[:args].",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (resumed if it holds a run).")
+flags.mark_flags_as_required(["config", "workdir"])
+
+PROGRAMS = {"mgrpo": train.train_and_evaluate, "sft": sft.train_sft}
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.INFO)
+  logging.info("Devices: %s", jax.devices())
+  config = _CONFIG.value
+  if config.program not in PROGRAMS:
+    raise app.UsageError(f"config.program={config.program!r}; expected one of {list(PROGRAMS)}.")
+  PROGRAMS[config.program](config, _WORKDIR.value)
+
+
+if __name__ == "__main__":
+  app.run(main)

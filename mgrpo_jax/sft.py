@@ -1,0 +1,107 @@
+"""Supervised warm start on the scripted experts' traces (tiny models cannot start from RL).
+
+The experts act through the real rollout engine and tools, so the traces are token sequences
+exactly like the RL rollouts: the loss covers only the tokens the agent "generated". The loss
+is the token-mean negative log-likelihood, i.e. the REINFORCE objective with advantage 1,
+so SFT reuses the RL train step. The final weights are written as HF checkpoints under
+`workdir/hf/<agent>`, which an RL config starts from with `init=<workdir>`.
+"""
+
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import logging
+
+from mgrpo_jax import checkpoint as ckpt_lib
+from mgrpo_jax import metrics as metrics_lib
+from mgrpo_jax import sharding
+from mgrpo_jax import train as train_lib
+from mgrpo_jax.agents import experts, rollout
+from mgrpo_jax.rl import hierarchy
+
+
+def expert_episodes(c, env, *, seed: int) -> dict[str, list]:
+  """Expert traces on the training questions, per agent role (format-valid ones only)."""
+  sft = c.sft
+  expert_cfg = c.copy_and_resolve_references()
+  expert_cfg.policy = "expert"
+  policies = train_lib.make_policies(expert_cfg, env, {}, c.sampling, version=0,
+                                     expert_noise=sft.expert_noise, seed=seed)
+  questions = [env.train[i % len(env.train)] for i in range(sft.num_questions)]
+  eps, sub_eps = train_lib.run_rollouts(c, env, policies, questions, num_rollouts=1,
+                                        key=jax.random.key(seed), step=0)
+  keep = lambda es: [e for e in es if e.format_ok and (not sft.only_correct or _correct(e))]
+  if c.variant == "single":
+    return {"single": keep(eps)}
+  out = {"main": keep(eps), "sub": keep(sub_eps)}
+  if c.variant == "shared":
+    out = {"main": out["main"] + out["sub"]}
+  return out
+
+
+def _correct(ep) -> bool:
+  if ep.role == "sub":
+    return True  # A sub-agent trace is judged by the main episode it served.
+  from mgrpo_jax.rl import rewards
+  return bool(rewards.exact_match(ep.final or "", ep.task.answer))
+
+
+def train_sft(c: ml_collections.ConfigDict, workdir: str) -> dict:
+  """Runs the warm start; resumes from `workdir` when it holds a checkpoint."""
+  os.makedirs(workdir, exist_ok=True)
+  sft = c.sft
+  mesh = sharding.make_mesh(dict(c.mesh))
+  env = train_lib.build_env(c)
+  data = expert_episodes(c, env, seed=c.seed)
+  for name, eps in data.items():
+    lens = [len(e.tokens) for e in eps]
+    logging.info("SFT data %s: %d episodes, %d-%d tokens.", name, len(eps), min(lens), max(lens))
+  sft_cfg = c.copy_and_resolve_references()
+  for lc in (sft_cfg.main_loss, sft_cfg.sub_loss):
+    lc.kind, lc.agg = "reinforce", "token-mean"  # NLL = REINFORCE with advantage 1.
+  for oc in (sft_cfg.main_optim, sft_cfg.sub_optim):
+    oc.learning_rate, oc.weight_decay = sft.learning_rate, sft.weight_decay
+  sft_cfg.sampling.temperature = 1.0
+  agents = train_lib.build_agents(sft_cfg, env, mesh, jax.random.key(c.seed))
+  ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=1)
+  start = 0
+  if ckpt.latest_step() is not None:
+    states, meta = ckpt.restore(abstract_states={n: a.state for n, a in agents.items()})
+    for n, a in agents.items():
+      a.state = states[n]
+    start = int(meta["step"])
+  writer = metrics_lib.MetricsWriter(workdir)
+  writer.truncate_after(start - 1)
+  progress = metrics_lib.Progress(sft.num_steps, initial=start, desc="sft")
+  m = {}
+  for step in range(start, sft.num_steps):
+    t0 = time.perf_counter()
+    m = {}
+    for name, agent in agents.items():
+      eps = data[name]
+      rng = np.random.default_rng([c.seed, step, len(name)])
+      rows = [eps[i] for i in rng.choice(len(eps), sft.batch_size, replace=len(eps) < sft.batch_size)]
+      batch = hierarchy.make_batch(rows, np.ones(len(rows), np.float32),
+                                   length=hierarchy.batch_length(rows, c.limits.max_len),
+                                   pad_id=env.tokenizer.pad_id)
+      agent.state, metrics = agent.step_fn(agent.state, batch)
+      metrics = jax.device_get(metrics)
+      m[f"sft/{name}/nll"] = float(metrics["loss"])
+      m[f"sft/{name}/grad_norm"] = float(metrics["grad_norm"])
+    m["time/step_s"] = time.perf_counter() - t0
+    if (step + 1) % sft.eval_every == 0 or step + 1 == sft.num_steps:
+      m.update(train_lib.evaluate(c, env, agents, step=step + 1))
+    writer.write(step, m)
+    progress.update(1, {k: v for k, v in m.items() if k.endswith("/nll") or k == "eval/accuracy"})
+    if (step + 1) % sft.checkpoint_every == 0 or step + 1 == sft.num_steps:
+      ckpt.save(step + 1, {n: a.state for n, a in agents.items()}, {"step": step + 1})
+  ckpt.wait()
+  ckpt.close()
+  writer.close()
+  progress.close()
+  train_lib._save_final_hf(workdir, agents)
+  return m

@@ -1,0 +1,315 @@
+"""Colocated M-GRPO training (both roles in one process) and the paper's ablations.
+
+Variants are wiring chosen at setup, never flags inside a jitted step:
+  mgrpo       main and sub-agent, separate weights, both trained (PAPERS.md 1)
+  frozen_sub  the same rollouts, but the sub-agent's update is never run
+  shared      one set of weights plays both roles; one update on both roles' rows
+  single      one agent with every tool (single-agent GRPO), no sub-agent
+"""
+
+import dataclasses
+import functools
+import json
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import logging
+
+from mgrpo_jax import checkpoint as ckpt_lib
+from mgrpo_jax import metrics as metrics_lib
+from mgrpo_jax import models, sharding
+from mgrpo_jax import tokenizer as tk
+from mgrpo_jax.agents import experts, rollout
+from mgrpo_jax.envs import python_tool, search, world
+from mgrpo_jax.rl import advantages, hierarchy
+from mgrpo_jax.rl import train_step as ts
+
+ROLES = {"mgrpo": ("main", "sub"), "frozen_sub": ("main", "sub"), "shared": ("main", "sub"),
+         "single": ("single",)}
+
+
+@dataclasses.dataclass
+class Env:
+  """The task: tokenizer, world, question splits and tools."""
+
+  tokenizer: tk.Tokenizer
+  train: list
+  test: list
+  index: search.SearchIndex
+  tools: dict
+
+
+def build_env(c: ml_collections.ConfigDict) -> Env:
+  """The offline research world with its train/test split and tools."""
+  w = c.world
+  wcfg = world.WorldConfig(seed=w.seed, num_people=w.num_people, num_orgs=w.num_orgs,
+                           num_places=w.num_places, num_works=w.num_works,
+                           num_countries=w.num_countries, num_rivers=w.num_rivers,
+                           distractors_per_doc=w.distractors_per_doc,
+                           name_similarity=w.name_similarity)
+  the_world = world.generate_world(wcfg)
+  questions = world.make_questions(the_world, num=w.num_questions,
+                                   hop_weights=tuple(w.hop_weights), seed=w.seed)
+  train, test = world.split_questions(questions, w.test_fraction, seed=w.seed)
+  index = search.SearchIndex(the_world.documents)
+  tools = dict(search.local_tools(index, k=w.search_k, max_chars=w.visit_chars),
+               python=python_tool.PythonTool())
+  return Env(tk.load_tokenizer(c.tokenizer), train, test, index, tools)
+
+
+@dataclasses.dataclass
+class Agent:
+  """One trainable policy: its model, objective, optimizer and jitted update."""
+
+  name: str
+  model_config: models.Qwen3Config
+  loss_config: ts.LossConfig
+  state: ts.TrainState
+  step_fn: Any
+  nonfinite: str
+
+
+def _model_params(mc, tokenizer, key, mesh, init_dir: str, name: str):
+  """Parameters from an SFT warm start, an HF checkpoint, or a random preset."""
+  path = os.path.join(init_dir, "hf", name) if init_dir else mc.hf_path
+  if path:
+    cfg, params = models.load_hf(path, mesh=mesh, dtype=jnp.dtype(mc.param_dtype),
+                                 compute_dtype=jnp.dtype(mc.compute_dtype))
+    return cfg.replace(remat=mc.remat), params
+  vocab = tokenizer.vocab_size if mc.vocab_size == -1 else mc.vocab_size
+  cfg = models.get_preset(mc.preset, vocab_size=vocab, param_dtype=mc.param_dtype,
+                          compute_dtype=mc.compute_dtype, remat=mc.remat)
+  return cfg, models.init_params(cfg, key, mesh=mesh)
+
+
+def loss_config(lc, temperature: float) -> ts.LossConfig:
+  return ts.LossConfig(kind=lc.kind, eps_low=lc.eps_low, eps_high=lc.eps_high,
+                       dual_clip=lc.dual_clip or None, agg=lc.agg, kl_coef=lc.kl_coef,
+                       kl_estimator=lc.kl_estimator, temperature=temperature)
+
+
+def build_agent(name, mc, oc, lc, tokenizer, mesh, key, *, init_dir="", num_micro=1,
+                temperature=1.0) -> Agent:
+  """An agent with its state placed on `mesh` and its train step jitted once."""
+  cfg, params = _model_params(mc, tokenizer, jax.random.fold_in(key, 0), mesh, init_dir, name)
+  tx = ts.make_optimizer(learning_rate=oc.learning_rate, b1=oc.b1, b2=oc.b2, eps=oc.eps,
+                         weight_decay=oc.weight_decay, grad_clip=oc.grad_clip)
+  state = ts.init_state(params, tx, jax.random.fold_in(key, 1))
+  st_sh = ts.state_shardings(state, mesh)
+  state = jax.device_put(state, st_sh)
+  lcfg = loss_config(lc, temperature)
+  step_fn = ts.make_train_step(cfg, lcfg, tx, num_micro=num_micro, mesh=mesh,
+                               state_sharding=st_sh)
+  return Agent(name, cfg, lcfg, state, step_fn, lc.nonfinite)
+
+
+def build_agents(c, env: Env, mesh, key) -> dict[str, Agent]:
+  """The variant's trainable agents ('shared' has one agent playing both roles)."""
+  roles = ROLES[c.variant]
+  mk = functools.partial(build_agent, tokenizer=env.tokenizer, mesh=mesh, init_dir=c.init,
+                         num_micro=c.num_micro, temperature=c.sampling.temperature)
+  if c.variant == "single":
+    return {"single": mk("single", c.main_model, c.main_optim, c.main_loss,
+                         key=jax.random.fold_in(key, 0))}
+  agents = {"main": mk("main", c.main_model, c.main_optim, c.main_loss,
+                       key=jax.random.fold_in(key, 0))}
+  if c.variant != "shared":
+    agents["sub"] = mk("sub", c.sub_model, c.sub_optim, c.sub_loss,
+                       key=jax.random.fold_in(key, 1))
+  del roles
+  return agents
+
+
+def _limits(c) -> rollout.Limits:
+  return rollout.Limits(**c.limits.to_dict())
+
+
+def make_policies(c, env: Env, agents: dict, sampling_cfg, version: int, *,
+                  expert_noise: float = 0.0, seed: int = 0) -> dict:
+  """Turn policies per role: the agents' current weights, or the scripted experts."""
+  if c.policy == "expert":
+    tok, kw = env.tokenizer, dict(noise=expert_noise)
+    mk = lambda expert, i: rollout.ExpertPolicy(expert, tok, seed=seed * 10 + i)
+    if c.variant == "single":
+      return {"single": mk(experts.SingleExpert(search_k=c.world.search_k, **kw), 0)}
+    return {"main": mk(experts.MainExpert(**kw), 0),
+            "sub": mk(experts.SubExpert(search_k=c.world.search_k, **kw), 1)}
+  limits = _limits(c)
+  kw = dict(limits=limits, temperature=sampling_cfg.temperature, top_p=sampling_cfg.top_p,
+            top_k=sampling_cfg.top_k, version=version, chunk=sampling_cfg.chunk)
+  out = {}
+  for role in ROLES[c.variant]:
+    agent = agents["main"] if (c.variant == "shared" and role == "sub") else agents[role]
+    out[role] = rollout.LLMPolicy(agent.model_config, agent.state.params, env.tokenizer, role,
+                                  **kw)
+  return out
+
+
+def run_rollouts(c, env: Env, policies: dict, questions, *, num_rollouts: int, key, step: int):
+  """Main (or single) episodes in (q, k) order, and the sub-agent episodes."""
+  limits = _limits(c)
+  tok = env.tokenizer
+  if c.variant == "single":
+    eps = rollout.rollout_single(policies["single"], questions, num_rollouts=num_rollouts,
+                                 tokenizer=tok, limits=limits, key=key, tools=env.tools,
+                                 step=step, system_prompt=c.world.system_prompt)
+    return eps, []
+  sub_tools = {k: v for k, v in env.tools.items() if k in ("search", "visit")}
+  service = rollout.ColocatedSubAgent(policies["sub"], tok, sub_tools, limits=limits,
+                                      key=jax.random.fold_in(key, 1),
+                                      system_prompt=c.world.system_prompt)
+  eps = rollout.rollout_main(policies["main"], service, questions, num_rollouts=num_rollouts,
+                             tokenizer=tok, limits=limits, key=jax.random.fold_in(key, 0),
+                             step=step, tools={"python": env.tools["python"]},
+                             system_prompt=c.world.system_prompt)
+  return eps, service.episodes
+
+
+def episode_metrics(prefix: str, eps, outcome=None) -> dict:
+  """Rates and counts that say what the agents did."""
+  m = {f"{prefix}/format": float(np.mean([e.format_ok for e in eps])) if eps else 0.0,
+       f"{prefix}/turns": float(np.mean([len(e.turns) for e in eps])) if eps else 0.0,
+       f"{prefix}/gen_tokens": float(np.mean([e.num_generated for e in eps])) if eps else 0.0}
+  if outcome is not None:
+    m[f"{prefix}/reward"] = float(outcome.reward.mean())
+    m[f"{prefix}/accuracy"] = float(outcome.correct.mean())
+  if eps and eps[0].role == "main":
+    m[f"{prefix}/delegations"] = float(np.mean([e.delegations for e in eps]))
+  return m
+
+
+def evaluate(c, env: Env, agents: dict, *, step: int, questions=None) -> dict:
+  """Held-out accuracy, format rate, turns and delegations per episode (greedy by default)."""
+  questions = questions if questions is not None else env.test[:c.num_eval_questions]
+  policies = make_policies(c, env, agents, c.eval_sampling, version=step)
+  key = jax.random.fold_in(jax.random.key(c.seed + 1), step)
+  eps, sub_eps = run_rollouts(c, env, policies, questions, num_rollouts=1, key=key, step=step)
+  outcome = hierarchy.main_outcomes(eps, [q.answer for q in questions], len(questions), 1,
+                                    alpha=tuple(c.alpha))
+  m = episode_metrics("eval", eps, outcome)
+  if sub_eps:
+    m["eval/sub_format"] = float(np.mean([e.format_ok for e in sub_eps]))
+  return m
+
+
+def _batches(c, env, eps, sub_eps, key) -> tuple[dict, dict]:
+  """Rewards, alignment, advantages -> one batch per trained role; plus their metrics."""
+  q, k = c.num_queries, c.num_rollouts
+  answers = [e.task.answer for e in eps[::k]]
+  outcome = hierarchy.main_outcomes(eps, answers, q, k, alpha=tuple(c.alpha))
+  adv_m = np.asarray(advantages.group_advantages(jnp.asarray(outcome.reward),
+                                                 scale=c.adv_scale, eps=c.adv_eps))
+  role = "single" if c.variant == "single" else "main"
+  length = hierarchy.batch_length(eps, c.limits.max_len)
+  batches = {role: hierarchy.make_batch(eps, adv_m.reshape(-1), length=length,
+                                        pad_id=env.tokenizer.pad_id)}
+  m = episode_metrics(role, eps, outcome)
+  if role == "main":
+    r_s = hierarchy.sub_rewards(sub_eps, outcome, beta=tuple(c.beta))
+    aligned = hierarchy.align_sub(sub_eps, r_s, q, k, c.align_d, key,
+                                  on_empty=c.align_on_empty, scale=c.adv_scale, eps=c.adv_eps)
+    length = hierarchy.batch_length(aligned.episodes, c.limits.max_len)
+    batches["sub"] = hierarchy.make_batch(aligned.episodes, aligned.advantages_QxKxD.reshape(-1),
+                                          length=length, pad_id=env.tokenizer.pad_id)
+    m.update(episode_metrics("sub", sub_eps))
+    m["sub/reward"] = float(r_s.mean()) if len(r_s) else 0.0
+    m.update(aligned.stats)
+  return batches, m
+
+
+def _update(c, agents: dict, batches: dict, step: int) -> dict:
+  """Runs each trained agent's step (wiring decides who trains) and returns metrics."""
+  if c.variant == "shared":
+    # One set of weights, one update on both roles' rows (padded to a common length).
+    length = max(b["tokens"].shape[1] for b in batches.values())
+    pad = lambda x: np.pad(x, [(0, 0), (0, length - x.shape[1])] if x.ndim == 2 else [(0, 0)])
+    merged = {name: np.concatenate([pad(b[name]) for b in batches.values()])
+              for name in batches["main"]}
+    batches = {"main": merged}
+  trained = [n for n in batches if n in agents and not (c.variant == "frozen_sub" and n == "sub")]
+  out = {}
+  for name in trained:
+    agent = agents[name]
+    agent.state, metrics = agent.step_fn(agent.state, batches[name])
+    metrics = jax.device_get(metrics)
+    ts.check_finite(metrics, step, agent=name, policy=agent.nonfinite)
+    out.update({f"{name}/{k}": float(v) for k, v in metrics.items()})
+  return out
+
+
+def _questions_for_step(train: list, step: int, q: int, seed: int) -> list:
+  """Deterministic data order from (seed, step): a resumed run sees the same questions."""
+  n = len(train)
+  idx = []
+  for i in range(step * q, (step + 1) * q):
+    epoch, pos = divmod(i, n)
+    perm = np.random.default_rng([seed, epoch]).permutation(n)
+    idx.append(perm[pos])
+  return [train[i] for i in idx]
+
+
+def _save_final_hf(workdir: str, agents: dict) -> None:
+  for name, agent in agents.items():
+    models.save_hf(os.path.join(workdir, "hf", name), agent.model_config,
+                   jax.device_get(agent.state.params))
+
+
+def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict:
+  """Trains `c.variant` for `c.num_steps`, resuming from `workdir` if it holds a checkpoint."""
+  os.makedirs(workdir, exist_ok=True)
+  mesh = sharding.make_mesh(dict(c.mesh))
+  env = build_env(c)
+  root = jax.random.key(c.seed)
+  agents = build_agents(c, env, mesh, jax.random.fold_in(root, 0))
+  ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=c.max_to_keep)
+  start = 0
+  if ckpt.latest_step() is not None:
+    states, meta = ckpt.restore(abstract_states={n: a.state for n, a in agents.items()})
+    for n, a in agents.items():
+      a.state = states[n]
+    start = int(meta["step"])
+    logging.info("Resumed from %s at step %d.", workdir, start)
+  else:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(c.to_json_best_effort(indent=2))
+  writer = metrics_lib.MetricsWriter(workdir)
+  writer.truncate_after(start - 1)
+  progress = metrics_lib.Progress(c.num_steps, initial=start, desc=f"{c.variant}")
+  last = {}
+  for step in range(start, c.num_steps + 1):
+    m = {}
+    if step % c.eval_every == 0 or step == c.num_steps:
+      m.update(evaluate(c, env, agents, step=step))
+    if step == c.num_steps:
+      writer.write(step, m)
+      break
+    t0 = time.perf_counter()
+    key = jax.random.fold_in(jax.random.fold_in(root, 1), step)
+    questions = _questions_for_step(env.train, step, c.num_queries, c.seed)
+    policies = make_policies(c, env, agents, c.sampling, version=step)
+    eps, sub_eps = run_rollouts(c, env, policies, questions, num_rollouts=c.num_rollouts,
+                                key=key, step=step)
+    t_roll = time.perf_counter() - t0
+    batches, bm = _batches(c, env, eps, sub_eps, jax.random.fold_in(key, 2))
+    m.update(bm)
+    m.update(_update(c, agents, batches, step))
+    dt = time.perf_counter() - t0
+    gen = sum(e.num_generated for e in eps) + sum(e.num_generated for e in sub_eps)
+    m.update({"time/step_s": dt, "time/rollout_s": t_roll, "tokens_per_s": gen / t_roll})
+    writer.write(step, m)
+    last = m
+    progress.update(1, {k: m[k] for k in ("main/reward", "single/reward", "eval/accuracy")
+                        if k in m})
+    if (step + 1) % c.checkpoint_every == 0 or step + 1 == c.num_steps:
+      ckpt.save(step + 1, {n: a.state for n, a in agents.items()}, {"step": step + 1})
+  ckpt.wait()
+  ckpt.close()
+  writer.close()
+  progress.close()
+  _save_final_hf(workdir, agents)
+  return last
