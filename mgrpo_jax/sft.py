@@ -52,9 +52,11 @@ def _correct(ep) -> bool:
 
 def train_sft(c: ml_collections.ConfigDict, workdir: str) -> dict:
   """Runs the warm start; resumes from `workdir` when it holds a checkpoint."""
+  train_lib.validate_config(c)
   os.makedirs(workdir, exist_ok=True)
   sft = c.sft
   mesh = sharding.make_mesh(dict(c.mesh))
+  train_lib.check_batch_divides_mesh(sft.batch_size, mesh, "config.sft.batch_size")
   env = train_lib.build_env(c)
   data = expert_episodes(c, env, seed=c.seed)
   for name, eps in data.items():
@@ -78,13 +80,21 @@ def train_sft(c: ml_collections.ConfigDict, workdir: str) -> dict:
   writer.truncate_after(start - 1)
   progress = metrics_lib.Progress(sft.num_steps, initial=start, desc="sft")
   m = {}
-  for step in range(start, sft.num_steps):
-    t0 = time.perf_counter()
+  for step in range(start, sft.num_steps + 1):
+    # As in RL: evaluate before a step's update (step 0 = the untrained model), and once
+    # more at the end on its own line, so a resumed run rewrites exactly the same lines.
     m = {}
+    if step % sft.eval_every == 0 or step == sft.num_steps:
+      m.update(train_lib.evaluate(c, env, agents, step=step))
+    if step == sft.num_steps:
+      writer.write(step, m)
+      break
+    t0 = time.perf_counter()
     for name, agent in agents.items():
       eps = data[name]
       rng = np.random.default_rng([c.seed, step, len(name)])
-      rows = [eps[i] for i in rng.choice(len(eps), sft.batch_size, replace=len(eps) < sft.batch_size)]
+      pick = rng.choice(len(eps), sft.batch_size, replace=len(eps) < sft.batch_size)
+      rows = [eps[i] for i in pick]
       batch = hierarchy.make_batch(rows, np.ones(len(rows), np.float32),
                                    length=hierarchy.batch_length(rows, c.limits.max_len),
                                    pad_id=env.tokenizer.pad_id)
@@ -93,8 +103,6 @@ def train_sft(c: ml_collections.ConfigDict, workdir: str) -> dict:
       m[f"sft/{name}/nll"] = float(metrics["loss"])
       m[f"sft/{name}/grad_norm"] = float(metrics["grad_norm"])
     m["time/step_s"] = time.perf_counter() - t0
-    if (step + 1) % sft.eval_every == 0 or step + 1 == sft.num_steps:
-      m.update(train_lib.evaluate(c, env, agents, step=step + 1))
     writer.write(step, m)
     progress.update(1, {k: v for k, v in m.items() if k.endswith("/nll") or k == "eval/accuracy"})
     if (step + 1) % sft.checkpoint_every == 0 or step + 1 == sft.num_steps:

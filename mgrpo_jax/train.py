@@ -33,6 +33,58 @@ ROLES = {"mgrpo": ("main", "sub"), "frozen_sub": ("main", "sub"), "shared": ("ma
          "single": ("single",)}
 
 
+class ConfigValueError(ValueError):
+  """A config field holds a value the programs cannot use; the message names the field."""
+
+
+_CHOICES = {
+    "variant": tuple(ROLES), "policy": ("model", "expert"), "adv_scale": ("std", "none"),
+    "align_on_empty": ("mask", "borrow"), "main_loss.kind": ("clipped", "reinforce"),
+    "sub_loss.kind": ("clipped", "reinforce"), "main_loss.nonfinite": ("raise", "skip"),
+    "sub_loss.nonfinite": ("raise", "skip"),
+    "main_loss.agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
+    "sub_loss.agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
+    "main_loss.kl_estimator": ("k1", "k2", "k3"), "sub_loss.kl_estimator": ("k1", "k2", "k3"),
+}
+_POSITIVE = ("num_queries", "num_rollouts", "align_d", "num_steps", "eval_every",
+             "num_eval_questions", "checkpoint_every", "num_micro", "limits.max_turns",
+             "limits.max_new_tokens", "limits.max_len", "limits.max_delegations",
+             "main_optim.learning_rate", "sub_optim.learning_rate")
+
+
+def _field(c, path: str):
+  for part in path.split("."):
+    c = c[part]
+  return c
+
+
+def validate_config(c: ml_collections.ConfigDict) -> None:
+  """Fails at start-up, naming the field, instead of deep inside a step."""
+  for path, choices in _CHOICES.items():
+    if _field(c, path) not in choices:
+      raise ConfigValueError(f"config.{path}={_field(c, path)!r}; expected one of {choices}.")
+  for path in _POSITIVE:
+    if not _field(c, path) > 0:
+      raise ConfigValueError(f"config.{path}={_field(c, path)!r} must be > 0.")
+  if len(c.alpha) != 2 or len(c.beta) != 3:
+    raise ConfigValueError(f"config.alpha needs 2 weights and config.beta 3, got "
+                           f"{tuple(c.alpha)} and {tuple(c.beta)}.")
+  if c.sampling.temperature <= 0:
+    raise ConfigValueError("config.sampling.temperature must be > 0 for training rollouts "
+                           "(behaviour log-probs are taken at that temperature).")
+  if c.variant == "single" and c.num_micro and (c.num_queries * c.num_rollouts) % c.num_micro:
+    raise ConfigValueError(f"config.num_micro={c.num_micro} does not divide the batch of "
+                           f"num_queries*num_rollouts={c.num_queries * c.num_rollouts}.")
+
+
+def check_batch_divides_mesh(rows: int, mesh, field: str) -> None:
+  """Batches are split over (data, fsdp): the row count must divide evenly."""
+  shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  if rows % shards:
+    raise ConfigValueError(f"{field} gives batches of {rows} rows, which do not split over "
+                           f"data*fsdp={shards} devices of config.mesh; change one of them.")
+
+
 @dataclasses.dataclass
 class Env:
   """The task: tokenizer, world, question splits and tools."""
@@ -261,8 +313,12 @@ def _save_final_hf(workdir: str, agents: dict) -> None:
 
 def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains `c.variant` for `c.num_steps`, resuming from `workdir` if it holds a checkpoint."""
+  validate_config(c)
   os.makedirs(workdir, exist_ok=True)
   mesh = sharding.make_mesh(dict(c.mesh))
+  rows = c.num_queries * c.num_rollouts
+  check_batch_divides_mesh(rows, mesh, "config.num_queries*num_rollouts")
+  check_batch_divides_mesh(rows * c.align_d, mesh, "config.num_queries*num_rollouts*align_d")
   env = build_env(c)
   root = jax.random.key(c.seed)
   agents = build_agents(c, env, mesh, jax.random.fold_in(root, 0))

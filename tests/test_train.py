@@ -1,0 +1,149 @@
+"""Training programs end to end on the smoke config: variants, wiring, resume, bad configs."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import mgrpo, sft as sft_config
+from mgrpo_jax import evaluate, metrics, sft, sharding, train
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TIMING = ("time/", "tokens_per_s")
+
+
+def _config(arg="smoke", **overrides):
+  c = mgrpo.get_config(arg)
+  c.update(overrides)
+  return c
+
+
+def _lines(workdir):
+  return [{k: v for k, v in m.items() if not k.startswith(_TIMING)}
+          for m in metrics.read_metrics(workdir)]
+
+
+@pytest.mark.parametrize("variant", mgrpo.VARIANTS)
+def test_two_steps_of_each_variant(variant, tmp_path):
+  c = _config(f"smoke,variant={variant}")
+  train.train_and_evaluate(c, str(tmp_path))
+  lines = metrics.read_metrics(str(tmp_path))
+  assert [m["step"] for m in lines] == [0, 1, 2]
+  assert all("eval/accuracy" in m for m in lines)  # eval_every=1, step 0 included.
+  role = "single" if variant == "single" else "main"
+  assert f"{role}/reward" in lines[0] and f"{role}/loss" in lines[0]
+  trained_sub = "sub/loss" in lines[0]
+  assert trained_sub == (variant == "mgrpo")  # frozen_sub never runs the sub's step.
+  hf = sorted(os.listdir(tmp_path / "hf"))
+  assert hf == {"single": ["single"], "shared": ["main"]}.get(variant, ["main", "sub"])
+  assert os.listdir(tmp_path / "tb")
+
+
+def _expert_rollouts(c, env, agents):
+  """Valid main and sub episodes from the experts, so every update has real signal."""
+  expert_cfg = c.copy_and_resolve_references()
+  expert_cfg.policy = "expert"
+  policies = train.make_policies(expert_cfg, env, agents, c.sampling, version=0,
+                                 expert_noise=0.5, seed=3)
+  questions = env.train[:c.num_queries]
+  return train.run_rollouts(c, env, policies, questions, num_rollouts=c.num_rollouts,
+                            key=jax.random.key(0), step=0)
+
+
+def _flat(state):
+  return np.concatenate([np.ravel(x) for x in jax.tree.leaves(nnx.to_pure_dict(state.params))])
+
+
+@pytest.mark.parametrize("variant", ["mgrpo", "frozen_sub", "shared"])
+def test_wiring_decides_who_learns(variant):
+  c = _config(f"smoke,variant={variant}")
+  c.limits.max_new_tokens = 160
+  c.limits.max_turns = 6
+  env = train.build_env(c)
+  mesh = sharding.make_mesh(dict(c.mesh))
+  agents = train.build_agents(c, env, mesh, jax.random.key(0))
+  before = {n: _flat(a.state) for n, a in agents.items()}
+  eps, sub_eps = _expert_rollouts(c, env, agents)
+  assert sub_eps, "the experts delegate, so the sub-agent path is exercised"
+  batches, m = train._batches(c, env, eps, sub_eps, jax.random.key(1))
+  assert batches["sub"]["tokens"].shape[0] == c.num_queries * c.num_rollouts * c.align_d
+  assert 0 <= m["align/duplicate_rate"] <= 1
+  out = train._update(c, agents, batches, step=0)
+  changed = {n: bool(np.any(_flat(a.state) != before[n])) for n, a in agents.items()}
+  if variant == "mgrpo":
+    assert changed == {"main": True, "sub": True} and "sub/loss" in out
+  elif variant == "frozen_sub":
+    assert changed == {"main": True, "sub": False} and "sub/loss" not in out
+  else:  # One set of weights trained on both roles' rows.
+    assert changed == {"main": True} and out["main/tokens"] > batches["main"]["loss_mask"].sum()
+
+
+def test_resume_is_bit_identical(tmp_path):
+  straight, resumed = str(tmp_path / "a"), str(tmp_path / "b")
+  train.train_and_evaluate(_config(num_steps=4, eval_every=4), straight)
+  train.train_and_evaluate(_config(num_steps=2, eval_every=4), resumed)
+  train.train_and_evaluate(_config(num_steps=4, eval_every=4), resumed)
+  assert _lines(straight) == _lines(resumed)
+  assert [m["step"] for m in _lines(resumed)] == [0, 1, 2, 3, 4]
+  ckpt_a = sorted(os.listdir(os.path.join(straight, "hf", "main")))
+  assert ckpt_a == sorted(os.listdir(os.path.join(resumed, "hf", "main")))
+  from mgrpo_jax import models
+  for name in ("main", "sub"):
+    _, pa = models.load_hf(os.path.join(straight, "hf", name))
+    _, pb = models.load_hf(os.path.join(resumed, "hf", name))
+    for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_sft_resume_is_bit_identical_and_learns(tmp_path):
+  def cfg(steps):
+    c = sft_config.get_config("smoke,variant=single")
+    c.sft.update(num_steps=steps, eval_every=100, checkpoint_every=1, batch_size=8,
+                 num_questions=6)
+    return c
+  straight, resumed = str(tmp_path / "a"), str(tmp_path / "b")
+  sft.train_sft(cfg(4), straight)
+  sft.train_sft(cfg(2), resumed)
+  sft.train_sft(cfg(4), resumed)
+  a, b = _lines(straight), _lines(resumed)
+  assert [m["step"] for m in b] == [0, 1, 2, 3, 4] and a == b
+  assert a[3]["sft/single/nll"] < a[0]["sft/single/nll"]
+
+
+def test_evaluate_writes_eval_json_for_experts(tmp_path):
+  c = _config("smoke,policy=expert")
+  c.limits.update(max_turns=6, max_new_tokens=160)
+  result = evaluate.run(c, str(tmp_path))
+  with open(tmp_path / "eval.json") as f:
+    saved = json.load(f)
+  assert saved["accuracy"] == result["accuracy"] == 1.0
+  assert saved["format"] == 1.0 and saved["delegations"] >= 1
+
+
+def test_bad_config_value_names_the_field(tmp_path):
+  c = _config()
+  c.main_loss.agg = "mean"
+  with pytest.raises(train.ConfigValueError, match=r"config\.main_loss\.agg"):
+    train.train_and_evaluate(c, str(tmp_path))
+  c = _config()
+  c.limits.max_len = 0
+  with pytest.raises(train.ConfigValueError, match=r"config\.limits\.max_len"):
+    train.train_and_evaluate(c, str(tmp_path))
+  with pytest.raises(ValueError, match="variant"):
+    mgrpo.get_config("variant=bogus")
+
+
+def test_launcher_rejects_a_misspelt_field(tmp_path):
+  """lock_config: an unknown field fails at start-up, naming it."""
+  proc = subprocess.run(
+      [sys.executable, "launch/train.py", "--config=configs/mgrpo.py:smoke",
+       f"--workdir={tmp_path}", "--config.num_step=3"],
+      cwd=REPO, capture_output=True, text=True, timeout=120,
+      env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert proc.returncode != 0
+  assert "num_step" in proc.stderr
