@@ -5,7 +5,6 @@ import os
 
 import jax
 import ml_collections
-from absl import logging
 
 from mgrpo_jax import checkpoint as ckpt_lib
 from mgrpo_jax import sharding
@@ -21,12 +20,7 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict:
     mesh = sharding.make_mesh(dict(c.mesh))
     agents = train_lib.build_agents(c, env, mesh, jax.random.key(c.seed))
     ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"))
-    if ckpt.latest_step() is not None:
-      states, meta = ckpt.restore(abstract_states={n: a.state for n, a in agents.items()})
-      for n, a in agents.items():
-        a.state = states[n]
-      step = int(meta["step"])
-      logging.info("Evaluating %s at step %d.", workdir, step)
+    step = train_lib.restore_agents(ckpt, agents)
     ckpt.close()
   metrics = train_lib.evaluate(c, env, agents, step=step)
   result = {"accuracy": metrics["eval/accuracy"], "step": step, "policy": c.policy,

@@ -70,12 +70,7 @@ def train_sft(c: ml_collections.ConfigDict, workdir: str) -> dict:
   sft_cfg.sampling.temperature = 1.0
   agents = train_lib.build_agents(sft_cfg, env, mesh, jax.random.key(c.seed))
   ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=1)
-  start = 0
-  if ckpt.latest_step() is not None:
-    states, meta = ckpt.restore(abstract_states={n: a.state for n, a in agents.items()})
-    for n, a in agents.items():
-      a.state = states[n]
-    start = int(meta["step"])
+  start = train_lib.restore_agents(ckpt, agents)
   writer = metrics_lib.MetricsWriter(workdir)
   writer.truncate_after(start - 1)
   progress = metrics_lib.Progress(sft.num_steps, initial=start, desc="sft")

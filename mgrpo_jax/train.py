@@ -294,6 +294,17 @@ def _update(c, agents: dict, batches: dict, step: int) -> dict:
   return out
 
 
+def restore_agents(ckpt: ckpt_lib.Checkpointer, agents: dict) -> int:
+  """Loads the latest checkpoint into `agents` (in place); returns its step, 0 if none."""
+  if ckpt.latest_step() is None:
+    return 0
+  states, meta = ckpt.restore(abstract_states={n: a.state for n, a in agents.items()})
+  for n, a in agents.items():
+    a.state = states[n]
+  logging.info("Restored %s at step %d.", ckpt.directory, int(meta["step"]))
+  return int(meta["step"])
+
+
 def _questions_for_step(train: list, step: int, q: int, seed: int) -> list:
   """Deterministic data order from (seed, step): a resumed run sees the same questions."""
   n = len(train)
@@ -323,14 +334,8 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict:
   root = jax.random.key(c.seed)
   agents = build_agents(c, env, mesh, jax.random.fold_in(root, 0))
   ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=c.max_to_keep)
-  start = 0
-  if ckpt.latest_step() is not None:
-    states, meta = ckpt.restore(abstract_states={n: a.state for n, a in agents.items()})
-    for n, a in agents.items():
-      a.state = states[n]
-    start = int(meta["step"])
-    logging.info("Resumed from %s at step %d.", workdir, start)
-  else:
+  start = restore_agents(ckpt, agents)
+  if not start:
     with open(os.path.join(workdir, "config.json"), "w") as f:
       f.write(c.to_json_best_effort(indent=2))
   writer = metrics_lib.MetricsWriter(workdir)
