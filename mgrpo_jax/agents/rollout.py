@@ -73,6 +73,11 @@ class Episode:
     return self.validator.format_ok
 
   @property
+  def failure(self) -> str | None:
+    """Why the episode is not format-valid (None when it is)."""
+    return self.validator.failure
+
+  @property
   def final(self) -> str | None:
     """The answer (main) or result (sub) when the episode ended validly."""
     final = self.validator.final

@@ -219,12 +219,9 @@ def graphdef(config: Qwen3Config) -> nnx.GraphDef:
   return gdef
 
 
-def init_params(config: Qwen3Config, key: jax.Array, mesh=None) -> nnx.State:
-  """Random parameters (normal(0.02), norms at 1), created by one jitted function.
-
-  With a mesh, each parameter is created directly in its shards (eval_shape ->
-  shardings -> jit with out_shardings), so no device holds a full copy.
-  """
+@functools.lru_cache(maxsize=16)
+def _init_fn(config: Qwen3Config, mesh):
+  """The jitted initialiser of a config (cached, so a second model compiles nothing)."""
   def init(key):
     return nnx.split(Qwen3(config, rngs=nnx.Rngs(params=key)))[1]
 
@@ -232,7 +229,16 @@ def init_params(config: Qwen3Config, key: jax.Array, mesh=None) -> nnx.State:
   if mesh is not None:
     from mgrpo_jax import sharding  # Local: sharding imports nothing from models.
     out_shardings = sharding.param_shardings(abstract_params(config), mesh)
-  return jax.jit(init, out_shardings=out_shardings)(key)
+  return jax.jit(init, out_shardings=out_shardings)
+
+
+def init_params(config: Qwen3Config, key: jax.Array, mesh=None) -> nnx.State:
+  """Random parameters (normal(0.02), norms at 1), created by one jitted function.
+
+  With a mesh, each parameter is created directly in its shards (eval_shape ->
+  shardings -> jit with out_shardings), so no device holds a full copy.
+  """
+  return _init_fn(config, mesh)(key)
 
 
 def abstract_params(config: Qwen3Config) -> nnx.State:

@@ -69,6 +69,9 @@ class AlignedSub:
   valid_QxKxD: np.ndarray
   advantages_QxKxD: np.ndarray
   stats: dict
+  counts_QxK: np.ndarray  # Sub-agent calls per main rollout (d in PAPERS.md 1.4).
+  index_QxKxD: np.ndarray  # Which of the source rollout's calls fills each row.
+  src_k_QxKxD: np.ndarray  # The source rollout (= k unless borrowing).
 
 
 def align_sub(sub_episodes: Sequence[Any], sub_rewards_N: np.ndarray, q: int, k: int, d: int,
@@ -102,7 +105,7 @@ def align_sub(sub_episodes: Sequence[Any], sub_rewards_N: np.ndarray, q: int, k:
   adv = np.asarray(advantages.group_advantages(jnp.asarray(rew), valid=jnp.asarray(valid),
                                                scale=scale, eps=eps))
   stats = {f"align/{k_}": v for k_, v in alignment.alignment_stats(counts, d).items()}
-  return AlignedSub(eps_rows, rew, valid, adv, stats)
+  return AlignedSub(eps_rows, rew, valid, adv, stats, counts, index, np.asarray(src_k))
 
 
 def batch_length(episodes: Sequence[Any], max_len: int, minimum: int = 128) -> int:
