@@ -27,6 +27,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # shared: one set of weights plays both roles.
   c.variant = args["variant"]
   c.policy = args["policy"]  # "model", or "expert": evaluate the scripted experts.
+  c.expert_think = True  # Scripted experts write a short <think> before each action.
   c.tokenizer = "byte"  # "byte" or a local HF tokenizer directory.
   c.main_model = common.model(args["model"])
   c.sub_model = common.model(args["model"])
@@ -70,6 +71,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 def _cpu(c):
   """A laptop-sized run: tiny models, short contexts, fast learning rates."""
   c.world.system_prompt = False
+  c.expert_think = False  # Shorter demonstrations: every byte costs CPU time.
   c.world.search_k, c.world.visit_chars = 2, 400
   c.limits.update(max_turns=6, max_new_tokens=96, max_len=1024, max_delegations=4)
   c.num_queries, c.num_rollouts, c.align_d = 4, 4, 3

@@ -185,7 +185,7 @@ def make_policies(c, env: Env, agents: dict, sampling_cfg, version: int, *,
                   expert_noise: float = 0.0, seed: int = 0) -> dict:
   """Turn policies per role: the agents' current weights, or the scripted experts."""
   if c.policy == "expert":
-    tok, kw = env.tokenizer, dict(noise=expert_noise)
+    tok, kw = env.tokenizer, dict(noise=expert_noise, think=c.expert_think)
     mk = lambda expert, i: rollout.ExpertPolicy(expert, tok, seed=seed * 10 + i)
     if c.variant == "single":
       return {"single": mk(experts.SingleExpert(search_k=c.world.search_k, **kw), 0)}

@@ -188,7 +188,11 @@ PRESETS: dict[str, Qwen3Config] = {
                          num_heads=40),
     "qwen3_32b": _preset(hidden_size=5120, intermediate_size=25600, num_layers=64,
                          num_heads=64),
-    # Tiny shapes for tests and CPU demos; prime-ish sizes catch swapped axes.
+    # CPU demos and the CPU sampler benchmark.
+    "small": Qwen3Config(vocab_size=384, hidden_size=128, intermediate_size=384, num_layers=4,
+                         num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=10_000.0,
+                         tie_embeddings=True, max_position_embeddings=4096),
+    # Tiny shapes for tests; prime-ish sizes catch swapped axes.
     "tiny": Qwen3Config(vocab_size=384, hidden_size=64, intermediate_size=176, num_layers=2,
                         num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10_000.0,
                         tie_embeddings=True, max_position_embeddings=4096),
