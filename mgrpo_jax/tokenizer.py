@@ -26,15 +26,24 @@ CONTROL_TOKENS: tuple[str, ...] = (ENDOFTEXT, IM_START, IM_END, PAD)
 # not control (Qwen3 likewise keeps `<think>` as a non-special added token), so decoding with
 # skip_special keeps them. Append only: a tag's position fixes its id in ByteTokenizer.
 PROTOCOL_TAGS: tuple[str, ...] = (
-    "<think>", "</think>",
-    "<delegate>", "</delegate>",
-    "<answer>", "</answer>",
-    "<search>", "</search>",
-    "<visit>", "</visit>",
-    "<result>", "</result>",
-    "<tool_response>", "</tool_response>",
-    "<context>", "</context>",
-    "<python>", "</python>",
+    "<think>",
+    "</think>",
+    "<delegate>",
+    "</delegate>",
+    "<answer>",
+    "</answer>",
+    "<search>",
+    "</search>",
+    "<visit>",
+    "</visit>",
+    "<result>",
+    "</result>",
+    "<tool_response>",
+    "</tool_response>",
+    "<context>",
+    "</context>",
+    "<python>",
+    "</python>",
 )  # fmt: skip
 
 _ROLES = ("system", "user", "assistant", "tool")
@@ -43,113 +52,112 @@ _EMPTY_THINK = "<think>\n\n</think>\n\n"
 
 @runtime_checkable
 class Tokenizer(Protocol):
-    """What the rest of mgrpo_jax needs from a tokenizer.
+  """What the rest of mgrpo_jax needs from a tokenizer.
 
-    `encode` never inserts special tokens (no BOS/EOS): callers build sequences explicitly, so
-    the tokens a loss mask covers are exactly the tokens a policy produced. Messages are dicts
-    with "role" (system, user, assistant or tool) and "content" (a string).
-    """
+  `encode` never inserts special tokens (no BOS/EOS): callers build sequences explicitly, so
+  the tokens a loss mask covers are exactly the tokens a policy produced. Messages are dicts
+  with "role" (system, user, assistant or tool) and "content" (a string).
+  """
 
-    @property
-    def vocab_size(self) -> int:
-        """Number of token ids in use (not padded; see `padded_vocab_size`)."""
+  @property
+  def vocab_size(self) -> int:
+    """Number of token ids in use (not padded; see `padded_vocab_size`)."""
 
-    @property
-    def eos_id(self) -> int:
-        """The id that ends an assistant turn (`<|im_end|>`)."""
+  @property
+  def eos_id(self) -> int:
+    """The id that ends an assistant turn (`<|im_end|>`)."""
 
-    @property
-    def pad_id(self) -> int:
-        """The id used to pad batches."""
+  @property
+  def pad_id(self) -> int:
+    """The id used to pad batches."""
 
-    @property
-    def stop_ids(self) -> tuple[int, ...]:
-        """Every id that should stop generation, `eos_id` first."""
+  @property
+  def stop_ids(self) -> tuple[int, ...]:
+    """Every id that should stop generation, `eos_id` first."""
 
-    @property
-    def special_ids(self) -> dict[str, int]:
-        """Every added token (control tokens and single-token tags): string -> id."""
+  @property
+  def special_ids(self) -> dict[str, int]:
+    """Every added token (control tokens and single-token tags): string -> id."""
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; special strings inside it become their single ids."""
+  def encode(self, text: str) -> list[int]:
+    """Token ids of `text`; special strings inside it become their single ids."""
 
-    def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
-        """Text of `ids`; with `skip_special`, control tokens are dropped (tags are kept)."""
+  def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
+    """Text of `ids`; with `skip_special`, control tokens are dropped (tags are kept)."""
 
-    def render_chat(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        add_generation_prompt: bool,
-        *,
-        enable_thinking: bool | None = None,
-    ) -> str:
-        """Qwen3 chat-format string of `messages` (see `render_qwen3_chat`)."""
+  def render_chat(
+      self,
+      messages: Sequence[Mapping[str, Any]],
+      add_generation_prompt: bool,
+      *,
+      enable_thinking: bool | None = None,
+  ) -> str:
+    """Qwen3 chat-format string of `messages` (see `render_qwen3_chat`)."""
 
-    def apply_chat_template(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        add_generation_prompt: bool,
-        enable_thinking: bool | None = None,
-    ) -> list[int]:
-        """Token ids of `render_chat(messages, ...)`; im_start/im_end are single ids."""
-        text = self.render_chat(messages, add_generation_prompt, enable_thinking=enable_thinking)
-        return self.encode(text)
+  def apply_chat_template(
+      self,
+      messages: Sequence[Mapping[str, Any]],
+      *,
+      add_generation_prompt: bool,
+      enable_thinking: bool | None = None,
+  ) -> list[int]:
+    """Token ids of `render_chat(messages, ...)`; im_start/im_end are single ids."""
+    text = self.render_chat(messages, add_generation_prompt, enable_thinking=enable_thinking)
+    return self.encode(text)
 
-    def token_id(self, token: str) -> int:
-        """The id of `token` when it is a single token; KeyError otherwise."""
-        if token in self.special_ids:
-            return self.special_ids[token]
-        ids = self.encode(token)
-        if len(ids) != 1:
-            raise KeyError(f"{token!r} is not a single token (it encodes to {ids})")
-        return ids[0]
+  def token_id(self, token: str) -> int:
+    """The id of `token` when it is a single token; KeyError otherwise."""
+    if token in self.special_ids:
+      return self.special_ids[token]
+    ids = self.encode(token)
+    if len(ids) != 1:
+      raise KeyError(f"{token!r} is not a single token (it encodes to {ids})")
+    return ids[0]
 
-    def padded_vocab_size(self, multiple: int = 128) -> int:
-        """`vocab_size` rounded up to `multiple`, for embedding tables that shard evenly."""
-        return -(-self.vocab_size // multiple) * multiple
+  def padded_vocab_size(self, multiple: int = 128) -> int:
+    """`vocab_size` rounded up to `multiple`, for embedding tables that shard evenly."""
+    return -(-self.vocab_size // multiple) * multiple
 
 
 # ------------------------------------------------------------------------------- chat format
 
 
 def _check_messages(messages: Sequence[Mapping[str, Any]]) -> None:
-    for i, m in enumerate(messages):
-        if m.get("role") not in _ROLES:
-            raise ValueError(f"message {i}: role {m.get('role')!r} is not one of {_ROLES}")
-        if not isinstance(m.get("content"), str):
-            raise ValueError(f"message {i}: content must be a string, got {m.get('content')!r}")
-        if m.get("tool_calls"):
-            raise ValueError(f"message {i}: tool_calls are not supported by this chat format")
+  for i, m in enumerate(messages):
+    if m.get("role") not in _ROLES:
+      raise ValueError(f"message {i}: role {m.get('role')!r} is not one of {_ROLES}")
+    if not isinstance(m.get("content"), str):
+      raise ValueError(f"message {i}: content must be a string, got {m.get('content')!r}")
+    if m.get("tool_calls"):
+      raise ValueError(f"message {i}: tool_calls are not supported by this chat format")
 
 
 def _last_query_index(messages: Sequence[Mapping[str, Any]]) -> int:
-    # The last user turn that is a real query, not tool output passed back as a user turn.
-    for i in range(len(messages) - 1, -1, -1):
-        m = messages[i]
-        c = m["content"]
-        if m["role"] == "user" and not (
-            c.startswith("<tool_response>") and c.endswith("</tool_response>")
-        ):
-            return i
-    return len(messages) - 1
+  # The last user turn that is a real query, not tool output passed back as a user turn.
+  for i in range(len(messages) - 1, -1, -1):
+    m = messages[i]
+    c = m["content"]
+    if m["role"] == "user" and not (c.startswith("<tool_response>") and
+                                    c.endswith("</tool_response>")):
+      return i
+  return len(messages) - 1
 
 
 def _render_assistant(message: Mapping[str, Any], *, after_query: bool, last: bool) -> str:
-    content = message["content"]
-    reasoning = message.get("reasoning_content")
-    if reasoning is None:
-        reasoning = ""
-        if "</think>" in content:
-            reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
-            content = content.split("</think>")[-1].lstrip("\n")
-    # Qwen3 keeps a think block only for turns after the last query; earlier turns lose their
-    # reasoning, and the final turn gets an (empty) block even when it had none.
-    if after_query and (last or reasoning):
-        body = f"<think>\n{reasoning.strip(chr(10))}\n</think>\n\n{content.lstrip(chr(10))}"
-    else:
-        body = content
-    return f"{IM_START}assistant\n{body}{IM_END}\n"
+  content = message["content"]
+  reasoning = message.get("reasoning_content")
+  if reasoning is None:
+    reasoning = ""
+    if "</think>" in content:
+      reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+      content = content.split("</think>")[-1].lstrip("\n")
+  # Qwen3 keeps a think block only for turns after the last query; earlier turns lose their
+  # reasoning, and the final turn gets an (empty) block even when it had none.
+  if after_query and (last or reasoning):
+    body = f"<think>\n{reasoning.strip(chr(10))}\n</think>\n\n{content.lstrip(chr(10))}"
+  else:
+    body = content
+  return f"{IM_START}assistant\n{body}{IM_END}\n"
 
 
 def render_qwen3_chat(
@@ -158,43 +166,43 @@ def render_qwen3_chat(
     *,
     enable_thinking: bool | None = None,
 ) -> str:
-    """Renders messages exactly as Qwen3's chat template does when no tools are given.
+  """Renders messages exactly as Qwen3's chat template does when no tools are given.
 
-    Each system or user turn is ``<|im_start|>{role}\\n{content}<|im_end|>\\n``. Assistant turns
-    follow Qwen3's think handling: a turn after the last user query that is the final message
-    (or carries reasoning, as `reasoning_content` or a ``<think>...</think>`` prefix) renders as
-    ``<|im_start|>assistant\\n<think>\\n{reasoning}\\n</think>\\n\\n{content}<|im_end|>\\n``;
-    earlier assistant turns drop their reasoning. Consecutive "tool" messages share one user turn,
-    each wrapped in ``\\n<tool_response>\\n...\\n</tool_response>``. The generation prompt is
-    ``<|im_start|>assistant\\n``, followed by an empty think block when `enable_thinking` is False.
+  Each system or user turn is ``<|im_start|>{role}\\n{content}<|im_end|>\\n``. Assistant turns
+  follow Qwen3's think handling: a turn after the last user query that is the final message
+  (or carries reasoning, as `reasoning_content` or a ``<think>...</think>`` prefix) renders as
+  ``<|im_start|>assistant\\n<think>\\n{reasoning}\\n</think>\\n\\n{content}<|im_end|>\\n``;
+  earlier assistant turns drop their reasoning. Consecutive "tool" messages share one user turn,
+  each wrapped in ``\\n<tool_response>\\n...\\n</tool_response>``. The generation prompt is
+  ``<|im_start|>assistant\\n``, followed by an empty think block when `enable_thinking` is False.
 
-    Unlike Qwen3's template, which silently drops unknown roles, this raises ValueError on them,
-    on non-string content and on `tool_calls` (function calling is not rendered).
-    """
-    messages = list(messages)
-    _check_messages(messages)
-    n = len(messages)
-    last_query = _last_query_index(messages)
-    parts = []
-    if n and messages[0]["role"] == "system":
-        parts.append(f"{IM_START}system\n{messages[0]['content']}{IM_END}\n")
-    for i, m in enumerate(messages):
-        role, content = m["role"], m["content"]
-        if role == "user" or (role == "system" and i > 0):
-            parts.append(f"{IM_START}{role}\n{content}{IM_END}\n")
-        elif role == "assistant":
-            parts.append(_render_assistant(m, after_query=i > last_query, last=i == n - 1))
-        elif role == "tool":
-            if i == 0 or messages[i - 1]["role"] != "tool":
-                parts.append(f"{IM_START}user")
-            parts.append(f"\n<tool_response>\n{content}\n</tool_response>")
-            if i == n - 1 or messages[i + 1]["role"] != "tool":
-                parts.append(f"{IM_END}\n")
-    if add_generation_prompt:
-        parts.append(f"{IM_START}assistant\n")
-        if enable_thinking is False:
-            parts.append(_EMPTY_THINK)
-    return "".join(parts)
+  Unlike Qwen3's template, which silently drops unknown roles, this raises ValueError on them,
+  on non-string content and on `tool_calls` (function calling is not rendered).
+  """
+  messages = list(messages)
+  _check_messages(messages)
+  n = len(messages)
+  last_query = _last_query_index(messages)
+  parts = []
+  if n and messages[0]["role"] == "system":
+    parts.append(f"{IM_START}system\n{messages[0]['content']}{IM_END}\n")
+  for i, m in enumerate(messages):
+    role, content = m["role"], m["content"]
+    if role == "user" or (role == "system" and i > 0):
+      parts.append(f"{IM_START}{role}\n{content}{IM_END}\n")
+    elif role == "assistant":
+      parts.append(_render_assistant(m, after_query=i > last_query, last=i == n - 1))
+    elif role == "tool":
+      if i == 0 or messages[i - 1]["role"] != "tool":
+        parts.append(f"{IM_START}user")
+      parts.append(f"\n<tool_response>\n{content}\n</tool_response>")
+      if i == n - 1 or messages[i + 1]["role"] != "tool":
+        parts.append(f"{IM_END}\n")
+  if add_generation_prompt:
+    parts.append(f"{IM_START}assistant\n")
+    if enable_thinking is False:
+      parts.append(_EMPTY_THINK)
+  return "".join(parts)
 
 
 # A simplified Qwen3 chat template (the jinja twin of `render_qwen3_chat`). Qwen3's own template
@@ -260,245 +268,238 @@ QWEN3_CHAT_TEMPLATE = """\
     {%- endif %}
 {%- endif %}"""
 
-
 # ---------------------------------------------------------------------------- ByteTokenizer
 
 
 class ByteTokenizer(Tokenizer):
-    """A tokenizer that needs no files: ids 0..255 are UTF-8 bytes, then the special strings.
+  """A tokenizer that needs no files: ids 0..255 are UTF-8 bytes, then the special strings.
 
-    Ids 256.. are `CONTROL_TOKENS` (``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``,
-    ``<pad>``) followed by `tags` (default `PROTOCOL_TAGS`). Special strings inside text encode
-    to their single id (longest match wins), so decode(encode(text)) == text for any text
-    without lone surrogates.
+  Ids 256.. are `CONTROL_TOKENS` (``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``,
+  ``<pad>``) followed by `tags` (default `PROTOCOL_TAGS`). Special strings inside text encode
+  to their single id (longest match wins), so decode(encode(text)) == text for any text
+  without lone surrogates.
+  """
+
+  def __init__(self, tags: Sequence[str] = PROTOCOL_TAGS):
+    specials = CONTROL_TOKENS + tuple(tags)
+    if len(set(specials)) != len(specials) or not all(specials):
+      raise ValueError(f"special strings must be non-empty and distinct: {specials}")
+    self._special_ids = {s: 256 + i for i, s in enumerate(specials)}
+    self._specials = specials
+    # Longest first: regex alternation takes the first alternative that matches, so this
+    # gives longest-match when one special string is a prefix of another.
+    by_length = sorted(specials, key=len, reverse=True)
+    self._special_re = re.compile("|".join(re.escape(s) for s in by_length))
+
+  @property
+  def vocab_size(self) -> int:
+    return 256 + len(self._specials)
+
+  @property
+  def eos_id(self) -> int:
+    return self._special_ids[IM_END]
+
+  @property
+  def pad_id(self) -> int:
+    return self._special_ids[PAD]
+
+  @property
+  def stop_ids(self) -> tuple[int, ...]:
+    return (self._special_ids[IM_END], self._special_ids[ENDOFTEXT])
+
+  @property
+  def special_ids(self) -> dict[str, int]:
+    return dict(self._special_ids)
+
+  def encode(self, text: str) -> list[int]:
+    """UTF-8 bytes of `text`, with each special string replaced by its single id."""
+    ids: list[int] = []
+    start = 0
+    for match in self._special_re.finditer(text):
+      ids.extend(text[start:match.start()].encode("utf-8"))
+      ids.append(self._special_ids[match.group()])
+      start = match.end()
+    ids.extend(text[start:].encode("utf-8"))
+    return ids
+
+  def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
+    """Text of `ids`; invalid UTF-8 (a model's stray bytes) decodes to U+FFFD.
+
+    Ids past the vocabulary (a model whose embedding is padded can sample them) also
+    decode to U+FFFD: never an exception on model output, and never invisible text.
     """
+    parts: list[str] = []
+    run = bytearray()
+    for i in ids:
+      i = int(i)
+      if 0 <= i < 256:
+        run.append(i)
+        continue
+      if not 256 <= i < self.vocab_size:
+        parts.append(run.decode("utf-8", errors="replace") + "\ufffd")
+        run.clear()
+        continue
+      # Decode byte runs only between specials, so a multi-byte character is never split.
+      parts.append(run.decode("utf-8", errors="replace"))
+      run.clear()
+      special = self._specials[i - 256]
+      if not (skip_special and special in CONTROL_TOKENS):
+        parts.append(special)
+    parts.append(run.decode("utf-8", errors="replace"))
+    return "".join(parts)
 
-    def __init__(self, tags: Sequence[str] = PROTOCOL_TAGS):
-        specials = CONTROL_TOKENS + tuple(tags)
-        if len(set(specials)) != len(specials) or not all(specials):
-            raise ValueError(f"special strings must be non-empty and distinct: {specials}")
-        self._special_ids = {s: 256 + i for i, s in enumerate(specials)}
-        self._specials = specials
-        # Longest first: regex alternation takes the first alternative that matches, so this
-        # gives longest-match when one special string is a prefix of another.
-        by_length = sorted(specials, key=len, reverse=True)
-        self._special_re = re.compile("|".join(re.escape(s) for s in by_length))
-
-    @property
-    def vocab_size(self) -> int:
-        return 256 + len(self._specials)
-
-    @property
-    def eos_id(self) -> int:
-        return self._special_ids[IM_END]
-
-    @property
-    def pad_id(self) -> int:
-        return self._special_ids[PAD]
-
-    @property
-    def stop_ids(self) -> tuple[int, ...]:
-        return (self._special_ids[IM_END], self._special_ids[ENDOFTEXT])
-
-    @property
-    def special_ids(self) -> dict[str, int]:
-        return dict(self._special_ids)
-
-    def encode(self, text: str) -> list[int]:
-        """UTF-8 bytes of `text`, with each special string replaced by its single id."""
-        ids: list[int] = []
-        start = 0
-        for match in self._special_re.finditer(text):
-            ids.extend(text[start : match.start()].encode("utf-8"))
-            ids.append(self._special_ids[match.group()])
-            start = match.end()
-        ids.extend(text[start:].encode("utf-8"))
-        return ids
-
-    def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
-        """Text of `ids`; invalid UTF-8 (a model's stray bytes) decodes to U+FFFD.
-
-        Ids past the vocabulary (a model whose embedding is padded can sample them) also
-        decode to U+FFFD: never an exception on model output, and never invisible text.
-        """
-        parts: list[str] = []
-        run = bytearray()
-        for i in ids:
-            i = int(i)
-            if 0 <= i < 256:
-                run.append(i)
-                continue
-            if not 256 <= i < self.vocab_size:
-                parts.append(run.decode("utf-8", errors="replace") + "\ufffd")
-                run.clear()
-                continue
-            # Decode byte runs only between specials, so a multi-byte character is never split.
-            parts.append(run.decode("utf-8", errors="replace"))
-            run.clear()
-            special = self._specials[i - 256]
-            if not (skip_special and special in CONTROL_TOKENS):
-                parts.append(special)
-        parts.append(run.decode("utf-8", errors="replace"))
-        return "".join(parts)
-
-    def render_chat(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        add_generation_prompt: bool,
-        *,
-        enable_thinking: bool | None = None,
-    ) -> str:
-        return render_qwen3_chat(messages, add_generation_prompt, enable_thinking=enable_thinking)
+  def render_chat(
+      self,
+      messages: Sequence[Mapping[str, Any]],
+      add_generation_prompt: bool,
+      *,
+      enable_thinking: bool | None = None,
+  ) -> str:
+    return render_qwen3_chat(messages, add_generation_prompt, enable_thinking=enable_thinking)
 
 
 # ------------------------------------------------------------------------------ HFTokenizer
 
 
 def _check_tokenizer_dir(path: pathlib.Path) -> None:
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"tokenizer directory {str(path)!r} does not exist (only local directories are "
-            "loaded; nothing is downloaded)"
-        )
-    present = {p.name for p in path.iterdir()}
-    missing = [] if "tokenizer_config.json" in present else ["tokenizer_config.json"]
-    if "tokenizer.json" not in present and not {"vocab.json", "merges.txt"} <= present:
-        missing.append("tokenizer.json (or vocab.json + merges.txt)")
-    if missing:
-        raise FileNotFoundError(
-            f"tokenizer directory {str(path)!r} is missing {', '.join(missing)}; "
-            f"it holds {sorted(present)}"
-        )
+  if not path.is_dir():
+    raise FileNotFoundError(
+        f"tokenizer directory {str(path)!r} does not exist (only local directories are "
+        "loaded; nothing is downloaded)")
+  present = {p.name for p in path.iterdir()}
+  missing = [] if "tokenizer_config.json" in present else ["tokenizer_config.json"]
+  if "tokenizer.json" not in present and not {"vocab.json", "merges.txt"} <= present:
+    missing.append("tokenizer.json (or vocab.json + merges.txt)")
+  if missing:
+    raise FileNotFoundError(f"tokenizer directory {str(path)!r} is missing {', '.join(missing)}; "
+                            f"it holds {sorted(present)}")
 
 
 def _generation_eos_ids(path: pathlib.Path) -> list[int]:
-    # Qwen3 stops on both <|im_end|> and <|endoftext|>; generation_config.json says which.
-    config_file = path / "generation_config.json"
-    if not config_file.exists():
-        return []
-    eos = json.loads(config_file.read_text()).get("eos_token_id")
-    if eos is None:
-        return []
-    return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+  # Qwen3 stops on both <|im_end|> and <|endoftext|>; generation_config.json says which.
+  config_file = path / "generation_config.json"
+  if not config_file.exists():
+    return []
+  eos = json.loads(config_file.read_text()).get("eos_token_id")
+  if eos is None:
+    return []
+  return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
 
 
 class HFTokenizer(Tokenizer):
-    """An HF tokenizer (with its chat template) loaded from a local directory.
+  """An HF tokenizer (with its chat template) loaded from a local directory.
 
-    `eos_id` is ``<|im_end|>`` when the vocabulary has it (chat rollouts end there, even for a
-    base checkpoint whose configured eos is ``<|endoftext|>``); `stop_ids` adds ``<|endoftext|>``
-    and any eos ids in the directory's generation_config.json.
-    """
+  `eos_id` is ``<|im_end|>`` when the vocabulary has it (chat rollouts end there, even for a
+  base checkpoint whose configured eos is ``<|endoftext|>``); `stop_ids` adds ``<|endoftext|>``
+  and any eos ids in the directory's generation_config.json.
+  """
 
-    def __init__(self, directory: str | os.PathLike):
-        path = pathlib.Path(directory)
-        _check_tokenizer_dir(path)
-        # Imported here: transformers takes seconds to import, and ByteTokenizer users need none.
-        from transformers import AutoTokenizer
+  def __init__(self, directory: str | os.PathLike):
+    path = pathlib.Path(directory)
+    _check_tokenizer_dir(path)
+    # Imported here: transformers takes seconds to import, and ByteTokenizer users need none.
+    from transformers import AutoTokenizer
 
-        self.directory = path
-        self.hf_tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        if not self.hf_tokenizer.chat_template:
-            raise ValueError(f"tokenizer in {str(path)!r} has no chat template")
-        added = self.hf_tokenizer.added_tokens_decoder
-        self._special_ids = {token.content: i for i, token in sorted(added.items())}
-        eos = self._special_ids.get(IM_END, self.hf_tokenizer.eos_token_id)
-        if eos is None:
-            raise ValueError(f"tokenizer in {str(path)!r} has neither {IM_END} nor an eos token")
-        self._eos_id = int(eos)
-        stops = [self._eos_id, self._special_ids.get(ENDOFTEXT), *_generation_eos_ids(path)]
-        self._stop_ids = tuple(dict.fromkeys(s for s in stops if s is not None))
-        pad = self.hf_tokenizer.pad_token_id
-        self._pad_id = int(pad) if pad is not None else self._special_ids.get(ENDOFTEXT, eos)
-        self._vocab_size = len(self.hf_tokenizer)
+    self.directory = path
+    self.hf_tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    if not self.hf_tokenizer.chat_template:
+      raise ValueError(f"tokenizer in {str(path)!r} has no chat template")
+    added = self.hf_tokenizer.added_tokens_decoder
+    self._special_ids = {token.content: i for i, token in sorted(added.items())}
+    eos = self._special_ids.get(IM_END, self.hf_tokenizer.eos_token_id)
+    if eos is None:
+      raise ValueError(f"tokenizer in {str(path)!r} has neither {IM_END} nor an eos token")
+    self._eos_id = int(eos)
+    stops = [self._eos_id, self._special_ids.get(ENDOFTEXT), *_generation_eos_ids(path)]
+    self._stop_ids = tuple(dict.fromkeys(s for s in stops if s is not None))
+    pad = self.hf_tokenizer.pad_token_id
+    self._pad_id = int(pad) if pad is not None else self._special_ids.get(ENDOFTEXT, eos)
+    self._vocab_size = len(self.hf_tokenizer)
 
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
+  @property
+  def vocab_size(self) -> int:
+    return self._vocab_size
 
-    @property
-    def eos_id(self) -> int:
-        return self._eos_id
+  @property
+  def eos_id(self) -> int:
+    return self._eos_id
 
-    @property
-    def pad_id(self) -> int:
-        return self._pad_id
+  @property
+  def pad_id(self) -> int:
+    return self._pad_id
 
-    @property
-    def stop_ids(self) -> tuple[int, ...]:
-        return self._stop_ids
+  @property
+  def stop_ids(self) -> tuple[int, ...]:
+    return self._stop_ids
 
-    @property
-    def special_ids(self) -> dict[str, int]:
-        return dict(self._special_ids)
+  @property
+  def special_ids(self) -> dict[str, int]:
+    return dict(self._special_ids)
 
-    def encode(self, text: str) -> list[int]:
-        return self.hf_tokenizer.encode(text, add_special_tokens=False)
+  def encode(self, text: str) -> list[int]:
+    return self.hf_tokenizer.encode(text, add_special_tokens=False)
 
-    def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
-        return self.hf_tokenizer.decode(
-            [int(i) for i in ids],
-            skip_special_tokens=skip_special,
-            # Cleanup would rewrite " ." to "." and break decode(encode(text)) == text.
-            clean_up_tokenization_spaces=False,
-        )
+  def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
+    return self.hf_tokenizer.decode(
+        [int(i) for i in ids],
+        skip_special_tokens=skip_special,
+        # Cleanup would rewrite " ." to "." and break decode(encode(text)) == text.
+        clean_up_tokenization_spaces=False,
+    )
 
-    def render_chat(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        add_generation_prompt: bool,
-        *,
-        enable_thinking: bool | None = None,
-    ) -> str:
-        # Passed only when set: the template tests `enable_thinking is defined`.
-        kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
-        return self.hf_tokenizer.apply_chat_template(
-            [dict(m) for m in messages],
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            **kwargs,
-        )
+  def render_chat(
+      self,
+      messages: Sequence[Mapping[str, Any]],
+      add_generation_prompt: bool,
+      *,
+      enable_thinking: bool | None = None,
+  ) -> str:
+    # Passed only when set: the template tests `enable_thinking is defined`.
+    kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    return self.hf_tokenizer.apply_chat_template(
+        [dict(m) for m in messages],
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+        **kwargs,
+    )
 
 
 # -------------------------------------------------------------------- test tokenizer builder
 
 # Qwen2/Qwen3's pre-tokenizer split: contractions, letter runs, single digits, punctuation
 # runs, newlines and whitespace; each piece is then byte-level encoded.
-_QWEN_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+_QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 _WORDS = (
     "the of and to in is that for it with as was on be by this are from at or an which "
     "question answer search result visit page agent main sub delegate context think tool "
     "response reward policy model token train step what who when where why how many year "
     "city river paper author number first last report summary code function return value "
-    "def if else for while print import list dict str int sum len range True False None"
-).split()
+    "def if else for while print import list dict str int sum len range True False None").split()
 _UNICODE = ("café", "naïve", "Zürich", "東京", "北京大学", "Москва", "λ", "→", "✓", "😀")
 
 
 def _synthetic_corpus(num_lines: int = 1500, seed: int = 0) -> list[str]:
-    """Deterministic mixed text (prose, numbers, code, chat and tags) to train a small BPE."""
-    rng = random.Random(seed)
-    lines = []
-    for _ in range(num_lines):
-        words = rng.choices(_WORDS, k=rng.randint(3, 14))
-        if rng.random() < 0.2:
-            words.insert(rng.randrange(len(words) + 1), rng.choice(_UNICODE))
-        sentence = " ".join(words).capitalize() + rng.choice(".?!:")
-        kind = rng.randrange(4)
-        if kind == 0:
-            lines.append(f"{sentence} {rng.randint(0, 99999)} + {rng.random():.3f}")
-        elif kind == 1:
-            lines.append(f"def f(x):\n    return x * {rng.randint(2, 9)}  # {sentence}\n")
-        elif kind == 2:
-            tag = rng.choice(PROTOCOL_TAGS[::2])
-            lines.append(f"{IM_START}user\n{sentence}{IM_END}\n{tag}{sentence}{tag[0]}/{tag[1:]}")
-        else:
-            lines.append(sentence)
-    return lines
+  """Deterministic mixed text (prose, numbers, code, chat and tags) to train a small BPE."""
+  rng = random.Random(seed)
+  lines = []
+  for _ in range(num_lines):
+    words = rng.choices(_WORDS, k=rng.randint(3, 14))
+    if rng.random() < 0.2:
+      words.insert(rng.randrange(len(words) + 1), rng.choice(_UNICODE))
+    sentence = " ".join(words).capitalize() + rng.choice(".?!:")
+    kind = rng.randrange(4)
+    if kind == 0:
+      lines.append(f"{sentence} {rng.randint(0, 99999)} + {rng.random():.3f}")
+    elif kind == 1:
+      lines.append(f"def f(x):\n    return x * {rng.randint(2, 9)}  # {sentence}\n")
+    elif kind == 2:
+      tag = rng.choice(PROTOCOL_TAGS[::2])
+      lines.append(f"{IM_START}user\n{sentence}{IM_END}\n{tag}{sentence}{tag[0]}/{tag[1:]}")
+    else:
+      lines.append(sentence)
+  return lines
 
 
 def write_test_hf_tokenizer(
@@ -508,55 +509,55 @@ def write_test_hf_tokenizer(
     vocab_size: int = 1024,
     tags: Sequence[str] = PROTOCOL_TAGS,
 ) -> pathlib.Path:
-    """Writes a small, real HF fast tokenizer in Qwen3's format to `directory`, offline.
+  """Writes a small, real HF fast tokenizer in Qwen3's format to `directory`, offline.
 
-    A byte-level BPE with Qwen3's normalizer (NFC) and pre-tokenizer split, trained on `texts`
-    (default: a generated corpus) up to `vocab_size` entries (all 256 bytes included, so any
-    text encodes). Then, as in Qwen3, the added tokens follow the BPE ids: ``<|endoftext|>``,
-    ``<|im_start|>``, ``<|im_end|>`` as special tokens and `tags` as non-special ones; eos is
-    ``<|im_end|>``, pad ``<|endoftext|>``, and the chat template is `QWEN3_CHAT_TEMPLATE`.
-    `AutoTokenizer.from_pretrained(directory)` loads the result. Returns the directory.
-    """
-    # Imported here: only test and demo code builds tokenizers.
-    from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
-    from tokenizers import Tokenizer as RawTokenizer
-    from tokenizers import trainers
-    from transformers import PreTrainedTokenizerFast
+  A byte-level BPE with Qwen3's normalizer (NFC) and pre-tokenizer split, trained on `texts`
+  (default: a generated corpus) up to `vocab_size` entries (all 256 bytes included, so any
+  text encodes). Then, as in Qwen3, the added tokens follow the BPE ids: ``<|endoftext|>``,
+  ``<|im_start|>``, ``<|im_end|>`` as special tokens and `tags` as non-special ones; eos is
+  ``<|im_end|>``, pad ``<|endoftext|>``, and the chat template is `QWEN3_CHAT_TEMPLATE`.
+  `AutoTokenizer.from_pretrained(directory)` loads the result. Returns the directory.
+  """
+  # Imported here: only test and demo code builds tokenizers.
+  from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+  from tokenizers import Tokenizer as RawTokenizer
+  from tokenizers import trainers
+  from transformers import PreTrainedTokenizerFast
 
-    raw = RawTokenizer(models.BPE())
-    raw.normalizer = normalizers.NFC()
-    raw.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_QWEN_SPLIT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    raw.train_from_iterator(_synthetic_corpus() if texts is None else list(texts), trainer)
-    # normalized=False so NFC never rewrites a special string before it is matched.
-    controls = (ENDOFTEXT, IM_START, IM_END)  # Qwen3 has no <pad>: it pads with <|endoftext|>.
-    raw.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in controls])
-    raw.add_tokens([AddedToken(t, special=False, normalized=False) for t in tags])
+  raw = RawTokenizer(models.BPE())
+  raw.normalizer = normalizers.NFC()
+  raw.pre_tokenizer = pre_tokenizers.Sequence([
+      pre_tokenizers.Split(Regex(_QWEN_SPLIT), behavior="isolated"),
+      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+  ])
+  raw.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(
+      vocab_size=vocab_size,
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+      show_progress=False,
+  )
+  raw.train_from_iterator(_synthetic_corpus() if texts is None else list(texts), trainer)
+  # normalized=False so NFC never rewrites a special string before it is matched.
+  controls = (ENDOFTEXT, IM_START, IM_END)  # Qwen3 has no <pad>: it pads with <|endoftext|>.
+  raw.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in controls])
+  raw.add_tokens([AddedToken(t, special=False, normalized=False) for t in tags])
 
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=raw,
-        eos_token=IM_END,
-        pad_token=ENDOFTEXT,
-        chat_template=QWEN3_CHAT_TEMPLATE,
-        clean_up_tokenization_spaces=False,
-        model_max_length=131072,  # Qwen3's context length.
-    )
-    path = pathlib.Path(directory)
-    path.mkdir(parents=True, exist_ok=True)
-    hf.save_pretrained(str(path))
-    return path
+  hf = PreTrainedTokenizerFast(
+      tokenizer_object=raw,
+      eos_token=IM_END,
+      pad_token=ENDOFTEXT,
+      chat_template=QWEN3_CHAT_TEMPLATE,
+      clean_up_tokenization_spaces=False,
+      model_max_length=131072,  # Qwen3's context length.
+  )
+  path = pathlib.Path(directory)
+  path.mkdir(parents=True, exist_ok=True)
+  hf.save_pretrained(str(path))
+  return path
 
 
 def load_tokenizer(spec: str | os.PathLike) -> Tokenizer:
-    """"byte" -> ByteTokenizer(); anything else is a local directory -> HFTokenizer."""
-    if str(spec) == "byte":
-        return ByteTokenizer()
-    return HFTokenizer(spec)
+  """"byte" -> ByteTokenizer(); anything else is a local directory -> HFTokenizer."""
+  if str(spec) == "byte":
+    return ByteTokenizer()
+  return HFTokenizer(spec)

@@ -34,230 +34,260 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
 def token_logprobs(logits_BxTxV, targets_BxT):
-    """log softmax(logits)[target] per token, float32 [B, T].
+  """log softmax(logits)[target] per token, float32 [B, T].
 
-    Computed as logit[target] − logsumexp(logits), which equals gathering from log_softmax
-    but never materialises a second [B, T, V] array.
-    """
-    logits_BxTxV = logits_BxTxV.astype(jnp.float32)
-    lse_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
-    targets_BxTx1 = targets_BxT[..., None].astype(jnp.int32)
-    picked_BxT = jnp.take_along_axis(logits_BxTxV, targets_BxTx1, axis=-1)[..., 0]
-    return picked_BxT - lse_BxT
+  Computed as logit[target] − logsumexp(logits), which equals gathering from log_softmax
+  but never materialises a second [B, T, V] array.
+  """
+  logits_BxTxV = logits_BxTxV.astype(jnp.float32)
+  lse_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
+  targets_BxTx1 = targets_BxT[..., None].astype(jnp.int32)
+  picked_BxT = jnp.take_along_axis(logits_BxTxV, targets_BxTx1, axis=-1)[..., 0]
+  return picked_BxT - lse_BxT
 
 
 def entropy(logits_BxTxV):
-    """Entropy of softmax(logits) per position, float32: H = lse − Σ p·logits."""
-    logits_BxTxV = logits_BxTxV.astype(jnp.float32)
-    lse_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
-    probs_BxTxV = jnp.exp(logits_BxTxV - lse_BxT[..., None])
-    return lse_BxT - jnp.sum(probs_BxTxV * logits_BxTxV, axis=-1)
+  """Entropy of softmax(logits) per position, float32: H = lse − Σ p·logits."""
+  logits_BxTxV = logits_BxTxV.astype(jnp.float32)
+  lse_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
+  probs_BxTxV = jnp.exp(logits_BxTxV - lse_BxT[..., None])
+  return lse_BxT - jnp.sum(probs_BxTxV * logits_BxTxV, axis=-1)
 
 
 def _check(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+  if value not in allowed:
+    raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
 
 
 def aggregate_terms(loss_BxT, mask_BxT, *, agg: str = "seq-mean-token-mean"):
-    """Splits the aggregation of per-token losses into (numerator, denominator).
+  """Splits the aggregation of per-token losses into (numerator, denominator).
 
-    - "token-mean": Σ mask·L / Σ mask (denominator = token count).
-    - "seq-mean-token-mean": Σ_b (Σ_t mask·L / Σ_t mask) / #sequences with ≥ 1 token.
-    - "seq-mean-token-sum": Σ_b Σ_t mask·L / #sequences with ≥ 1 token.
-    Per-sequence quantities never straddle microbatches, so sums of these terms are exact.
-    """
-    _check("agg", agg, AGGREGATIONS)
-    w_BxT = jnp.asarray(mask_BxT).astype(jnp.float32)
-    # where before multiply: 0 · NaN would still be NaN.
-    x_BxT = jnp.where(w_BxT > 0, loss_BxT * w_BxT, 0.0)
-    if agg == "token-mean":
-        return x_BxT.sum(), w_BxT.sum()
-    tokens_B, sum_B = w_BxT.sum(axis=1), x_BxT.sum(axis=1)
-    has_B = tokens_B > 0
-    if agg == "seq-mean-token-mean":
-        sum_B = jnp.where(has_B, sum_B / jnp.where(has_B, tokens_B, 1.0), 0.0)
-    return sum_B.sum(), has_B.sum().astype(jnp.float32)
+  - "token-mean": Σ mask·L / Σ mask (denominator = token count).
+  - "seq-mean-token-mean": Σ_b (Σ_t mask·L / Σ_t mask) / #sequences with ≥ 1 token.
+  - "seq-mean-token-sum": Σ_b Σ_t mask·L / #sequences with ≥ 1 token.
+  Per-sequence quantities never straddle microbatches, so sums of these terms are exact.
+  """
+  _check("agg", agg, AGGREGATIONS)
+  w_BxT = jnp.asarray(mask_BxT).astype(jnp.float32)
+  # where before multiply: 0 · NaN would still be NaN.
+  x_BxT = jnp.where(w_BxT > 0, loss_BxT * w_BxT, 0.0)
+  if agg == "token-mean":
+    return x_BxT.sum(), w_BxT.sum()
+  tokens_B, sum_B = w_BxT.sum(axis=1), x_BxT.sum(axis=1)
+  has_B = tokens_B > 0
+  if agg == "seq-mean-token-mean":
+    sum_B = jnp.where(has_B, sum_B / jnp.where(has_B, tokens_B, 1.0), 0.0)
+  return sum_B.sum(), has_B.sum().astype(jnp.float32)
 
 
 def terms_to_loss(numerator, denominator):
-    """numerator / denominator, and 0 (not NaN) when nothing was counted."""
-    ok = denominator > 0
-    return jnp.where(ok, numerator / jnp.where(ok, denominator, 1.0), 0.0)
+  """numerator / denominator, and 0 (not NaN) when nothing was counted."""
+  ok = denominator > 0
+  return jnp.where(ok, numerator / jnp.where(ok, denominator, 1.0), 0.0)
 
 
 def kl_penalty(logp_BxT, ref_logp_BxT, *, estimator: str = "k3"):
-    """Per-token estimate of KL(π || π_ref) from samples of π (Schulman's k1, k2, k3).
+  """Per-token estimate of KL(π || π_ref) from samples of π (Schulman's k1, k2, k3).
 
-    With δ = ref_logp − logp: k1 = −δ (unbiased, can be negative), k2 = δ²/2, and
-    k3 = exp(δ) − δ − 1 (unbiased, ≥ 0, low variance).
-    """
-    _check("kl_estimator", estimator, KL_ESTIMATORS)
-    delta = ref_logp_BxT - logp_BxT
-    if estimator == "k1":
-        return -delta
-    if estimator == "k2":
-        return 0.5 * delta**2
-    return jnp.expm1(delta) - delta
+  With δ = ref_logp − logp: k1 = −δ (unbiased, can be negative), k2 = δ²/2, and
+  k3 = exp(δ) − δ − 1 (unbiased, ≥ 0, low variance).
+  """
+  _check("kl_estimator", estimator, KL_ESTIMATORS)
+  delta = ref_logp_BxT - logp_BxT
+  if estimator == "k1":
+    return -delta
+  if estimator == "k2":
+    return 0.5 * delta**2
+  return jnp.expm1(delta) - delta
 
 
 def _adv_BxT(adv, shape):
-    adv = jnp.asarray(adv, jnp.float32)
-    if adv.ndim == 1 and adv.shape[0] == shape[0]:
-        return jnp.broadcast_to(adv[:, None], shape)
-    if adv.shape != shape:
-        raise ValueError(f"adv must be [B] or [B, T] = {shape}, got {adv.shape}")
-    return adv
+  adv = jnp.asarray(adv, jnp.float32)
+  if adv.ndim == 1 and adv.shape[0] == shape[0]:
+    return jnp.broadcast_to(adv[:, None], shape)
+  if adv.shape != shape:
+    raise ValueError(f"adv must be [B] or [B, T] = {shape}, got {adv.shape}")
+  return adv
 
 
 def loss_terms(
-    logp, old_logp, adv, mask, *, eps_low=0.2, eps_high=0.28, agg="seq-mean-token-mean",
-    ref_logp=None, kl_coef=0.0, kl_estimator="k3", dual_clip=None,
+    logp,
+    old_logp,
+    adv,
+    mask,
+    *,
+    eps_low=0.2,
+    eps_high=0.28,
+    agg="seq-mean-token-mean",
+    ref_logp=None,
+    kl_coef=0.0,
+    kl_estimator="k3",
+    dual_clip=None,
 ):
-    """The clipped surrogate (+ optional KL) as (numerator, denominator, metric_sums).
+  """The clipped surrogate (+ optional KL) as (numerator, denominator, metric_sums).
 
-    Per token, with ratio = exp(logp − old_logp):
-      L = max(−ratio·A, −clip(ratio, 1 − eps_low, 1 + eps_high)·A) + kl_coef·KL,
-    and with `dual_clip` = c > 1, L_pg = min(L_pg, −c·A) where A < 0 (bounds the loss
-    when a very unlikely token got a negative advantage). `policy_loss` has the details.
+  Per token, with ratio = exp(logp − old_logp):
+    L = max(−ratio·A, −clip(ratio, 1 − eps_low, 1 + eps_high)·A) + kl_coef·KL,
+  and with `dual_clip` = c > 1, L_pg = min(L_pg, −c·A) where A < 0 (bounds the loss
+  when a very unlikely token got a negative advantage). `policy_loss` has the details.
 
-    Returns:
-      numerator, denominator: float32 scalars, loss = terms_to_loss(numerator, denominator).
-      metric_sums: dict of float32 scalars; combine across microbatches with
-        `accumulate_metric_sums`, turn into metrics with `finalize_metrics`.
-    """
-    _check("agg", agg, AGGREGATIONS)
-    if isinstance(dual_clip, (int, float)) and dual_clip <= 1.0:
-        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
-    if ref_logp is None and not (isinstance(kl_coef, (int, float)) and kl_coef == 0):
-        raise ValueError("kl_coef != 0 needs ref_logp")
-    shape = jnp.shape(logp)
-    w_BxT = jnp.asarray(mask).astype(jnp.float32)
-    on_BxT = w_BxT > 0
-    # Sanitise masked tokens before exp: their logp may be −inf or garbage.
-    logp_BxT = jnp.where(on_BxT, jnp.asarray(logp, jnp.float32), 0.0)
-    old_BxT = jnp.where(on_BxT, jnp.asarray(old_logp, jnp.float32), 0.0)
-    adv_BxT = jnp.where(on_BxT, _adv_BxT(adv, shape), 0.0)
-    logratio_BxT = logp_BxT - old_BxT
-    ratio_BxT = jnp.exp(logratio_BxT)
-    clipped_BxT = jnp.clip(ratio_BxT, 1.0 - eps_low, 1.0 + eps_high)
-    pg_BxT = jnp.maximum(-ratio_BxT * adv_BxT, -clipped_BxT * adv_BxT)
-    if dual_clip is not None:
-        pg_BxT = jnp.where(adv_BxT < 0, jnp.minimum(pg_BxT, -dual_clip * adv_BxT), pg_BxT)
-    pg_num, denominator = aggregate_terms(pg_BxT, w_BxT, agg=agg)
+  Returns:
+    numerator, denominator: float32 scalars, loss = terms_to_loss(numerator, denominator).
+    metric_sums: dict of float32 scalars; combine across microbatches with
+      `accumulate_metric_sums`, turn into metrics with `finalize_metrics`.
+  """
+  _check("agg", agg, AGGREGATIONS)
+  if isinstance(dual_clip, (int, float)) and dual_clip <= 1.0:
+    raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+  if ref_logp is None and not (isinstance(kl_coef, (int, float)) and kl_coef == 0):
+    raise ValueError("kl_coef != 0 needs ref_logp")
+  shape = jnp.shape(logp)
+  w_BxT = jnp.asarray(mask).astype(jnp.float32)
+  on_BxT = w_BxT > 0
+  # Sanitise masked tokens before exp: their logp may be −inf or garbage.
+  logp_BxT = jnp.where(on_BxT, jnp.asarray(logp, jnp.float32), 0.0)
+  old_BxT = jnp.where(on_BxT, jnp.asarray(old_logp, jnp.float32), 0.0)
+  adv_BxT = jnp.where(on_BxT, _adv_BxT(adv, shape), 0.0)
+  logratio_BxT = logp_BxT - old_BxT
+  ratio_BxT = jnp.exp(logratio_BxT)
+  clipped_BxT = jnp.clip(ratio_BxT, 1.0 - eps_low, 1.0 + eps_high)
+  pg_BxT = jnp.maximum(-ratio_BxT * adv_BxT, -clipped_BxT * adv_BxT)
+  if dual_clip is not None:
+    pg_BxT = jnp.where(adv_BxT < 0, jnp.minimum(pg_BxT, -dual_clip * adv_BxT), pg_BxT)
+  pg_num, denominator = aggregate_terms(pg_BxT, w_BxT, agg=agg)
 
-    def tok_sum(x_BxT):
-        return jnp.sum(jnp.where(on_BxT, x_BxT * w_BxT, 0.0))
+  def tok_sum(x_BxT):
+    return jnp.sum(jnp.where(on_BxT, x_BxT * w_BxT, 0.0))
 
-    # Clipping is only "active" (zero gradient) on the side where it binds for sign(A).
-    sums = {
-        "tokens": w_BxT.sum(),
-        "pg_loss_numerator": pg_num,
-        "clip_frac_low": tok_sum((ratio_BxT < 1.0 - eps_low) & (adv_BxT < 0)),
-        "clip_frac_high": tok_sum((ratio_BxT > 1.0 + eps_high) & (adv_BxT > 0)),
-        # k3 for KL(π_old || π) from samples of π_old: (ρ − 1) − log ρ ≥ 0.
-        "approx_kl": tok_sum(jnp.expm1(logratio_BxT) - logratio_BxT),
-        "ratio_mean": tok_sum(ratio_BxT),
-        "ratio_max": jnp.max(jnp.where(on_BxT, ratio_BxT, -jnp.inf)),
-        "ratio_min": jnp.min(jnp.where(on_BxT, ratio_BxT, jnp.inf)),
-    }
-    if dual_clip is not None:
-        sums["dual_clip_frac"] = tok_sum((adv_BxT < 0) & (ratio_BxT > dual_clip))
-    numerator = pg_num
-    if ref_logp is not None:
-        ref_BxT = jnp.where(on_BxT, jnp.asarray(ref_logp, jnp.float32), 0.0)
-        kl_BxT = kl_penalty(logp_BxT, ref_BxT, estimator=kl_estimator)
-        kl_num, _ = aggregate_terms(kl_BxT, w_BxT, agg=agg)
-        sums["kl_ref_numerator"] = kl_num
-        numerator = numerator + kl_coef * kl_num
-    return numerator, denominator, sums
+  # Clipping is only "active" (zero gradient) on the side where it binds for sign(A).
+  sums = {
+      "tokens": w_BxT.sum(),
+      "pg_loss_numerator": pg_num,
+      "clip_frac_low": tok_sum((ratio_BxT < 1.0 - eps_low) & (adv_BxT < 0)),
+      "clip_frac_high": tok_sum((ratio_BxT > 1.0 + eps_high) & (adv_BxT > 0)),
+      # k3 for KL(π_old || π) from samples of π_old: (ρ − 1) − log ρ ≥ 0.
+      "approx_kl": tok_sum(jnp.expm1(logratio_BxT) - logratio_BxT),
+      "ratio_mean": tok_sum(ratio_BxT),
+      "ratio_max": jnp.max(jnp.where(on_BxT, ratio_BxT, -jnp.inf)),
+      "ratio_min": jnp.min(jnp.where(on_BxT, ratio_BxT, jnp.inf)),
+  }
+  if dual_clip is not None:
+    sums["dual_clip_frac"] = tok_sum((adv_BxT < 0) & (ratio_BxT > dual_clip))
+  numerator = pg_num
+  if ref_logp is not None:
+    ref_BxT = jnp.where(on_BxT, jnp.asarray(ref_logp, jnp.float32), 0.0)
+    kl_BxT = kl_penalty(logp_BxT, ref_BxT, estimator=kl_estimator)
+    kl_num, _ = aggregate_terms(kl_BxT, w_BxT, agg=agg)
+    sums["kl_ref_numerator"] = kl_num
+    numerator = numerator + kl_coef * kl_num
+  return numerator, denominator, sums
 
 
 def accumulate_metric_sums(a: dict, b: dict) -> dict:
-    """Combines two microbatches' metric sums: max for `*_max`, min for `*_min`, else add."""
-    def combine(key, x, y):
-        if key.endswith("_max"):
-            return jnp.maximum(x, y)
-        if key.endswith("_min"):
-            return jnp.minimum(x, y)
-        return x + y
+  """Combines two microbatches' metric sums: max for `*_max`, min for `*_min`, else add."""
 
-    return {k: combine(k, a[k], b[k]) for k in a}
+  def combine(key, x, y):
+    if key.endswith("_max"):
+      return jnp.maximum(x, y)
+    if key.endswith("_min"):
+      return jnp.minimum(x, y)
+    return x + y
+
+  return {k: combine(k, a[k], b[k]) for k in a}
 
 
 def finalize_metrics(sums: dict, denominator) -> dict:
-    """Turns metric sums into metrics.
+  """Turns metric sums into metrics.
 
-    `*_numerator` keys become `numerator / denominator` (the loss's own aggregation) under
-    the name without the suffix; `*_max` / `*_min` pass through (0 when no token); `tokens`
-    passes through; every other key is a token-weighted sum and becomes a token mean.
-    """
-    tokens = sums["tokens"]
-    out = {"tokens": tokens}
-    for key, value in sums.items():
-        if key == "tokens":
-            continue
-        if key.endswith("_numerator"):
-            out[key[: -len("_numerator")]] = terms_to_loss(value, denominator)
-        elif key.endswith(("_max", "_min")):
-            out[key] = jnp.where(tokens > 0, value, 0.0)
-        else:
-            out[key] = terms_to_loss(value, tokens)
-    return out
+  `*_numerator` keys become `numerator / denominator` (the loss's own aggregation) under
+  the name without the suffix; `*_max` / `*_min` pass through (0 when no token); `tokens`
+  passes through; every other key is a token-weighted sum and becomes a token mean.
+  """
+  tokens = sums["tokens"]
+  out = {"tokens": tokens}
+  for key, value in sums.items():
+    if key == "tokens":
+      continue
+    if key.endswith("_numerator"):
+      out[key[:-len("_numerator")]] = terms_to_loss(value, denominator)
+    elif key.endswith(("_max", "_min")):
+      out[key] = jnp.where(tokens > 0, value, 0.0)
+    else:
+      out[key] = terms_to_loss(value, tokens)
+  return out
 
 
 def policy_loss(
-    logp, old_logp, adv, mask, *, eps_low=0.2, eps_high=0.28, agg="seq-mean-token-mean",
-    ref_logp=None, kl_coef=0.0, kl_estimator="k3", dual_clip=None,
+    logp,
+    old_logp,
+    adv,
+    mask,
+    *,
+    eps_low=0.2,
+    eps_high=0.28,
+    agg="seq-mean-token-mean",
+    ref_logp=None,
+    kl_coef=0.0,
+    kl_estimator="k3",
+    dual_clip=None,
 ):
-    """Clipped-surrogate policy loss for both agents (PAPERS.md 1.5) -> (loss, metrics).
+  """Clipped-surrogate policy loss for both agents (PAPERS.md 1.5) -> (loss, metrics).
 
-    Args:
-      logp, old_logp: [B, T] log-probs of the sampled tokens under the current and the
-        behaviour policy (any float dtype; used in float32).
-      adv: [B] (one advantage per sequence, broadcast over tokens) or [B, T].
-      mask: [B, T], 1/True on generated tokens; a float mask weights tokens.
-      eps_low, eps_high: ratio clip range [1 − eps_low, 1 + eps_high].
-      agg: one of AGGREGATIONS (see `aggregate_terms`).
-      ref_logp, kl_coef, kl_estimator: KL(π || π_ref) penalty with estimator k1/k2/k3
-        (see `kl_penalty`); it is reported as metric "kl_ref" whenever ref_logp is given.
-      dual_clip: None, or c > 1 to cap the loss of negative-advantage tokens at −c·A.
+  Args:
+    logp, old_logp: [B, T] log-probs of the sampled tokens under the current and the
+      behaviour policy (any float dtype; used in float32).
+    adv: [B] (one advantage per sequence, broadcast over tokens) or [B, T].
+    mask: [B, T], 1/True on generated tokens; a float mask weights tokens.
+    eps_low, eps_high: ratio clip range [1 − eps_low, 1 + eps_high].
+    agg: one of AGGREGATIONS (see `aggregate_terms`).
+    ref_logp, kl_coef, kl_estimator: KL(π || π_ref) penalty with estimator k1/k2/k3
+      (see `kl_penalty`); it is reported as metric "kl_ref" whenever ref_logp is given.
+    dual_clip: None, or c > 1 to cap the loss of negative-advantage tokens at −c·A.
 
-    Returns:
-      loss: float32 scalar, terms_to_loss(*loss_terms(...)[:2]).
-      metrics: pg_loss, kl_ref (if ref_logp), token means clip_frac_low (ratio <
-        1 − eps_low with A < 0), clip_frac_high (ratio > 1 + eps_high with A > 0),
-        dual_clip_frac, approx_kl (k3 estimate of KL(π_old || π)), ratio_mean, and
-        ratio_max, ratio_min, tokens.
-    """
-    numerator, denominator, sums = loss_terms(
-        logp, old_logp, adv, mask, eps_low=eps_low, eps_high=eps_high, agg=agg,
-        ref_logp=ref_logp, kl_coef=kl_coef, kl_estimator=kl_estimator, dual_clip=dual_clip,
-    )
-    return terms_to_loss(numerator, denominator), finalize_metrics(sums, denominator)
+  Returns:
+    loss: float32 scalar, terms_to_loss(*loss_terms(...)[:2]).
+    metrics: pg_loss, kl_ref (if ref_logp), token means clip_frac_low (ratio <
+      1 − eps_low with A < 0), clip_frac_high (ratio > 1 + eps_high with A > 0),
+      dual_clip_frac, approx_kl (k3 estimate of KL(π_old || π)), ratio_mean, and
+      ratio_max, ratio_min, tokens.
+  """
+  numerator, denominator, sums = loss_terms(
+      logp,
+      old_logp,
+      adv,
+      mask,
+      eps_low=eps_low,
+      eps_high=eps_high,
+      agg=agg,
+      ref_logp=ref_logp,
+      kl_coef=kl_coef,
+      kl_estimator=kl_estimator,
+      dual_clip=dual_clip,
+  )
+  return terms_to_loss(numerator, denominator), finalize_metrics(sums, denominator)
 
 
 def reinforce_terms(logp, adv, mask, *, agg="seq-mean-token-sum"):
-    """MAGRPO's REINFORCE loss −A·Σ_t log π as (numerator, denominator, metric_sums)."""
-    w_BxT = jnp.asarray(mask).astype(jnp.float32)
-    on_BxT = w_BxT > 0
-    logp_BxT = jnp.where(on_BxT, jnp.asarray(logp, jnp.float32), 0.0)
-    adv_BxT = jnp.where(on_BxT, _adv_BxT(adv, jnp.shape(logp)), 0.0)
-    numerator, denominator = aggregate_terms(-adv_BxT * logp_BxT, w_BxT, agg=agg)
-    sums = {
-        "tokens": w_BxT.sum(),
-        "pg_loss_numerator": numerator,
-        "logp_mean": jnp.sum(logp_BxT * w_BxT),
-    }
-    return numerator, denominator, sums
+  """MAGRPO's REINFORCE loss −A·Σ_t log π as (numerator, denominator, metric_sums)."""
+  w_BxT = jnp.asarray(mask).astype(jnp.float32)
+  on_BxT = w_BxT > 0
+  logp_BxT = jnp.where(on_BxT, jnp.asarray(logp, jnp.float32), 0.0)
+  adv_BxT = jnp.where(on_BxT, _adv_BxT(adv, jnp.shape(logp)), 0.0)
+  numerator, denominator = aggregate_terms(-adv_BxT * logp_BxT, w_BxT, agg=agg)
+  sums = {
+      "tokens": w_BxT.sum(),
+      "pg_loss_numerator": numerator,
+      "logp_mean": jnp.sum(logp_BxT * w_BxT),
+  }
+  return numerator, denominator, sums
 
 
 def reinforce_loss(logp, adv, mask, *, agg="seq-mean-token-sum"):
-    """REINFORCE for MAGRPO (PAPERS.md 2.1): mean over sequences of −A·Σ_t log π.
+  """REINFORCE for MAGRPO (PAPERS.md 2.1): mean over sequences of −A·Σ_t log π.
 
-    No ratio, clip or KL (the paper era); the clipped surrogate is `policy_loss`. The
-    default aggregation sums over a sequence's tokens and averages over sequences.
-    Returns (loss, metrics) with metrics pg_loss, logp_mean, tokens.
-    """
-    numerator, denominator, sums = reinforce_terms(logp, adv, mask, agg=agg)
-    return terms_to_loss(numerator, denominator), finalize_metrics(sums, denominator)
+  No ratio, clip or KL (the paper era); the clipped surrogate is `policy_loss`. The
+  default aggregation sums over a sequence's tokens and averages over sequences.
+  Returns (loss, metrics) with metrics pg_loss, logp_mean, tokens.
+  """
+  numerator, denominator, sums = reinforce_terms(logp, adv, mask, agg=agg)
+  return terms_to_loss(numerator, denominator), finalize_metrics(sums, denominator)

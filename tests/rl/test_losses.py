@@ -16,47 +16,57 @@ AGGS = losses.AGGREGATIONS
 LN = math.log
 
 
-def _np_policy_loss(logp, old, adv, mask, *, eps_low=0.2, eps_high=0.28, agg, ref=None,
-                    kl_coef=0.0, est="k3", dual_clip=None):
-    """Independent reference: a plain Python loop over tokens in float64."""
-    B, T = mask.shape
-    adv = np.broadcast_to(np.asarray(adv)[:, None], (B, T)) if np.ndim(adv) == 1 else adv
-    sums, counts = [], []
-    for b in range(B):
-        s, c = 0.0, 0
-        for t in range(T):
-            if not mask[b, t]:
-                continue
-            r, a = math.exp(logp[b, t] - old[b, t]), adv[b, t]
-            loss = max(-r * a, -min(max(r, 1 - eps_low), 1 + eps_high) * a)
-            if dual_clip is not None and a < 0:
-                loss = min(loss, -dual_clip * a)
-            if ref is not None:
-                d = ref[b, t] - logp[b, t]
-                loss += kl_coef * {"k1": -d, "k2": 0.5 * d * d, "k3": math.exp(d) - d - 1}[est]
-            s, c = s + loss, c + 1
-        sums.append(s)
-        counts.append(c)
-    seqs = [(s, c) for s, c in zip(sums, counts) if c > 0]
-    if agg == "token-mean":
-        return sum(sums) / sum(counts)
-    if agg == "seq-mean-token-mean":
-        return sum(s / c for s, c in seqs) / len(seqs)
-    return sum(s for s, _ in seqs) / len(seqs)
+def _np_policy_loss(logp,
+                    old,
+                    adv,
+                    mask,
+                    *,
+                    eps_low=0.2,
+                    eps_high=0.28,
+                    agg,
+                    ref=None,
+                    kl_coef=0.0,
+                    est="k3",
+                    dual_clip=None):
+  """Independent reference: a plain Python loop over tokens in float64."""
+  B, T = mask.shape
+  adv = np.broadcast_to(np.asarray(adv)[:, None], (B, T)) if np.ndim(adv) == 1 else adv
+  sums, counts = [], []
+  for b in range(B):
+    s, c = 0.0, 0
+    for t in range(T):
+      if not mask[b, t]:
+        continue
+      r, a = math.exp(logp[b, t] - old[b, t]), adv[b, t]
+      loss = max(-r * a, -min(max(r, 1 - eps_low), 1 + eps_high) * a)
+      if dual_clip is not None and a < 0:
+        loss = min(loss, -dual_clip * a)
+      if ref is not None:
+        d = ref[b, t] - logp[b, t]
+        loss += kl_coef * {"k1": -d, "k2": 0.5 * d * d, "k3": math.exp(d) - d - 1}[est]
+      s, c = s + loss, c + 1
+    sums.append(s)
+    counts.append(c)
+  seqs = [(s, c) for s, c in zip(sums, counts) if c > 0]
+  if agg == "token-mean":
+    return sum(sums) / sum(counts)
+  if agg == "seq-mean-token-mean":
+    return sum(s / c for s, c in seqs) / len(seqs)
+  return sum(s for s, _ in seqs) / len(seqs)
 
 
 def _hand_batch():
-    """B=2, T=3 with chosen ratios; masked slot (0, 2) holds -inf / NaN garbage.
+  """B=2, T=3 with chosen ratios; masked slot (0, 2) holds -inf / NaN garbage.
 
-    seq 0, A = +1: ratios 1.5 (clipped high: L = max(-1.5, -1.28) = -1.28), 1.0 (L = -1).
-    seq 1, A = -2: ratios 0.5 (clipped low: L = max(1.0, 1.6) = 1.6), 1.2 (L = 2.4),
-                   3.0 (pessimistic max keeps the unclipped L = max(6.0, 2.56) = 6.0).
-    """
-    old = jnp.array([[-1.0, -2.0, jnp.nan], [-1.0, -1.5, -0.5]])
-    ratios = jnp.array([[1.5, 1.0, 1.0], [0.5, 1.2, 3.0]])
-    logp = (old + jnp.log(ratios)).at[0, 2].set(-jnp.inf)
-    mask = jnp.array([[1, 1, 0], [1, 1, 1]], bool)
-    return logp, old, jnp.array([1.0, -2.0]), mask
+  seq 0, A = +1: ratios 1.5 (clipped high: L = max(-1.5, -1.28) = -1.28), 1.0 (L = -1).
+  seq 1, A = -2: ratios 0.5 (clipped low: L = max(1.0, 1.6) = 1.6), 1.2 (L = 2.4),
+                 3.0 (pessimistic max keeps the unclipped L = max(6.0, 2.56) = 6.0).
+  """
+  old = jnp.array([[-1.0, -2.0, jnp.nan], [-1.0, -1.5, -0.5]])
+  ratios = jnp.array([[1.5, 1.0, 1.0], [0.5, 1.2, 3.0]])
+  logp = (old + jnp.log(ratios)).at[0, 2].set(-jnp.inf)
+  mask = jnp.array([[1, 1, 0], [1, 1, 1]], bool)
+  return logp, old, jnp.array([1.0, -2.0]), mask
 
 
 @pytest.mark.parametrize(
@@ -71,31 +81,31 @@ def _hand_batch():
     ],
 )
 def test_policy_loss_by_hand(agg, expected):
-    logp, old, adv, mask = _hand_batch()
-    loss, metrics = jax.jit(functools.partial(policy_loss, agg=agg))(logp, old, adv, mask)
-    assert float(loss) == pytest.approx(expected, rel=1e-5)
-    assert float(metrics["pg_loss"]) == pytest.approx(expected, rel=1e-5)
-    # One token of five clipped on each side; ratio mean (1.5+1+0.5+1.2+3)/5 = 1.44.
-    assert float(metrics["clip_frac_low"]) == pytest.approx(0.2)
-    assert float(metrics["clip_frac_high"]) == pytest.approx(0.2)
-    assert float(metrics["ratio_mean"]) == pytest.approx(1.44, rel=1e-5)
-    assert float(metrics["ratio_max"]) == pytest.approx(3.0, rel=1e-5)
-    assert float(metrics["ratio_min"]) == pytest.approx(0.5, rel=1e-5)
-    # k3 = r - 1 - ln r: 0.094535 + 0 + 0.193147 + 0.017678 + 0.901388 = 1.206748; / 5.
-    assert float(metrics["approx_kl"]) == pytest.approx(1.206748 / 5, rel=1e-4)
-    assert float(metrics["tokens"]) == 5.0
-    assert "kl_ref" not in metrics
+  logp, old, adv, mask = _hand_batch()
+  loss, metrics = jax.jit(functools.partial(policy_loss, agg=agg))(logp, old, adv, mask)
+  assert float(loss) == pytest.approx(expected, rel=1e-5)
+  assert float(metrics["pg_loss"]) == pytest.approx(expected, rel=1e-5)
+  # One token of five clipped on each side; ratio mean (1.5+1+0.5+1.2+3)/5 = 1.44.
+  assert float(metrics["clip_frac_low"]) == pytest.approx(0.2)
+  assert float(metrics["clip_frac_high"]) == pytest.approx(0.2)
+  assert float(metrics["ratio_mean"]) == pytest.approx(1.44, rel=1e-5)
+  assert float(metrics["ratio_max"]) == pytest.approx(3.0, rel=1e-5)
+  assert float(metrics["ratio_min"]) == pytest.approx(0.5, rel=1e-5)
+  # k3 = r - 1 - ln r: 0.094535 + 0 + 0.193147 + 0.017678 + 0.901388 = 1.206748; / 5.
+  assert float(metrics["approx_kl"]) == pytest.approx(1.206748 / 5, rel=1e-4)
+  assert float(metrics["tokens"]) == 5.0
+  assert "kl_ref" not in metrics
 
 
 def test_dual_clip_by_hand():
-    # c = 2.5 caps A<0 tokens at -c·A = 5: seq 1 becomes (1.6, 2.4, min(6, 5) = 5) -> mean 3;
-    # seq 0 (A > 0) is untouched at -1.14. Loss = (-1.14 + 3) / 2 = 0.93.
-    logp, old, adv, mask = _hand_batch()
-    loss, metrics = policy_loss(logp, old, adv, mask, dual_clip=2.5)
-    assert float(loss) == pytest.approx(0.93, rel=1e-5)
-    assert float(metrics["dual_clip_frac"]) == pytest.approx(0.2)
-    with pytest.raises(ValueError):
-        policy_loss(logp, old, adv, mask, dual_clip=1.0)
+  # c = 2.5 caps A<0 tokens at -c·A = 5: seq 1 becomes (1.6, 2.4, min(6, 5) = 5) -> mean 3;
+  # seq 0 (A > 0) is untouched at -1.14. Loss = (-1.14 + 3) / 2 = 0.93.
+  logp, old, adv, mask = _hand_batch()
+  loss, metrics = policy_loss(logp, old, adv, mask, dual_clip=2.5)
+  assert float(loss) == pytest.approx(0.93, rel=1e-5)
+  assert float(metrics["dual_clip_frac"]) == pytest.approx(0.2)
+  with pytest.raises(ValueError):
+    policy_loss(logp, old, adv, mask, dual_clip=1.0)
 
 
 @pytest.mark.parametrize(
@@ -108,144 +118,155 @@ def test_dual_clip_by_hand():
     ],
 )
 def test_kl_estimators_by_hand(est, expected):
-    logp = jnp.full((2, 3), LN(0.5))
-    ref = jnp.full((2, 3), LN(0.25))
-    np.testing.assert_allclose(losses.kl_penalty(logp, ref, estimator=est), expected, rtol=1e-5)
-    # With A = 0 and ratio 1 the loss is kl_coef · KL exactly, whatever the aggregation.
-    loss, metrics = policy_loss(logp, logp, jnp.zeros(2), jnp.ones((2, 3), bool), ref_logp=ref,
-                                kl_coef=0.1, kl_estimator=est)
-    assert float(loss) == pytest.approx(0.1 * expected, rel=1e-5)
-    assert float(metrics["kl_ref"]) == pytest.approx(expected, rel=1e-5)
+  logp = jnp.full((2, 3), LN(0.5))
+  ref = jnp.full((2, 3), LN(0.25))
+  np.testing.assert_allclose(losses.kl_penalty(logp, ref, estimator=est), expected, rtol=1e-5)
+  # With A = 0 and ratio 1 the loss is kl_coef · KL exactly, whatever the aggregation.
+  loss, metrics = policy_loss(logp,
+                              logp,
+                              jnp.zeros(2),
+                              jnp.ones((2, 3), bool),
+                              ref_logp=ref,
+                              kl_coef=0.1,
+                              kl_estimator=est)
+  assert float(loss) == pytest.approx(0.1 * expected, rel=1e-5)
+  assert float(metrics["kl_ref"]) == pytest.approx(expected, rel=1e-5)
 
 
 def _random_batch(seed, adv_2d=False):
-    """B=3, T=5 with ratios spread over both clip ends; row 2 fully masked out."""
-    rng = np.random.default_rng(seed)
-    old = rng.normal(-1.5, 0.5, (3, 5))
-    logp = old + rng.normal(0.0, 0.5, (3, 5))
-    ref = old + rng.normal(0.0, 0.3, (3, 5))
-    mask = rng.random((3, 5)) > 0.3
-    mask[0, 0] = mask[1, 1] = True
-    mask[2] = False
-    adv = rng.normal(size=(3, 5) if adv_2d else 3)
-    logp[~mask] = -np.inf  # garbage the loss must ignore
-    return logp, old, adv, mask, ref
+  """B=3, T=5 with ratios spread over both clip ends; row 2 fully masked out."""
+  rng = np.random.default_rng(seed)
+  old = rng.normal(-1.5, 0.5, (3, 5))
+  logp = old + rng.normal(0.0, 0.5, (3, 5))
+  ref = old + rng.normal(0.0, 0.3, (3, 5))
+  mask = rng.random((3, 5)) > 0.3
+  mask[0, 0] = mask[1, 1] = True
+  mask[2] = False
+  adv = rng.normal(size=(3, 5) if adv_2d else 3)
+  logp[~mask] = -np.inf  # garbage the loss must ignore
+  return logp, old, adv, mask, ref
 
 
 @pytest.mark.parametrize(
     "agg, est, dual, adv_2d",
-    [(a, e, d, a2) for a, e in itertools.product(AGGS, ("k1", "k2", "k3"))
+    [(a, e, d, a2)
+     for a, e in itertools.product(AGGS, ("k1", "k2", "k3"))
      for d, a2 in ((None, False), (3.0, True))],
 )
 def test_policy_loss_matches_numpy(agg, est, dual, adv_2d):
-    logp, old, adv, mask, ref = _random_batch(seed=len(agg) + len(est), adv_2d=adv_2d)
-    kwargs = dict(agg=agg, kl_coef=0.05, dual_clip=dual)
-    loss, _ = policy_loss(*map(jnp.asarray, (logp, old, adv, mask)), ref_logp=jnp.asarray(ref),
-                          kl_estimator=est, **kwargs)
-    expected = _np_policy_loss(logp, old, adv, mask, ref=ref, est=est, **kwargs)
-    assert float(loss) == pytest.approx(expected, rel=1e-5, abs=1e-6)
+  logp, old, adv, mask, ref = _random_batch(seed=len(agg) + len(est), adv_2d=adv_2d)
+  kwargs = dict(agg=agg, kl_coef=0.05, dual_clip=dual)
+  loss, _ = policy_loss(*map(jnp.asarray, (logp, old, adv, mask)),
+                        ref_logp=jnp.asarray(ref),
+                        kl_estimator=est,
+                        **kwargs)
+  expected = _np_policy_loss(logp, old, adv, mask, ref=ref, est=est, **kwargs)
+  assert float(loss) == pytest.approx(expected, rel=1e-5, abs=1e-6)
 
 
 def test_clipping_both_ends_matches_numpy_per_token():
-    # Ratios 0.55, 0.65, ..., 1.95 (none on a clip edge) with per-token A = ±1.
-    ratios = np.linspace(0.55, 1.95, 15).reshape(3, 5)
-    logp, old = np.log(ratios), np.zeros((3, 5))
-    mask = np.ones((3, 5), bool)
-    for a in (1.0, -1.0):
-        adv = np.full((3, 5), a)
-        loss, m = policy_loss(logp, old, adv, mask, agg="token-mean")
-        expected = _np_policy_loss(logp, old, adv, mask, agg="token-mean")
-        assert float(loss) == pytest.approx(expected, rel=1e-5)
-        # A > 0: 7 ratios above 1.28 (1.35 .. 1.95); A < 0: 3 below 0.8 (0.55, 0.65, 0.75).
-        assert float(m["clip_frac_high"]) == pytest.approx(7 / 15 if a > 0 else 0.0)
-        assert float(m["clip_frac_low"]) == pytest.approx(3 / 15 if a < 0 else 0.0)
+  # Ratios 0.55, 0.65, ..., 1.95 (none on a clip edge) with per-token A = ±1.
+  ratios = np.linspace(0.55, 1.95, 15).reshape(3, 5)
+  logp, old = np.log(ratios), np.zeros((3, 5))
+  mask = np.ones((3, 5), bool)
+  for a in (1.0, -1.0):
+    adv = np.full((3, 5), a)
+    loss, m = policy_loss(logp, old, adv, mask, agg="token-mean")
+    expected = _np_policy_loss(logp, old, adv, mask, agg="token-mean")
+    assert float(loss) == pytest.approx(expected, rel=1e-5)
+    # A > 0: 7 ratios above 1.28 (1.35 .. 1.95); A < 0: 3 below 0.8 (0.55, 0.65, 0.75).
+    assert float(m["clip_frac_high"]) == pytest.approx(7 / 15 if a > 0 else 0.0)
+    assert float(m["clip_frac_low"]) == pytest.approx(3 / 15 if a < 0 else 0.0)
 
 
 def test_adv_per_sequence_equals_per_token():
-    logp, old, adv, mask, _ = _random_batch(3)
-    adv_bxt = np.broadcast_to(adv[:, None], mask.shape)
-    a, _ = policy_loss(logp, old, adv, mask)
-    b, _ = policy_loss(logp, old, adv_bxt, mask)
-    assert float(a) == float(b)
-    with pytest.raises(ValueError):
-        policy_loss(logp, old, adv[:2], mask)
+  logp, old, adv, mask, _ = _random_batch(3)
+  adv_bxt = np.broadcast_to(adv[:, None], mask.shape)
+  a, _ = policy_loss(logp, old, adv, mask)
+  b, _ = policy_loss(logp, old, adv_bxt, mask)
+  assert float(a) == float(b)
+  with pytest.raises(ValueError):
+    policy_loss(logp, old, adv[:2], mask)
 
 
 def test_grad_finite_with_masked_garbage():
-    logp, old, adv, mask = _hand_batch()
-    ref = jnp.where(mask, logp - 0.1, jnp.nan)
+  logp, old, adv, mask = _hand_batch()
+  ref = jnp.where(mask, logp - 0.1, jnp.nan)
 
-    @jax.jit
-    def grads(lp):
-        # KL off (hand-checked below), then each estimator on: one compile for all four.
-        kls = [dict(kl_coef=0.0)] + [dict(kl_coef=0.1, kl_estimator=e) for e in ("k1", "k2", "k3")]
-        return [jax.grad(lambda x, kw=kw: policy_loss(x, old, adv, mask, ref_logp=ref,
-                                                      dual_clip=4.0, **kw)[0])(lp) for kw in kls]
+  @jax.jit
+  def grads(lp):
+    # KL off (hand-checked below), then each estimator on: one compile for all four.
+    kls = [dict(kl_coef=0.0)] + [dict(kl_coef=0.1, kl_estimator=e) for e in ("k1", "k2", "k3")]
+    return [
+        jax.grad(lambda x, kw=kw: policy_loss(x, old, adv, mask, ref_logp=ref, dual_clip=4.0, **kw)[
+            0])(lp) for kw in kls
+    ]
 
-    all_grads = [np.asarray(g) for g in grads(logp)]
-    assert all(np.isfinite(g).all() and g[0, 2] == 0.0 for g in all_grads)
-    # seq-mean-token-mean weights each token by 1/(tokens in seq)/(2 seqs).
-    # (0,0) and (1,0) are clipped -> 0; (0,1): -r·A = -1 -> -1/2/2 = -0.25;
-    # (1,1): -r·A = 2.4 -> 2.4/3/2 = 0.4; (1,2): 6.0/3/2 = 1.0; masked (0,2) -> 0.
-    expected = [[0.0, -0.25, 0.0], [0.0, 0.4, 1.0]]
-    np.testing.assert_allclose(all_grads[0], expected, rtol=1e-5, atol=1e-7)
-    assert not np.allclose(all_grads[3], all_grads[0])  # the KL term does reach the gradient
+  all_grads = [np.asarray(g) for g in grads(logp)]
+  assert all(np.isfinite(g).all() and g[0, 2] == 0.0 for g in all_grads)
+  # seq-mean-token-mean weights each token by 1/(tokens in seq)/(2 seqs).
+  # (0,0) and (1,0) are clipped -> 0; (0,1): -r·A = -1 -> -1/2/2 = -0.25;
+  # (1,1): -r·A = 2.4 -> 2.4/3/2 = 0.4; (1,2): 6.0/3/2 = 1.0; masked (0,2) -> 0.
+  expected = [[0.0, -0.25, 0.0], [0.0, 0.4, 1.0]]
+  np.testing.assert_allclose(all_grads[0], expected, rtol=1e-5, atol=1e-7)
+  assert not np.allclose(all_grads[3], all_grads[0])  # the KL term does reach the gradient
 
 
 @pytest.mark.parametrize("agg", AGGS)
 def test_microbatch_accumulation_is_exact(agg):
-    # Two microbatches (each with a token-less row), summing terms and dividing once, must
-    # reproduce the loss and metrics of their concatenation.
-    micro = [tuple(map(jnp.asarray, _random_batch(seed)[:4])) for seed in (5, 6)]
-    full = [jnp.concatenate(parts) for parts in zip(*micro)]
-    full_loss, full_metrics = policy_loss(*full, agg=agg)
-    terms = [losses.loss_terms(*m, agg=agg) for m in micro]
-    num, den = terms[0][0] + terms[1][0], terms[0][1] + terms[1][1]
-    assert float(losses.terms_to_loss(num, den)) == pytest.approx(float(full_loss), rel=1e-6)
-    metrics = losses.finalize_metrics(losses.accumulate_metric_sums(terms[0][2], terms[1][2]), den)
-    for key, value in full_metrics.items():
-        assert float(metrics[key]) == pytest.approx(float(value), rel=1e-6), key
+  # Two microbatches (each with a token-less row), summing terms and dividing once, must
+  # reproduce the loss and metrics of their concatenation.
+  micro = [tuple(map(jnp.asarray, _random_batch(seed)[:4])) for seed in (5, 6)]
+  full = [jnp.concatenate(parts) for parts in zip(*micro)]
+  full_loss, full_metrics = policy_loss(*full, agg=agg)
+  terms = [losses.loss_terms(*m, agg=agg) for m in micro]
+  num, den = terms[0][0] + terms[1][0], terms[0][1] + terms[1][1]
+  assert float(losses.terms_to_loss(num, den)) == pytest.approx(float(full_loss), rel=1e-6)
+  metrics = losses.finalize_metrics(losses.accumulate_metric_sums(terms[0][2], terms[1][2]), den)
+  for key, value in full_metrics.items():
+    assert float(metrics[key]) == pytest.approx(float(value), rel=1e-6), key
 
 
 def test_empty_batch_is_zero_not_nan():
-    z = jnp.zeros((2, 3))
-    loss, metrics = policy_loss(z, z, jnp.ones(2), jnp.zeros((2, 3), bool))
-    assert float(loss) == 0.0
-    assert all(np.isfinite(float(v)) for v in metrics.values())
+  z = jnp.zeros((2, 3))
+  loss, metrics = policy_loss(z, z, jnp.ones(2), jnp.zeros((2, 3), bool))
+  assert float(loss) == 0.0
+  assert all(np.isfinite(float(v)) for v in metrics.values())
 
 
 def test_bad_arguments():
-    z = jnp.zeros((2, 3))
-    with pytest.raises(ValueError):
-        policy_loss(z, z, jnp.ones(2), z, agg="sum")
-    with pytest.raises(ValueError):
-        policy_loss(z, z, jnp.ones(2), z, kl_coef=0.1)
-    with pytest.raises(ValueError):
-        losses.kl_penalty(z, z, estimator="k4")
+  z = jnp.zeros((2, 3))
+  with pytest.raises(ValueError):
+    policy_loss(z, z, jnp.ones(2), z, agg="sum")
+  with pytest.raises(ValueError):
+    policy_loss(z, z, jnp.ones(2), z, kl_coef=0.1)
+  with pytest.raises(ValueError):
+    losses.kl_penalty(z, z, estimator="k4")
 
 
 def test_token_logprobs_and_entropy_by_hand():
-    # logits (0, ln 3) -> p = (0.25, 0.75): log p = (-1.386294, -0.287682),
-    # H = -(0.25 ln 0.25 + 0.75 ln 0.75) = 0.562335.
-    logits = jnp.array([[[0.0, LN(3.0)], [0.0, LN(3.0)]]], jnp.bfloat16)
-    lp = jax.jit(losses.token_logprobs)(logits, jnp.array([[1, 0]]))
-    assert lp.dtype == jnp.float32
-    np.testing.assert_allclose(lp, [[LN(0.75), LN(0.25)]], rtol=1e-2)  # bf16 ln 3 is inexact
-    h = jax.jit(losses.entropy)(jnp.array([[[0.0, LN(3.0)]]]))
-    assert h.dtype == jnp.float32
-    np.testing.assert_allclose(h, [[0.562335]], rtol=1e-5)
+  # logits (0, ln 3) -> p = (0.25, 0.75): log p = (-1.386294, -0.287682),
+  # H = -(0.25 ln 0.25 + 0.75 ln 0.75) = 0.562335.
+  logits = jnp.array([[[0.0, LN(3.0)], [0.0, LN(3.0)]]], jnp.bfloat16)
+  lp = jax.jit(losses.token_logprobs)(logits, jnp.array([[1, 0]]))
+  assert lp.dtype == jnp.float32
+  np.testing.assert_allclose(lp, [[LN(0.75), LN(0.25)]], rtol=1e-2)  # bf16 ln 3 is inexact
+  h = jax.jit(losses.entropy)(jnp.array([[[0.0, LN(3.0)]]]))
+  assert h.dtype == jnp.float32
+  np.testing.assert_allclose(h, [[0.562335]], rtol=1e-5)
 
 
 def test_token_logprobs_and_entropy_match_numpy():
-    rng = np.random.default_rng(2)
-    logits = rng.normal(size=(2, 3, 7)) * 3
-    targets = rng.integers(0, 7, size=(2, 3))
-    z = logits - logits.max(-1, keepdims=True)
-    logp_np = z - np.log(np.exp(z).sum(-1, keepdims=True))
-    expected = np.take_along_axis(logp_np, targets[..., None], -1)[..., 0]
-    np.testing.assert_allclose(jax.jit(losses.token_logprobs)(logits, targets), expected, rtol=1e-5)
-    np.testing.assert_allclose(jax.jit(losses.entropy)(logits),
-                               -(np.exp(logp_np) * logp_np).sum(-1), rtol=1e-5)
+  rng = np.random.default_rng(2)
+  logits = rng.normal(size=(2, 3, 7)) * 3
+  targets = rng.integers(0, 7, size=(2, 3))
+  z = logits - logits.max(-1, keepdims=True)
+  logp_np = z - np.log(np.exp(z).sum(-1, keepdims=True))
+  expected = np.take_along_axis(logp_np, targets[..., None], -1)[..., 0]
+  np.testing.assert_allclose(jax.jit(losses.token_logprobs)(logits, targets), expected, rtol=1e-5)
+  np.testing.assert_allclose(jax.jit(losses.entropy)(logits),
+                             -(np.exp(logp_np) * logp_np).sum(-1),
+                             rtol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -261,15 +282,15 @@ def test_token_logprobs_and_entropy_match_numpy():
     ],
 )
 def test_reinforce_loss_by_hand(agg, expected):
-    logp = jnp.array([[-1.0, -2.0, -jnp.inf], [-0.5, -0.5, -1.0]])
-    mask = jnp.array([[1, 1, 0], [1, 1, 1]])
-    adv = jnp.array([0.5, -1.0])
-    loss, metrics = jax.jit(functools.partial(losses.reinforce_loss, agg=agg))(logp, adv, mask)
-    assert float(loss) == pytest.approx(expected, rel=1e-5)
-    # logp mean over the 5 tokens: -5/5 = -1.
-    assert float(metrics["logp_mean"]) == pytest.approx(-1.0)
-    if agg == "seq-mean-token-sum":  # the default
-        assert float(losses.reinforce_loss(logp, adv, mask)[0]) == float(loss)
-        # d/dlogp = -A / 2 sequences: seq 0 -> -0.25, seq 1 -> 0.5; masked -> 0.
-        grad = jax.grad(lambda lp: losses.reinforce_loss(lp, adv, mask)[0])(logp)
-        np.testing.assert_allclose(grad, [[-0.25, -0.25, 0.0], [0.5, 0.5, 0.5]], rtol=1e-6)
+  logp = jnp.array([[-1.0, -2.0, -jnp.inf], [-0.5, -0.5, -1.0]])
+  mask = jnp.array([[1, 1, 0], [1, 1, 1]])
+  adv = jnp.array([0.5, -1.0])
+  loss, metrics = jax.jit(functools.partial(losses.reinforce_loss, agg=agg))(logp, adv, mask)
+  assert float(loss) == pytest.approx(expected, rel=1e-5)
+  # logp mean over the 5 tokens: -5/5 = -1.
+  assert float(metrics["logp_mean"]) == pytest.approx(-1.0)
+  if agg == "seq-mean-token-sum":  # the default
+    assert float(losses.reinforce_loss(logp, adv, mask)[0]) == float(loss)
+    # d/dlogp = -A / 2 sequences: seq 0 -> -0.25, seq 1 -> 0.5; masked -> 0.
+    grad = jax.grad(lambda lp: losses.reinforce_loss(lp, adv, mask)[0])(logp)
+    np.testing.assert_allclose(grad, [[-0.25, -0.25, 0.0], [0.5, 0.5, 0.5]], rtol=1e-6)
