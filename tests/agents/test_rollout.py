@@ -34,18 +34,9 @@ def _service(policy, index, limits=LIMITS):
                                    key=jax.random.key(7))
 
 
-def _check_sequence(ep):
-  """The loss mask covers exactly the turns' generated tokens, in order."""
-  toks, mask = np.asarray(ep.tokens), np.asarray(ep.loss_mask, bool)
-  assert len(ep.tokens) == len(ep.loss_mask) == len(ep.logprobs)
-  assert TOK.decode(toks[mask]) == "".join(ep.turns)
-  # Everything before the first generated token is the chat-template prompt.
-  first = int(np.argmax(mask)) if mask.any() else len(toks)
-  assert TOK.decode(toks[:first]).endswith("<|im_start|>assistant\n")
-  assert np.all(np.asarray(ep.logprobs)[~mask] == 0)
 
 
-def test_experts_through_the_engine_answer_and_keep_format(env):
+def test_experts_through_the_engine_answer_and_keep_format(env, check_sequence):
   qs, index = env
   main = rollout.ExpertPolicy(experts.MainExpert(), TOK)
   service = _service(rollout.ExpertPolicy(experts.SubExpert(), TOK), index)
@@ -57,7 +48,7 @@ def test_experts_through_the_engine_answer_and_keep_format(env):
   assert all(e.format_ok for e in eps)
   assert all(s.format_ok for s in service.episodes)
   for ep in eps + service.episodes:
-    _check_sequence(ep)
+    check_sequence(ep)
   # Ids and counts: each main rollout's delegations are its sub-episodes, calls 0..d-1.
   calls = collections.defaultdict(list)
   for s in service.episodes:
@@ -67,7 +58,7 @@ def test_experts_through_the_engine_answer_and_keep_format(env):
     assert e.delegations == len(qs[e.q].hops)  # Noise-free: one delegation per hop.
 
 
-def test_random_llm_rollouts_complete_with_consistent_records(env, tiny):
+def test_random_llm_rollouts_complete_with_consistent_records(env, tiny, check_sequence):
   qs, index = env
   cfg, params = tiny
   limits = rollout.Limits(max_turns=3, max_new_tokens=24, max_len=1024, max_delegations=2)
@@ -79,7 +70,7 @@ def test_random_llm_rollouts_complete_with_consistent_records(env, tiny):
                              limits=limits, key=jax.random.key(1))
   assert len(service.episodes) == sum(e.delegations for e in eps) > 0
   for s in service.episodes:
-    _check_sequence(s)
+    check_sequence(s)
     assert 1 <= s.num_generated <= limits.max_turns * limits.max_new_tokens
     assert np.all(np.asarray(s.logprobs)[np.asarray(s.loss_mask, bool)] <= 0)
   # A random sub-agent almost never keeps the format, and M then sees NO_RESULT.
@@ -92,7 +83,7 @@ def test_random_llm_rollouts_complete_with_consistent_records(env, tiny):
                              tokenizer=TOK, limits=limits, key=jax.random.key(2))
   for e in eps:
     assert e.done
-    _check_sequence(e)
+    check_sequence(e)
   batch = rollout.to_batch(eps, length=1024, pad_id=TOK.pad_id)
   assert batch["tokens"].shape == (6, 1024)
   assert batch["loss_mask"].sum() == sum(e.num_generated for e in eps)

@@ -191,17 +191,9 @@ def test_single_expert_fails_softly(setting):
 # ------------------------------------------------------------------------------------ rollout
 
 
-def _check_sequence(ep):
-  """The loss mask covers exactly the turns' generated tokens, after the prompt."""
-  toks, mask = np.asarray(ep.tokens), np.asarray(ep.loss_mask, bool)
-  assert len(ep.tokens) == len(ep.loss_mask) == len(ep.logprobs)
-  assert TOK.decode(toks[mask]) == "".join(ep.turns)
-  first = int(np.argmax(mask)) if mask.any() else len(toks)
-  assert TOK.decode(toks[:first]).endswith("<|im_start|>assistant\n")
-  assert np.all(np.asarray(ep.logprobs)[~mask] == 0)
 
 
-def test_expert_rollouts_reproduce_the_plain_driver(env):
+def test_expert_rollouts_reproduce_the_plain_driver(env, check_sequence):
   qs, index = env
   policy = rollout.ExpertPolicy(ex.SingleExpert(), TOK)
   eps = rollout.rollout_single(policy, qs, num_rollouts=2, tokenizer=TOK, limits=LIMITS,
@@ -211,7 +203,7 @@ def test_expert_rollouts_reproduce_the_plain_driver(env):
   assert np.mean([exact_match(e.final or "", qs[e.q].answer) for e in eps]) >= 0.95
   for e in eps:
     assert e.format_ok and e.delegations == 0
-    _check_sequence(e)
+    check_sequence(e)
     assert e.num_generated == sum(len(TOK.encode(t)) for t in e.turns)
     assert TOK.decode(e.tokens).startswith("<|im_start|>system\n" + pr.single_system_prompt())
     # The engine and the plain driver run the same episode.
@@ -232,7 +224,7 @@ class _Scripted:
     return self.turns[len(observations)]
 
 
-def test_rollout_single_dispatches_tools_by_name(env):
+def test_rollout_single_dispatches_tools_by_name(env, check_sequence):
   qs, index = env
   calls = []
 
@@ -250,10 +242,10 @@ def test_rollout_single_dispatches_tools_by_name(env):
     assert e.format_ok and e.actions == ["python", "search", "answer"]
     assert e.observations == ["3", "Error: no search tool here."]
     assert TOK.decode(e.tokens).startswith("<|im_start|>user\nQuestion: ")
-    _check_sequence(e)
+    check_sequence(e)
 
 
-def test_random_llm_single_rollouts_end_cleanly(env):
+def test_random_llm_single_rollouts_end_cleanly(env, check_sequence):
   qs, index = env
   cfg = models.get_preset("tiny", vocab_size=TOK.vocab_size)
   params = models.init_params(cfg, jax.random.key(0))
@@ -263,6 +255,6 @@ def test_random_llm_single_rollouts_end_cleanly(env):
                                key=jax.random.key(1), tools=search.local_tools(index))
   for e in eps:
     assert e.done and (e.format_ok or e.validator.failure)
-    _check_sequence(e)
+    check_sequence(e)
     assert 1 <= e.num_generated <= limits.max_turns * limits.max_new_tokens
     assert np.all(np.asarray(e.logprobs)[np.asarray(e.loss_mask, bool)] <= 0)
