@@ -249,8 +249,12 @@ def evaluate(c, env: Env, agents: dict, *, step: int, questions=None) -> dict:
   return m
 
 
-def _batches(c, env, eps, sub_eps, key) -> tuple[dict, dict]:
-  """Rewards, alignment, advantages -> one batch per trained role; plus their metrics."""
+def main_batch(c, env, eps) -> tuple[dict, hierarchy.MainOutcome, dict]:
+  """The main (or single) agent's side of a step: R_M, A_M and its batch.
+
+  The outcome is all the sub-agent needs from the main agent (decoupled runs send it over
+  the exchange).
+  """
   q, k = c.num_queries, c.num_rollouts
   answers = [e.task.answer for e in eps[::k]]
   outcome = hierarchy.main_outcomes(eps, answers, q, k, alpha=tuple(c.alpha))
@@ -258,19 +262,33 @@ def _batches(c, env, eps, sub_eps, key) -> tuple[dict, dict]:
                                                  scale=c.adv_scale, eps=c.adv_eps))
   role = "single" if c.variant == "single" else "main"
   length = hierarchy.batch_length(eps, c.limits.max_len)
-  batches = {role: hierarchy.make_batch(eps, adv_m.reshape(-1), length=length,
-                                        pad_id=env.tokenizer.pad_id)}
-  m = episode_metrics(role, eps, outcome)
+  batch = hierarchy.make_batch(eps, adv_m.reshape(-1), length=length,
+                               pad_id=env.tokenizer.pad_id)
+  return batch, outcome, episode_metrics(role, eps, outcome)
+
+
+def sub_batch(c, env, sub_eps, outcome: hierarchy.MainOutcome, key) -> tuple[dict, dict]:
+  """The sub-agent's side: R_S from the main outcome, alignment to [Q, K, D], A_S, batch."""
+  r_s = hierarchy.sub_rewards(sub_eps, outcome, beta=tuple(c.beta))
+  aligned = hierarchy.align_sub(sub_eps, r_s, c.num_queries, c.num_rollouts, c.align_d, key,
+                                on_empty=c.align_on_empty, scale=c.adv_scale, eps=c.adv_eps)
+  length = hierarchy.batch_length(aligned.episodes, c.limits.max_len)
+  batch = hierarchy.make_batch(aligned.episodes, aligned.advantages_QxKxD.reshape(-1),
+                               length=length, pad_id=env.tokenizer.pad_id)
+  m = episode_metrics("sub", sub_eps)
+  m["sub/reward"] = float(r_s.mean()) if len(r_s) else 0.0
+  m.update(aligned.stats)
+  return batch, m
+
+
+def _batches(c, env, eps, sub_eps, key) -> tuple[dict, dict]:
+  """Both sides of a colocated step: one batch per role, and their metrics."""
+  role = "single" if c.variant == "single" else "main"
+  batch, outcome, m = main_batch(c, env, eps)
+  batches = {role: batch}
   if role == "main":
-    r_s = hierarchy.sub_rewards(sub_eps, outcome, beta=tuple(c.beta))
-    aligned = hierarchy.align_sub(sub_eps, r_s, q, k, c.align_d, key,
-                                  on_empty=c.align_on_empty, scale=c.adv_scale, eps=c.adv_eps)
-    length = hierarchy.batch_length(aligned.episodes, c.limits.max_len)
-    batches["sub"] = hierarchy.make_batch(aligned.episodes, aligned.advantages_QxKxD.reshape(-1),
-                                          length=length, pad_id=env.tokenizer.pad_id)
-    m.update(episode_metrics("sub", sub_eps))
-    m["sub/reward"] = float(r_s.mean()) if len(r_s) else 0.0
-    m.update(aligned.stats)
+    batches["sub"], sm = sub_batch(c, env, sub_eps, outcome, key)
+    m.update(sm)
   return batches, m
 
 
