@@ -1,0 +1,99 @@
+"""Main and sub-agent over an exchange give the same episodes as the colocated run."""
+
+import threading
+
+import jax
+import numpy as np
+import pytest
+
+from mgrpo_jax import decoupled
+from mgrpo_jax import tokenizer as tk
+from mgrpo_jax.agents import experts, rollout
+from mgrpo_jax.envs import search, world
+from mgrpo_jax.exchange import Exchange
+from mgrpo_jax.rl import hierarchy
+
+TOK = tk.ByteTokenizer()
+LIMITS = rollout.Limits(max_turns=6, max_new_tokens=160, max_len=4096, max_delegations=4)
+
+
+@pytest.fixture(scope="module")
+def env():
+  w = world.generate_world(world.WorldConfig(seed=4))
+  return world.make_questions(w, num=6, seed=2), search.SearchIndex(w.documents)
+
+
+def _sub_service(index, key):
+  # Noisy experts: results differ between calls, so a mix-up of waves or keys would show.
+  policy = rollout.ExpertPolicy(experts.SubExpert(noise=0.4), TOK, seed=5)
+  return rollout.ColocatedSubAgent(policy, TOK, search.local_tools(index), limits=LIMITS,
+                                   key=key)
+
+
+def _main_policy():
+  return rollout.ExpertPolicy(experts.MainExpert(noise=0.2), TOK, seed=6)
+
+
+def _outcome(eps, qs, k):
+  return hierarchy.main_outcomes(eps, [q.answer for q in qs], len(qs), k)
+
+
+def test_decoupled_step_equals_colocated(env, tmp_path):
+  qs, index = env
+  key, step, k = jax.random.key(0), 3, 2
+  colocated_sub = _sub_service(index, key)
+  want = rollout.rollout_main(_main_policy(), colocated_sub, qs, num_rollouts=k, tokenizer=TOK,
+                              limits=LIMITS, key=key, step=step)
+
+  exchange = Exchange(f"file://{tmp_path}/exchange")
+  remote_sub = _sub_service(index, key)
+  served = {}
+  thread = threading.Thread(target=lambda: served.setdefault(
+      "outcome", decoupled.serve_step(exchange, remote_sub, step, timeout_s=60)))
+  thread.start()
+  main_side = decoupled.ExchangeSubAgent(exchange, step=step, timeout_s=60)
+  got = rollout.rollout_main(_main_policy(), main_side, qs, num_rollouts=k, tokenizer=TOK,
+                             limits=LIMITS, key=key, step=step)
+  outcome = _outcome(got, qs, k)
+  decoupled.publish_outcome(exchange, step, outcome, main_side.waves)
+  thread.join(timeout=60)
+  assert not thread.is_alive()
+
+  assert [e.tokens for e in got] == [e.tokens for e in want]
+  assert [e.tokens for e in remote_sub.episodes] == [e.tokens for e in colocated_sub.episodes]
+  np.testing.assert_array_equal(served["outcome"].correct, outcome.correct)
+  np.testing.assert_array_equal(served["outcome"].reward, _outcome(want, qs, k).reward)
+  # Only small records crossed: no tokens, no parameters.
+  stats = exchange.stats()
+  assert stats["bytes_written"] < 400 * (len(remote_sub.episodes) * 2 + main_side.waves + 8)
+
+
+def test_restarted_sub_agent_rewrites_identical_results(env, tmp_path):
+  """A sub-agent killed after serving and restarted regenerates the same records."""
+  qs, index = env
+  key, step = jax.random.key(1), 0
+  exchange = Exchange(f"file://{tmp_path}/exchange")
+
+  def serve(service):
+    return decoupled.serve_step(exchange, service, step, timeout_s=60)
+
+  first = _sub_service(index, key)
+  thread = threading.Thread(target=serve, args=(first,))
+  thread.start()
+  main_side = decoupled.ExchangeSubAgent(exchange, step=step, timeout_s=60)
+  eps = rollout.rollout_main(_main_policy(), main_side, qs[:3], num_rollouts=2, tokenizer=TOK,
+                             limits=LIMITS, key=key, step=step)
+  decoupled.publish_outcome(exchange, step, _outcome(eps, qs[:3], 2), main_side.waves)
+  thread.join(timeout=60)
+  before = exchange.stats()["records_written"]
+  again = _sub_service(index, key)  # A fresh process restarting the step.
+  serve(again)
+  assert exchange.stats()["records_written"] == before  # Nothing new: exactly once.
+  assert [e.tokens for e in again.episodes] == [e.tokens for e in first.episodes]
+
+
+def test_missing_main_agent_times_out_with_a_message(env, tmp_path):
+  _, index = env
+  exchange = Exchange(f"file://{tmp_path}/exchange")
+  with pytest.raises(TimeoutError, match="wave 0 of step 7"):
+    decoupled.serve_step(exchange, _sub_service(index, jax.random.key(0)), 7, timeout_s=0.3)
