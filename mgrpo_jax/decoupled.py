@@ -15,8 +15,12 @@ that differs raises `ExchangeConflict` instead of passing silently.
 import time
 from typing import Sequence
 
+import jax
 import numpy as np
 
+from mgrpo_jax import checkpoint as ckpt_lib
+from mgrpo_jax import metrics as metrics_lib
+from mgrpo_jax import sharding, train
 from mgrpo_jax.agents import rollout
 from mgrpo_jax.exchange import Exchange
 from mgrpo_jax.rl import hierarchy
@@ -55,10 +59,12 @@ def publish_outcome(exchange: Exchange, step: int, outcome: hierarchy.MainOutcom
 
 
 def serve_step(exchange: Exchange, service: rollout.ColocatedSubAgent, step: int, *,
-               timeout_s: float, poll_s: float = 0.05) -> hierarchy.MainOutcome:
+               timeout_s: float, poll_s: float = 0.05,
+               read_outcome: bool = True) -> hierarchy.MainOutcome | None:
   """Serves every wave of `step` through `service` (which keeps the episodes).
 
-  Returns the main agent's outcome for the step once it is published. Raises
+  Returns the main agent's outcome for the step once it is published (None for
+  evaluation steps, `read_outcome=False`, which publish no outcome). Raises
   `ExchangeTimeout` naming what is missing when the main agent does not show up.
   """
   wave, deadline = 0, time.monotonic() + timeout_s
@@ -83,5 +89,98 @@ def serve_step(exchange: Exchange, service: rollout.ColocatedSubAgent, step: int
       raise TimeoutError(f"Sub-agent: no wave {wave} of step {step} and no rollouts_done "
                          f"marker within {timeout_s}s; is the main agent running?")
     time.sleep(poll_s)
+  if not read_outcome:
+    return None
   get = lambda name: np.asarray(exchange.get_array(name, step, timeout_s=timeout_s))
   return hierarchy.MainOutcome(get("main_reward"), get("main_correct"), get("main_format"))
+
+
+# ------------------------------------------------------------------------ role programs
+
+EVAL_STEP_BASE = 10_000_000  # Exchange step ids of evaluation rollouts: base + step.
+
+
+def _setup(c, workdir: str, role: str):
+  """The parts of a role program that mirror the colocated trainer's set-up."""
+  if c.variant not in ("mgrpo", "frozen_sub"):
+    raise train.ConfigValueError(f"config.variant={c.variant!r} has no separate sub-agent; "
+                                 "decoupled runs need 'mgrpo' or 'frozen_sub'.")
+  train.validate_config(c)
+  mesh = sharding.make_mesh(dict(c.mesh))
+  env = train.build_env(c)
+  agents = train.build_agents(c, env, mesh, jax.random.fold_in(jax.random.key(c.seed), 0))
+  agents = {role: agents[role]}  # Each program owns only its own model and optimizer.
+  ckpt = ckpt_lib.Checkpointer(f"{workdir}/checkpoints", max_to_keep=c.max_to_keep)
+  start = train.restore_agents(ckpt, agents)
+  writer = metrics_lib.MetricsWriter(workdir)
+  writer.truncate_after(start - 1)
+  return env, agents, ckpt, writer, start
+
+
+def _is_eval(c, step: int) -> bool:
+  return step % c.eval_every == 0 or step == c.num_steps
+
+
+def run_main_agent(c, workdir: str, exchange_url: str, *, timeout_s: float = 600.0) -> None:
+  """The main agent's program: rollouts that delegate over the exchange, then its update."""
+  env, agents, ckpt, writer, start = _setup(c, workdir, "main")
+  ex = Exchange(exchange_url)
+  for step in range(start, c.num_steps + 1):
+    m = {}
+    if _is_eval(c, step):
+      svc = ExchangeSubAgent(ex, step=EVAL_STEP_BASE + step, timeout_s=timeout_s)
+      m.update(train.evaluate(c, env, agents, step=step, service=svc))
+      ex.mark("rollouts_done", EVAL_STEP_BASE + step, {"waves": svc.waves})
+    if step == c.num_steps:
+      writer.write(step, m)
+      break
+    key = train.step_key(c, step)
+    questions = train._questions_for_step(env.train, step, c.num_queries, c.seed)
+    policies = train.make_policies(c, env, agents, c.sampling, version=step)
+    svc = ExchangeSubAgent(ex, step=step, timeout_s=timeout_s)
+    eps, _ = train.run_rollouts(c, env, policies, questions, num_rollouts=c.num_rollouts,
+                                key=key, step=step, service=svc)
+    batch, outcome, bm = train.main_batch(c, env, eps)
+    publish_outcome(ex, step, outcome, svc.waves)
+    m.update(bm)
+    m.update(train._update(c, agents, {"main": batch}, step))
+    writer.write(step, m)
+    if (step + 1) % c.checkpoint_every == 0 or step + 1 == c.num_steps:
+      ckpt.save(step + 1, {n: a.state for n, a in agents.items()}, {"step": step + 1})
+  _finish(workdir, ckpt, writer, agents)
+
+
+def run_sub_agent(c, workdir: str, exchange_url: str, *, timeout_s: float = 600.0) -> None:
+  """The sub-agent's program: serves every wave of a step, then trains on its own episodes."""
+  env, agents, ckpt, writer, start = _setup(c, workdir, "sub")
+  ex = Exchange(exchange_url)
+  for step in range(start, c.num_steps + 1):
+    m = {}
+    if _is_eval(c, step):
+      policy = train.make_policies(c, env, agents, c.eval_sampling, version=step)["sub"]
+      svc = train.colocated_sub_agent(c, env, policy, train.eval_key(c, step))
+      serve_step(ex, svc, EVAL_STEP_BASE + step, timeout_s=timeout_s, read_outcome=False)
+      if svc.episodes:
+        m["eval/sub_format"] = float(np.mean([e.format_ok for e in svc.episodes]))
+    if step == c.num_steps:
+      writer.write(step, m)
+      break
+    key = train.step_key(c, step)
+    policy = train.make_policies(c, env, agents, c.sampling, version=step)["sub"]
+    svc = train.colocated_sub_agent(c, env, policy, key)
+    outcome = serve_step(ex, svc, step, timeout_s=timeout_s)
+    batch, sm = train.sub_batch(c, env, svc.episodes, outcome, jax.random.fold_in(key, 2))
+    m.update(sm)
+    if c.variant == "mgrpo":  # frozen_sub: the same service, never an update.
+      m.update(train._update(c, agents, {"sub": batch}, step))
+    writer.write(step, m)
+    if (step + 1) % c.checkpoint_every == 0 or step + 1 == c.num_steps:
+      ckpt.save(step + 1, {n: a.state for n, a in agents.items()}, {"step": step + 1})
+  _finish(workdir, ckpt, writer, agents)
+
+
+def _finish(workdir, ckpt, writer, agents) -> None:
+  ckpt.wait()
+  ckpt.close()
+  writer.close()
+  train._save_final_hf(workdir, agents)

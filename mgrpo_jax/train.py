@@ -196,14 +196,21 @@ def make_policies(c, env: Env, agents: dict, sampling_cfg, version: int, *,
             top_k=sampling_cfg.top_k, version=version, chunk=sampling_cfg.chunk)
   out = {}
   for role in ROLES[c.variant]:
-    agent = agents["main"] if (c.variant == "shared" and role == "sub") else agents[role]
+    agent = agents["main"] if (c.variant == "shared" and role == "sub") else agents.get(role)
+    if agent is None:
+      continue  # Decoupled: the other program owns this role.
     out[role] = rollout.LLMPolicy(agent.model_config, agent.state.params, env.tokenizer, role,
                                   **kw)
   return out
 
 
-def run_rollouts(c, env: Env, policies: dict, questions, *, num_rollouts: int, key, step: int):
-  """Main (or single) episodes in (q, k) order, and the sub-agent episodes."""
+def run_rollouts(c, env: Env, policies: dict, questions, *, num_rollouts: int, key, step: int,
+                 service=None):
+  """Main (or single) episodes in (q, k) order, and the sub-agent episodes.
+
+  `service` replaces the colocated sub-agent (decoupled runs pass the exchange's); its
+  episodes then stay with the other program and the second result is empty.
+  """
   limits = _limits(c)
   tok = env.tokenizer
   if c.variant == "single":
@@ -211,15 +218,29 @@ def run_rollouts(c, env: Env, policies: dict, questions, *, num_rollouts: int, k
                                  tokenizer=tok, limits=limits, key=key, tools=env.tools,
                                  step=step, system_prompt=c.world.system_prompt)
     return eps, []
-  sub_tools = {k: v for k, v in env.tools.items() if k in ("search", "visit")}
-  service = rollout.ColocatedSubAgent(policies["sub"], tok, sub_tools, limits=limits,
-                                      key=jax.random.fold_in(key, 1),
-                                      system_prompt=c.world.system_prompt)
+  if service is None:
+    service = colocated_sub_agent(c, env, policies["sub"], key)
   eps = rollout.rollout_main(policies["main"], service, questions, num_rollouts=num_rollouts,
                              tokenizer=tok, limits=limits, key=jax.random.fold_in(key, 0),
                              step=step, tools={"python": env.tools["python"]},
                              system_prompt=c.world.system_prompt)
-  return eps, service.episodes
+  return eps, getattr(service, "episodes", [])
+
+
+def colocated_sub_agent(c, env: Env, policy, key) -> rollout.ColocatedSubAgent:
+  """The sub-agent serving a step's delegations (its key: `fold_in(step key, 1)`)."""
+  sub_tools = {k: v for k, v in env.tools.items() if k in ("search", "visit")}
+  return rollout.ColocatedSubAgent(policy, env.tokenizer, sub_tools, limits=_limits(c),
+                                   key=jax.random.fold_in(key, 1),
+                                   system_prompt=c.world.system_prompt)
+
+
+def eval_key(c, step: int):
+  return jax.random.fold_in(jax.random.key(c.seed + 1), step)
+
+
+def step_key(c, step: int):
+  return jax.random.fold_in(jax.random.fold_in(jax.random.key(c.seed), 1), step)
 
 
 def episode_metrics(prefix: str, eps, outcome=None) -> dict:
@@ -235,12 +256,12 @@ def episode_metrics(prefix: str, eps, outcome=None) -> dict:
   return m
 
 
-def evaluate(c, env: Env, agents: dict, *, step: int, questions=None) -> dict:
+def evaluate(c, env: Env, agents: dict, *, step: int, questions=None, service=None) -> dict:
   """Held-out accuracy, format rate, turns and delegations per episode (greedy by default)."""
-  questions = questions if questions is not None else env.test[:c.num_eval_questions]
+  questions = eval_questions(c, env) if questions is None else questions
   policies = make_policies(c, env, agents, c.eval_sampling, version=step)
-  key = jax.random.fold_in(jax.random.key(c.seed + 1), step)
-  eps, sub_eps = run_rollouts(c, env, policies, questions, num_rollouts=1, key=key, step=step)
+  eps, sub_eps = run_rollouts(c, env, policies, questions, num_rollouts=1,
+                              key=eval_key(c, step), step=step, service=service)
   outcome = hierarchy.main_outcomes(eps, [q.answer for q in questions], len(questions), 1,
                                     alpha=tuple(c.alpha))
   m = episode_metrics("eval", eps, outcome)
@@ -279,6 +300,10 @@ def sub_batch(c, env, sub_eps, outcome: hierarchy.MainOutcome, key) -> tuple[dic
   m["sub/reward"] = float(r_s.mean()) if len(r_s) else 0.0
   m.update(aligned.stats)
   return batch, m
+
+
+def eval_questions(c, env: Env) -> list:
+  return env.test[:c.num_eval_questions]
 
 
 def _batches(c, env, eps, sub_eps, key) -> tuple[dict, dict]:
@@ -368,7 +393,7 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict:
       writer.write(step, m)
       break
     t0 = time.perf_counter()
-    key = jax.random.fold_in(jax.random.fold_in(root, 1), step)
+    key = step_key(c, step)
     questions = _questions_for_step(env.train, step, c.num_queries, c.seed)
     policies = make_policies(c, env, agents, c.sampling, version=step)
     eps, sub_eps = run_rollouts(c, env, policies, questions, num_rollouts=c.num_rollouts,

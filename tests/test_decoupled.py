@@ -97,3 +97,39 @@ def test_missing_main_agent_times_out_with_a_message(env, tmp_path):
   exchange = Exchange(f"file://{tmp_path}/exchange")
   with pytest.raises(TimeoutError, match="wave 0 of step 7"):
     decoupled.serve_step(exchange, _sub_service(index, jax.random.key(0)), 7, timeout_s=0.3)
+
+
+def test_role_programs_match_the_colocated_run(tmp_path):
+  """Both programs (threads here) over a file:// exchange: the colocated run's metrics."""
+  from configs import mgrpo
+  from mgrpo_jax import decoupled as dc
+  from mgrpo_jax import metrics, train
+
+  def cfg():
+    c = mgrpo.get_config("smoke")
+    c.num_steps = 2
+    return c
+
+  train.train_and_evaluate(cfg(), str(tmp_path / "colocated"))
+  url = f"file://{tmp_path}/exchange"
+  errors = []
+
+  def sub():
+    try:
+      dc.run_sub_agent(cfg(), str(tmp_path / "sub"), url, timeout_s=120)
+    except Exception as e:  # Surface the thread's failure in the test.
+      errors.append(e)
+
+  thread = threading.Thread(target=sub)
+  thread.start()
+  dc.run_main_agent(cfg(), str(tmp_path / "main"), url, timeout_s=120)
+  thread.join(timeout=300)
+  assert not errors and not thread.is_alive()
+  drop = ("time/", "tokens_per_s")
+  clean = lambda rows: [{k: v for k, v in r.items() if not k.startswith(drop)} for r in rows]
+  colocated = clean(metrics.read_metrics(str(tmp_path / "colocated")))
+  main = clean(metrics.read_metrics(str(tmp_path / "main")))
+  sub_rows = clean(metrics.read_metrics(str(tmp_path / "sub")))
+  merged = [{**a, **b} for a, b in zip(main, sub_rows)]
+  assert [r["step"] for r in merged] == [0, 1, 2]
+  assert merged == colocated

@@ -1,0 +1,30 @@
+"""The main agent's program of a decoupled M-GRPO run (shares only --exchange with its peer).
+
+  python launch/main_agent.py --config=configs/mgrpo.py:smoke --workdir=/tmp/m --exchange=file:///tmp/x &
+  python launch/sub_agent.py --config=configs/mgrpo.py:smoke --workdir=/tmp/s --exchange=file:///tmp/x
+"""
+
+import jax
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from mgrpo_jax import decoupled
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file[:args].",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "This program's run directory (resumed).")
+_EXCHANGE = flags.DEFINE_string("exchange", None, "Tensorstore kvstore URL or JSON spec.")
+_TIMEOUT = flags.DEFINE_float("timeout_s", 600.0, "How long to wait for the peer.")
+flags.mark_flags_as_required(["config", "workdir", "exchange"])
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.INFO)
+  logging.info("Devices: %s", jax.devices())
+  decoupled.run_main_agent(_CONFIG.value, _WORKDIR.value, _EXCHANGE.value,
+                          timeout_s=_TIMEOUT.value)
+
+
+if __name__ == "__main__":
+  app.run(main)
