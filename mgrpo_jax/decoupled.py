@@ -26,6 +26,10 @@ from mgrpo_jax.exchange import Exchange
 from mgrpo_jax.rl import hierarchy
 
 
+class StaleResultError(RuntimeError):
+  """A sub-agent result was produced by a policy older than the staleness bound allows."""
+
+
 def _key(r: rollout.DelegationRequest) -> tuple[int, int, int, int]:
   return (r.step, r.q, r.k, r.call)
 
@@ -33,8 +37,11 @@ def _key(r: rollout.DelegationRequest) -> tuple[int, int, int, int]:
 class ExchangeSubAgent:
   """The main agent's `SubAgentService` in a decoupled run: delegations go over the exchange."""
 
-  def __init__(self, exchange: Exchange, *, step: int, timeout_s: float):
+  def __init__(self, exchange: Exchange, *, step: int, timeout_s: float,
+               version: int | None = None, max_staleness: int = 0):
     self.exchange, self.step, self.timeout_s = exchange, step, timeout_s
+    # Results from a sub-agent policy older than version - max_staleness are refused.
+    self.version, self.max_staleness = version, max_staleness
     self.waves = 0
 
   def delegate(self, requests: Sequence[rollout.DelegationRequest]):
@@ -45,6 +52,11 @@ class ExchangeSubAgent:
     self.exchange.put("wave", (self.step, self.waves), {"keys": [list(k) for k in keys]})
     self.waves += 1
     results = self.exchange.get_many("result", keys, timeout_s=self.timeout_s)
+    for key, r in zip(keys, results):
+      if self.version is not None and r["policy_version"] < self.version - self.max_staleness:
+        raise StaleResultError(
+            f"Result {key} came from sub-agent policy version {r['policy_version']}, more than "
+            f"config.max_staleness={self.max_staleness} behind version {self.version}.")
     return [rollout.DelegationResult(r["text"], r["policy_version"], r["format_ok"])
             for r in results]
 
@@ -137,7 +149,8 @@ def run_main_agent(c, workdir: str, exchange_url: str, *, timeout_s: float = 600
     key = train.step_key(c, step)
     questions = train._questions_for_step(env.train, step, c.num_queries, c.seed)
     policies = train.make_policies(c, env, agents, c.sampling, version=step)
-    svc = ExchangeSubAgent(ex, step=step, timeout_s=timeout_s)
+    svc = ExchangeSubAgent(ex, step=step, timeout_s=timeout_s, version=step,
+                           max_staleness=c.max_staleness)
     eps, _ = train.run_rollouts(c, env, policies, questions, num_rollouts=c.num_rollouts,
                                 key=key, step=step, service=svc)
     batch, outcome, bm = train.main_batch(c, env, eps)

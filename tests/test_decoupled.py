@@ -133,3 +133,14 @@ def test_role_programs_match_the_colocated_run(tmp_path):
   merged = [{**a, **b} for a, b in zip(main, sub_rows)]
   assert [r["step"] for r in merged] == [0, 1, 2]
   assert merged == colocated
+
+
+def test_stale_results_are_refused(tmp_path):
+  exchange = Exchange(f"file://{tmp_path}/exchange")
+  req = rollout.DelegationRequest(5, 0, 0, 0, "Who founded X?")
+  exchange.put("result", (5, 0, 0, 0), {"text": "Y", "policy_version": 2, "format_ok": True})
+  fresh = decoupled.ExchangeSubAgent(exchange, step=5, timeout_s=1, version=5, max_staleness=3)
+  assert fresh.delegate([req])[0].text == "Y"
+  strict = decoupled.ExchangeSubAgent(exchange, step=5, timeout_s=1, version=5, max_staleness=2)
+  with pytest.raises(decoupled.StaleResultError, match="version 2"):
+    strict.delegate([req])
