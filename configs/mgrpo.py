@@ -58,7 +58,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.checkpoint_every = 10
   c.max_to_keep = 2
   c.log_every = 1
-  c.max_staleness = 0  # Policy versions a sub-agent result may lag (decoupled runs; checked by the main agent).
+  c.max_staleness = 0  # Sub-agent versions a result may lag (checked by the main program).
   if args["runlocal"] or args["smoke"]:
     _cpu(c)
   if args["smoke"]:
