@@ -1,0 +1,245 @@
+"""launch/main_agent.py and launch/sub_agent.py as real processes: equality, SIGKILL, S3.
+
+Every program runs as a subprocess on one CPU device (the fake device count of
+conftest.py is dropped), the colocated reference too, through launch/train.py, so
+all of them build the same mesh. They share a persistent XLA compilation cache
+(a temporary directory of this module) so that restarts do not pay for compiling
+again; the cache stores the same executables, so it changes no number.
+"""
+
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from mgrpo_jax import metrics
+from mgrpo_jax.exchange import Exchange
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = "configs/mgrpo.py:smoke"  # num_steps=2: steps 0 and 1 train, 0..2 evaluate.
+STEPS = [0, 1, 2]
+TIMEOUT_S = 150  # Per program; --timeout_s (waiting for the peer) is below it.
+_DROP = ("time/", "tokens_per_s")
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+  """The programs' environment: 1 CPU device and a shared compilation cache."""
+  e = dict(os.environ)
+  flags = [f for f in e.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
+  e["XLA_FLAGS"] = " ".join(flags)
+  e.update(JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+           JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("xla_cache")),
+           JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+           JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+  return e
+
+
+def _clean(rows):
+  return [{k: v for k, v in r.items() if not k.startswith(_DROP)} for r in rows]
+
+
+@pytest.fixture(scope="module")
+def colocated(env, tmp_path_factory):
+  """The colocated run's metrics (launch/train.py, same config, same device count)."""
+  workdir = tmp_path_factory.mktemp("colocated")
+  log = workdir / "log.txt"
+  with open(log, "w") as f:
+    rc = subprocess.run([sys.executable, "launch/train.py", f"--config={CONFIG}",
+                         f"--workdir={workdir}"], cwd=ROOT, env=env, stdout=f,
+                        stderr=subprocess.STDOUT, timeout=TIMEOUT_S).returncode
+  assert rc == 0, log.read_text()[-3000:]
+  rows = _clean(metrics.read_metrics(str(workdir)))
+  assert [r["step"] for r in rows] == STEPS
+  return rows
+
+
+class Pair:
+  """A main-agent and a sub-agent process sharing one exchange."""
+
+  def __init__(self, root, exchange, env, extra=()):
+    self.root, self.exchange, self.env, self.extra = root, exchange, env, list(extra)
+    self.procs, self.logs, self.starts = {}, {}, {"main": 0, "sub": 0}
+
+  def workdir(self, role):
+    return os.path.join(self.root, role)
+
+  def start(self, role):
+    self.starts[role] += 1
+    log = os.path.join(self.root, f"{role}.{self.starts[role]}.log")
+    self.logs[role] = log
+    with open(log, "w") as f:  # A file, not a pipe: nothing blocks on a full buffer.
+      self.procs[role] = subprocess.Popen(
+          [sys.executable, f"launch/{role}_agent.py", f"--config={CONFIG}",
+           f"--workdir={self.workdir(role)}", f"--exchange={self.exchange}",
+           "--timeout_s=120", *self.extra],
+          cwd=ROOT, env=self.env, stdout=f, stderr=subprocess.STDOUT)
+
+  def kill(self, role):
+    proc = self.procs[role]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+  def wait(self):
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+      for role, proc in self.procs.items():
+        try:
+          proc.wait(max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+          pytest.fail(f"{role} did not finish in {TIMEOUT_S}s:\n{self.tail(role)}")
+        assert proc.returncode == 0, f"{role} exited {proc.returncode}:\n{self.tail(role)}"
+    finally:
+      for proc in self.procs.values():
+        if proc.poll() is None:
+          proc.kill()
+          proc.wait()
+
+  def tail(self, role):
+    with open(self.logs[role]) as f:
+      return f.read()[-4000:]
+
+  def merged(self):
+    main = _clean(metrics.read_metrics(self.workdir("main")))
+    sub = _clean(metrics.read_metrics(self.workdir("sub")))
+    assert [r["step"] for r in main] == [r["step"] for r in sub]
+    return [{**a, **b} for a, b in zip(main, sub)]
+
+
+def _steps_in_file(workdir):
+  with open(os.path.join(workdir, metrics.METRICS_FILE)) as f:
+    return [json.loads(line)["step"] for line in f if line.strip()]
+
+
+def _assert_exactly_once(pair):
+  for role in ("main", "sub"):  # Each step's metrics line exactly once, in order.
+    assert _steps_in_file(pair.workdir(role)) == STEPS, role
+  ex = Exchange(pair.exchange)
+  requests, results = ex.list("request"), ex.list("result")
+  assert len(set(requests)) == len(requests) and len(set(results)) == len(results)
+  assert set(requests) == set(results)  # Every request answered, no stray result.
+  waves = ex.list("wave")
+  in_waves = [tuple(k) for w in waves for k in ex.get("wave", w)["keys"]]
+  assert sorted(in_waves) == sorted(requests)  # Each request in exactly one wave.
+  for step in (0, 1):  # Training steps: one outcome each, a marker counting its waves.
+    assert ex.wait_mark("rollouts_done", step, timeout_s=0)["waves"] == \
+        len([w for w in waves if w[0] == step])
+  assert ex.array_steps("main_reward") == ex.array_steps("main_correct") == [0, 1]
+  for record in results:
+    assert ex.get("result", record)["policy_version"] is not None
+
+
+def test_programs_match_the_colocated_run(env, colocated, tmp_path):
+  pair = Pair(str(tmp_path), f"file://{tmp_path}/exchange", env)
+  pair.start("sub")
+  pair.start("main")
+  pair.wait()
+  assert pair.merged() == colocated
+  _assert_exactly_once(pair)
+
+
+def _wait_for_lines(pair, role, n, timeout_s=TIMEOUT_S):
+  """Waits until `role` has written `n` metrics lines (a step done, its checkpoint next)."""
+  path = os.path.join(pair.workdir(role), metrics.METRICS_FILE)
+  deadline = time.monotonic() + timeout_s
+  while not (os.path.exists(path) and len(_steps_in_file(pair.workdir(role))) >= n):
+    assert pair.procs[role].poll() is None, f"{role} exited early:\n{pair.tail(role)}"
+    assert time.monotonic() < deadline, f"{role} wrote no step {n - 1}"
+    time.sleep(0.02)
+
+
+# (victim, metrics lines written before the random delay starts). 0 lands in start-up,
+# step 0's evaluation or rollouts (nothing checkpointed yet: restarts from scratch); 1 in
+# step 0's checkpoint save, step 1 or the final evaluation; 2 in step 1's checkpoint
+# save or the final evaluation (always resumes from a checkpoint).
+@pytest.mark.parametrize("victim,after_lines", [("main", 0), ("sub", 1), ("main", 1),
+                                                ("sub", 2)])
+def test_sigkill_and_restart_one_program(env, colocated, tmp_path, victim, after_lines):
+  rng = random.Random(f"{victim}{after_lines}")
+  pair = Pair(str(tmp_path), f"file://{tmp_path}/exchange", env)
+  pair.start("sub")
+  pair.start("main")
+  if after_lines:
+    _wait_for_lines(pair, victim, after_lines)
+    delay = rng.uniform(0.0, 0.3)  # A warm step takes ~0.3 s.
+  else:
+    delay = rng.uniform(2.0, 6.0)  # Start-up takes ~4 s with a warm compilation cache.
+  time.sleep(delay)
+  alive = pair.procs[victim].poll() is None
+  pair.kill(victim)
+  pair.start(victim)  # Same flags: resumes from its own checkpoint.
+  pair.wait()
+  assert alive, f"{victim} had finished before the kill ({delay:.2f}s); kill earlier"
+  assert pair.merged() == colocated
+  _assert_exactly_once(pair)
+  if after_lines == 2:  # Step 0's checkpoint was committed: the restart resumed from one.
+    with open(pair.logs[victim]) as f:
+      assert "Restored" in f.read(), pair.tail(victim)
+
+
+# ------------------------------------------------------------------ S3 (moto)
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+  """A local S3 (moto's server) with one bucket; skipped when moto is not installed."""
+  pytest.importorskip("moto")
+  boto3 = pytest.importorskip("boto3")
+  server = shutil.which("moto_server")
+  if server is None:
+    pytest.skip("moto_server is not installed (pip install 'moto[server]')")
+  port = _free_port()
+  proc = subprocess.Popen([server, "-H", "127.0.0.1", "-p", str(port)],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  endpoint = f"http://127.0.0.1:{port}"
+  try:
+    deadline = time.monotonic() + 20
+    while True:
+      try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+        break
+      except OSError:
+        assert time.monotonic() < deadline and proc.poll() is None, "moto_server did not start"
+        time.sleep(0.05)
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                 aws_access_key_id="testing",
+                 aws_secret_access_key="testing").create_bucket(Bucket="exchange")
+    yield endpoint
+  finally:
+    proc.terminate()
+    proc.wait(10)
+
+
+def test_pair_over_s3(env, s3_endpoint, tmp_path, monkeypatch):
+  spec = {"driver": "s3", "bucket": "exchange", "path": f"runs/{uuid.uuid4().hex}",
+          "endpoint": s3_endpoint, "aws_region": "us-east-1"}
+  s3_env = {**env, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_REGION": "us-east-1"}
+  # One training step (steps 0 and 1 evaluated): short, but every kind of record crosses.
+  pair = Pair(str(tmp_path), json.dumps(spec), s3_env, extra=["--config.num_steps=1"])
+  pair.start("sub")
+  pair.start("main")
+  pair.wait()
+  for role in ("main", "sub"):
+    assert _steps_in_file(pair.workdir(role)) == [0, 1]
+  monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+  monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+  ex = Exchange(json.dumps(spec))
+  assert ex.marks("rollouts_done")[:1] == [0]
+  assert ex.array_steps("main_reward") == [0]
+  assert set(ex.list("request")) == set(ex.list("result"))
