@@ -2,9 +2,7 @@
 
 import json
 import random
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -357,41 +355,6 @@ def test_sigkill_mid_puts_leaves_complete_records_and_rerun_is_idempotent(tmp_pa
     assert len(ex.list("result")) == 4 * 4 * 4 * 2 and ex.marks("done") == [0, 1, 2, 3]
     if trial == 0:
       assert _new_count(_writer(url)) == 0  # A third run writes nothing.
-
-
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint():
-  """A local S3 (moto's server) with one bucket; skipped when moto is not installed."""
-  server = shutil.which("moto_server")
-  boto3 = pytest.importorskip("boto3")
-  if server is None:
-    pytest.skip("moto_server is not installed (pip install 'moto[server]')")
-  port = _free_port()
-  proc = subprocess.Popen([server, "-H", "127.0.0.1", "-p", str(port)],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  endpoint = f"http://127.0.0.1:{port}"
-  try:
-    deadline = time.monotonic() + 20
-    while True:
-      try:
-        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-        break
-      except OSError:
-        assert time.monotonic() < deadline and proc.poll() is None, "moto_server did not start"
-        time.sleep(0.05)
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                 aws_access_key_id="testing",
-                 aws_secret_access_key="testing").create_bucket(Bucket="exchange")
-    yield endpoint
-  finally:
-    proc.terminate()
-    proc.wait(10)
 
 
 def test_s3_round_trip_and_exactly_once(s3_endpoint, monkeypatch):
