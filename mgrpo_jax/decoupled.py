@@ -158,8 +158,7 @@ def run_main_agent(c, workdir: str, exchange_url: str, *, timeout_s: float = 600
     m.update(bm)
     m.update(train._update(c, agents, {"main": batch}, step))
     writer.write(step, m)
-    if (step + 1) % c.checkpoint_every == 0 or step + 1 == c.num_steps:
-      ckpt.save(step + 1, {n: a.state for n, a in agents.items()}, {"step": step + 1})
+    train.save_after_step(ckpt, agents, step, every=c.checkpoint_every, last=c.num_steps)
   _finish(workdir, ckpt, writer, agents)
 
 
@@ -187,8 +186,7 @@ def run_sub_agent(c, workdir: str, exchange_url: str, *, timeout_s: float = 600.
     if c.variant == "mgrpo":  # frozen_sub: the same service, never an update.
       m.update(train._update(c, agents, {"sub": batch}, step))
     writer.write(step, m)
-    if (step + 1) % c.checkpoint_every == 0 or step + 1 == c.num_steps:
-      ckpt.save(step + 1, {n: a.state for n, a in agents.items()}, {"step": step + 1})
+    train.save_after_step(ckpt, agents, step, every=c.checkpoint_every, last=c.num_steps)
   _finish(workdir, ckpt, writer, agents)
 
 

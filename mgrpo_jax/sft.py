@@ -11,7 +11,6 @@ import os
 import time
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from absl import logging
@@ -20,7 +19,6 @@ from mgrpo_jax import checkpoint as ckpt_lib
 from mgrpo_jax import metrics as metrics_lib
 from mgrpo_jax import sharding
 from mgrpo_jax import train as train_lib
-from mgrpo_jax.agents import experts, rollout
 from mgrpo_jax.rl import hierarchy
 
 
@@ -100,8 +98,7 @@ def train_sft(c: ml_collections.ConfigDict, workdir: str) -> dict:
     m["time/step_s"] = time.perf_counter() - t0
     writer.write(step, m)
     progress.update(1, {k: v for k, v in m.items() if k.endswith("/nll") or k == "eval/accuracy"})
-    if (step + 1) % sft.checkpoint_every == 0 or step + 1 == sft.num_steps:
-      ckpt.save(step + 1, {n: a.state for n, a in agents.items()}, {"step": step + 1})
+    train_lib.save_after_step(ckpt, agents, step, every=sft.checkpoint_every, last=sft.num_steps)
   ckpt.wait()
   ckpt.close()
   writer.close()

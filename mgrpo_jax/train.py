@@ -9,7 +9,6 @@ Variants are wiring chosen at setup, never flags inside a jitted step:
 
 import dataclasses
 import functools
-import json
 import os
 import time
 from typing import Any
@@ -348,6 +347,13 @@ def restore_agents(ckpt: ckpt_lib.Checkpointer, agents: dict) -> int:
   return int(meta["step"])
 
 
+def save_after_step(ckpt: ckpt_lib.Checkpointer, agents: dict, step: int, *, every: int,
+                    last: int) -> None:
+  """Checkpoints the agents after `step` every `every` steps and after the last one."""
+  if (step + 1) % every == 0 or step + 1 == last:
+    ckpt.save(step + 1, {n: a.state for n, a in agents.items()}, {"step": step + 1})
+
+
 def _questions_for_step(train: list, step: int, q: int, seed: int) -> list:
   """Deterministic data order from (seed, step): a resumed run sees the same questions."""
   n = len(train)
@@ -409,8 +415,7 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict:
     last = m
     progress.update(1, {k: m[k] for k in ("main/reward", "single/reward", "eval/accuracy")
                         if k in m})
-    if (step + 1) % c.checkpoint_every == 0 or step + 1 == c.num_steps:
-      ckpt.save(step + 1, {n: a.state for n, a in agents.items()}, {"step": step + 1})
+    save_after_step(ckpt, agents, step, every=c.checkpoint_every, last=c.num_steps)
   ckpt.wait()
   ckpt.close()
   writer.close()
