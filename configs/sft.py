@@ -21,6 +21,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       only_correct=False,  # Keep wrong-but-well-formed traces too.
       context_weight=0.0,  # Loss weight of prompt / tool-reply tokens (generated ones: 1).
       other_roles_weight=0.0,  # > 0: add batch_size/2 rows of other roles' traces, as text.
+      corpus_weight=0.0,  # > 0: add batch_size/2 rows of the world's pages, as text.
       num_steps=300,
       batch_size=16,  # Episodes per agent per step.
       learning_rate=1e-3,
@@ -30,11 +31,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   ))
   smoke = "smoke" in (arg or "")
   if "runlocal" in (arg or "") and not smoke:
-    # The CPU demo (benchmarks/mgrpo_demo.py): many short steps of a tiny model; the
-    # documents' own text is modelled too, which is where it learns to copy names.
-    c.sft.update(num_questions=1000, expert_noise=0.05, num_steps=1200, batch_size=8,
-                 learning_rate=3e-3, context_weight=1.0, other_roles_weight=1.0,
-                 eval_every=600, checkpoint_every=600)
+    # The CPU demo (launch/demo.py): a tiny model, enough distinct questions that it learns
+    # to copy names rather than memorise, the world's pages as text so that held-out names
+    # (never in a training question) have trained embeddings too; experts that slip 15% of
+    # the time, which leaves RL something to fix.
+    c.sft.update(num_questions=4000, expert_noise=0.15, num_steps=600, batch_size=32,
+                 learning_rate=2e-3, corpus_weight=1.0, eval_every=300, checkpoint_every=100)
   if smoke:
     c.sft.update(num_questions=8, num_steps=2, batch_size=4, eval_every=2, checkpoint_every=1)
   return c

@@ -7,6 +7,7 @@ so SFT reuses the RL train step. The final weights are written as HF checkpoints
 `workdir/hf/<agent>`, which an RL config starts from with `init=<workdir>`.
 """
 
+import dataclasses
 import os
 import time
 
@@ -39,6 +40,32 @@ def expert_episodes(c, env, *, seed: int) -> dict[str, list]:
   if c.variant == "shared":
     out = {"main": out["main"] + out["sub"]}
   return out
+
+
+@dataclasses.dataclass(frozen=True)
+class TextRow:
+  """A row of plain text to model, every token in the loss (a page of the world's corpus)."""
+
+  tokens: np.ndarray
+
+  @property
+  def loss_mask(self) -> np.ndarray:
+    return np.ones(len(self.tokens), np.float32)
+
+  @property
+  def logprobs(self) -> np.ndarray:
+    return np.zeros(len(self.tokens), np.float32)
+
+
+def corpus_rows(env) -> list[TextRow]:
+  """Every page of the world, as the visit tool shows it: pretraining text for the warm start.
+
+  The traces name only the training questions' entities; the pages name every entity, so
+  every name's embedding is trained, held-out ones included, and each page names its
+  subject several times, which is practice at copying a name seen earlier in the context.
+  """
+  return [TextRow(np.asarray(env.tokenizer.encode(f"[{d.doc_id}] {d.title}\n{d.text}"), np.int32))
+          for d in env.index.documents]
 
 
 def _correct(ep) -> bool:
@@ -79,6 +106,7 @@ def train_sft(c: ml_collections.ConfigDict, workdir: str) -> dict:
   train_lib.check_batch_divides_mesh(sft.batch_size, mesh, "config.sft.batch_size")
   env = train_lib.build_env(c)
   data = expert_episodes(c, env, seed=c.seed)
+  corpus = corpus_rows(env) if sft.corpus_weight else []
   for name, eps in data.items():
     lens = [len(e.tokens) for e in eps]
     logging.info("SFT data %s: %d episodes, %d-%d tokens.", name, len(eps), min(lens), max(lens))
@@ -109,13 +137,14 @@ def train_sft(c: ml_collections.ConfigDict, workdir: str) -> dict:
       rng = np.random.default_rng([c.seed, step, len(name)])
       rows, weights = _pick(data[name], sft.batch_size, rng), [None] * sft.batch_size
       others = [e for other, eps in data.items() if other != name for e in eps]
-      if sft.other_roles_weight and others:
-        extra = _pick(others, sft.batch_size // 2, rng)
-        rows, weights = rows + extra, weights + [sft.other_roles_weight] * len(extra)
+      for extra_rows, w in ((others, sft.other_roles_weight), (corpus, sft.corpus_weight)):
+        if w and extra_rows:
+          extra = _pick(extra_rows, sft.batch_size // 2, rng)
+          rows, weights = rows + extra, weights + [w] * len(extra)
       batch = hierarchy.make_batch(rows, np.ones(len(rows), np.float32),
                                    length=hierarchy.batch_length(rows, c.limits.max_len),
                                    pad_id=env.tokenizer.pad_id)
-      if sft.context_weight or sft.other_roles_weight:
+      if sft.context_weight or sft.other_roles_weight or sft.corpus_weight:
         batch["loss_mask"] = _weights(batch["loss_mask"], rows, weights, sft.context_weight)
       agent.state, metrics = agent.step_fn(agent.state, batch)
       metrics = jax.device_get(metrics)

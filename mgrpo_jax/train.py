@@ -111,7 +111,8 @@ def build_env(c: ml_collections.ConfigDict) -> Env:
   index = search.SearchIndex(the_world.documents)
   tools = dict(search.local_tools(index, k=w.search_k, max_chars=w.visit_chars),
                python=python_tool.PythonTool())
-  return Env(tk.load_tokenizer(c.tokenizer), train, test, index, tools)
+  tokenizer = tk.load_tokenizer(c.tokenizer, words=world.vocabulary(the_world))
+  return Env(tokenizer, train, test, index, tools)
 
 
 @dataclasses.dataclass

@@ -310,3 +310,57 @@ def test_missing_directory_error_names_path(tmp_path):
 
 def test_load_tokenizer_byte():
   assert isinstance(tk.load_tokenizer("byte"), tk.ByteTokenizer)
+
+
+# --------------------------------------------------------------------------- words (names)
+
+WORDS = ("Avel", "Aveland", "doc007", "Pesti Pictures", "é-town", "Where is ", " lie?")
+
+
+@hypothesis.given(text=st.lists(st.one_of(mixed_text, st.sampled_from(WORDS + (" ", "x")))).map(
+    "".join))
+def test_words_round_trip(text):
+  tok = tk.ByteTokenizer(words=WORDS)
+  assert tok.decode(tok.encode(text)) == text
+
+
+def test_words_are_one_id_between_non_alphanumerics():
+  tok = tk.ByteTokenizer(words=WORDS)
+  base = tk.ByteTokenizer().vocab_size
+  assert tok.vocab_size == base + len(WORDS)
+  word_id = {w: base + i for i, w in enumerate(WORDS)}
+  assert tok.encode("Avel") == [word_id["Avel"]]
+  # Longest match, and never inside a longer word or a number.
+  assert tok.encode("Aveland.") == [word_id["Aveland"], ord(".")]
+  assert tok.encode("Avelands") == list(b"Avelands")
+  assert tok.encode("xAvel") == list(b"xAvel")
+  assert tok.encode("doc0071") == list(b"doc0071")
+  assert tok.encode("[doc007]") == [ord("["), word_id["doc007"], ord("]")]
+  assert tok.encode("<search>Pesti Pictures</search>") == [
+      tok.token_id("<search>"), word_id["Pesti Pictures"], tok.token_id("</search>")]
+  # A word that ends (starts) in a space or punctuation needs no boundary there.
+  assert tok.encode("Where is Avel lie?") == [word_id["Where is "], word_id["Avel"],
+                                              word_id[" lie?"]]
+  assert tok.encode("xWhere is Avel") == list(b"xWhere is ") + [word_id["Avel"]]
+
+
+def test_words_are_text_not_specials():
+  tok = tk.ByteTokenizer(words=WORDS)
+  assert not set(WORDS) & set(tok.special_ids)
+  ids = tok.encode("<|im_start|>Avel<|im_end|>")
+  assert tok.decode(ids, skip_special=True) == "Avel"
+  # A tool reply escapes the special strings in it, never a word.
+  assert "Avel" in tk.render_qwen3_chat([{"role": "tool", "content": "Avel"}], False)
+
+
+@pytest.mark.parametrize("words", [("",), (" ",), ("a", "a"), ("<answer>",)])
+def test_bad_words_raise(words):
+  with pytest.raises(ValueError, match="words must be distinct"):
+    tk.ByteTokenizer(words=words)
+
+
+def test_load_tokenizer_byte_names():
+  tok = tk.load_tokenizer("byte+names", words=WORDS)
+  assert tok.words == WORDS
+  with pytest.raises(ValueError, match="byte\\+names"):
+    tk.load_tokenizer("byte+names")

@@ -145,6 +145,37 @@ def test_sft_resume_is_bit_identical_and_learns(tmp_path):
   assert a[3]["sft/single/nll"] < a[0]["sft/single/nll"]
 
 
+def test_sft_loss_weights_own_context_and_other_roles():
+  class Row:  # Only the length of a row's tokens matters to the weights.
+    def __init__(self, n):
+      self.tokens = [0] * n
+  mask = np.array([[0, 0, 1, 1, 0, 0], [0, 1, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0]], np.float32)
+  rows, weights = [Row(5), Row(3), Row(4)], [None, None, 0.5]
+  got = sft._weights(mask, rows, weights, context_weight=0.25)
+  want = np.array([[.25, .25, 1, 1, .25, 0],  # own row: generated 1, the rest of it 0.25
+                   [.25, 1, .25, 0, 0, 0],
+                   [.5, .5, .5, .5, 0, 0]],  # another role's row: all its tokens 0.5
+                  np.float32)
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(sft._weights(mask, rows[:2] + [Row(4)], [None] * 3, 0.0), mask)
+
+
+def test_sft_corpus_rows_are_the_pages_as_visit_shows_them():
+  c = sft_config.get_config("smoke")
+  c.tokenizer = "byte+names"
+  env = train.build_env(c)
+  rows = sft.corpus_rows(env)
+  assert len(rows) == len(env.index.documents)
+  for row, doc in zip(rows, env.index.documents):
+    text = env.tokenizer.decode(row.tokens)
+    page = env.index.visit(doc.doc_id, max_chars=10**6)
+    assert text == f"[{doc.doc_id}] {doc.title}\n{page}"  # the visit tool's reply, uncut
+    assert row.loss_mask.sum() == len(row.tokens)
+    # With the world's names as words, the page's title is one token.
+    assert env.tokenizer.encode(doc.title) == [env.tokenizer.words.index(doc.title) +
+                                               env.tokenizer.vocab_size - len(env.tokenizer.words)]
+
+
 def test_evaluate_writes_eval_json_for_experts(tmp_path):
   c = _config("smoke,policy=expert")
   c.limits.update(max_turns=6, max_new_tokens=160)

@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import hashlib
 import random
+import re
 from typing import Mapping, Sequence
 
 # Attributes per kind, in the order documents list them before shuffling.
@@ -290,6 +291,22 @@ def generate_world(cfg: WorldConfig = WorldConfig()) -> World:
     documents.append(_document(rng, record, doc_id, names, cfg.distractors_per_doc))
   documents.sort(key=lambda d: d.doc_id)
   return World(cfg, tuple(entities), tuple(documents))
+
+
+def vocabulary(world: World) -> tuple[str, ...]:
+  """The world's names and question stems, sorted (a stable order).
+
+  Names are those of the entities, attribute values and doc ids; stems are the literal
+  text of the question templates ("What size of settlement is ", " lie?"). A tokenizer
+  trained on the world's text with a large enough vocabulary gives each of these one
+  token; `ByteTokenizer(words=vocabulary(w))` does the same without training one. Then
+  copying a name after a stem is one attention lookup, which a tiny model learns in minutes.
+  """
+  words = {e.name for e in world.entities} | {d.doc_id for d in world.documents}
+  words |= {v for e in world.entities for v in e.attributes.values()}
+  words |= {part for template in _ASK.values() for part in re.split(r"\{\w+\}", template)
+            if len(part.strip()) > 1}
+  return tuple(sorted(words))
 
 
 def _chains(world: World, hops: int) -> list[tuple[tuple[Entity, ...], tuple[str, ...]]]:

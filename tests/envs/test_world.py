@@ -154,3 +154,13 @@ def test_split_groups_hopless_questions_by_id():
   assert len(test) == 3 and len(train) == 7
   with pytest.raises(ValueError):
     split_questions(qs, 1.5)
+
+
+def test_vocabulary_holds_every_name_value_and_doc_id(world):
+  words = world_lib.vocabulary(world)
+  assert list(words) == sorted(set(words))
+  for e in world.entities:
+    assert e.name in words and e.doc_id in words
+    assert set(e.attributes.values()) <= set(words)
+  assert "What size of settlement is " in words and " lie?" in words  # question stems
+  assert world_lib.vocabulary(generate_world(WorldConfig(seed=7))) == words

@@ -1,0 +1,22 @@
+"""Foundation demo: random HF Qwen3 checkpoint -> load_hf -> chat generation on CPU.
+
+  python launch/hf_demo.py --workdir=/tmp/hf_demo
+"""
+
+from absl import app, flags, logging
+
+from mgrpo_jax import demo
+
+_WORKDIR = flags.DEFINE_string("workdir", "/tmp/hf_demo", "Where the checkpoint is written.")
+_PRESET = flags.DEFINE_string("preset", "tiny", "Model preset for the random checkpoint.")
+_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 48, "Tokens to generate per prompt.")
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.INFO)
+  demo.run(_WORKDIR.value, preset=_PRESET.value, max_new_tokens=_NEW_TOKENS.value)
+
+
+if __name__ == "__main__":
+  app.run(main)
