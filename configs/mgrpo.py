@@ -3,10 +3,12 @@
   python launch/train.py --config=configs/mgrpo.py:runlocal --workdir=/tmp/mgrpo
   python launch/train.py --config=configs/mgrpo.py:smoke,variant=single --workdir=/tmp/s
   python launch/evaluate.py --config=configs/mgrpo.py:runlocal,policy=expert --workdir=/tmp/e
-  python benchmarks/mgrpo_demo.py --sweep   # the CPU demo: warm start, then sweep() below
+  python launch/demo.py --workdir=/tmp/demo # the CPU demo: warm start, then M-GRPO
+  python benchmarks/mgrpo_demo.py --sweep   # its ablation: warm starts, then sweep() below
 
-Arguments (comma-separated): variant=mgrpo|frozen_sub|single|shared, model=<preset>,
-hf_path=<dir>, init=<sft workdir>, policy=model|expert, seed=<int>, runlocal, smoke.
+Arguments (comma-separated): variant=mgrpo|frozen_sub|single|shared, model=<preset> (default
+tiny; tiny_wide with runlocal), hf_path=<dir>, init=<sft workdir>, policy=model|expert,
+seed=<int>, runlocal, smoke.
 """
 
 import ml_collections
@@ -17,7 +19,7 @@ VARIANTS = ("mgrpo", "frozen_sub", "single", "shared")
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  args = common.parse_args(arg, dict(variant="mgrpo", model="tiny", hf_path="", init="",
+  args = common.parse_args(arg, dict(variant="mgrpo", model="", hf_path="", init="",
                                      policy="model", seed=0, runlocal=False, smoke=False))
   if args["variant"] not in VARIANTS:
     raise ValueError(f"variant={args['variant']!r}; expected one of {VARIANTS}.")
@@ -30,8 +32,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.policy = args["policy"]  # "model", or "expert": evaluate the scripted experts.
   c.expert_think = True  # Scripted experts write a short <think> before each action.
   c.tokenizer = "byte"  # "byte", "byte+names" (+ the world's names as words) or an HF dir.
-  c.main_model = common.model(args["model"])
-  c.sub_model = common.model(args["model"])
+  preset = args["model"] or ("tiny_wide" if args["runlocal"] and not args["smoke"] else "tiny")
+  c.main_model = common.model(preset)
+  c.sub_model = common.model(preset)
   c.main_model.hf_path = c.sub_model.hf_path = args["hf_path"]
   c.init = args["init"]  # SFT workdir whose final weights start RL ("" = from the model).
   c.world = common.world(seed=0)

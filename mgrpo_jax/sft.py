@@ -20,6 +20,7 @@ from mgrpo_jax import checkpoint as ckpt_lib
 from mgrpo_jax import metrics as metrics_lib
 from mgrpo_jax import sharding
 from mgrpo_jax import train as train_lib
+from mgrpo_jax.envs import search
 from mgrpo_jax.rl import hierarchy
 
 
@@ -58,14 +59,21 @@ class TextRow:
 
 
 def corpus_rows(env) -> list[TextRow]:
-  """Every page of the world, as the visit tool shows it: pretraining text for the warm start.
+  """Every page of the world as the tools show it: pretraining text for the warm start.
 
-  The traces name only the training questions' entities; the pages name every entity, so
-  every name's embedding is trained, held-out ones included, and each page names its
-  subject several times, which is practice at copying a name seen earlier in the context.
+  A row is the search reply for the page's title, then the page as the visit tool shows it.
+  The traces name only the training questions' entities; the pages name every entity and
+  doc id, so every name's embedding is trained, held-out ones included, and in the right
+  way: the page repeats its subject and the hit's doc id and title, which are copied from
+  earlier in the row, as the agents must copy them (a doc id seen only where it cannot be
+  predicted would be trained only towards the prior of all doc ids).
   """
-  return [TextRow(np.asarray(env.tokenizer.encode(f"[{d.doc_id}] {d.title}\n{d.text}"), np.int32))
-          for d in env.index.documents]
+  rows = []
+  for d in env.index.documents:
+    hits = search.format_hits(env.index.search(d.title, k=1))
+    text = f"{hits}\n[{d.doc_id}] {d.title}\n{d.text}"
+    rows.append(TextRow(np.asarray(env.tokenizer.encode(text), np.int32)))
+  return rows
 
 
 def _correct(ep) -> bool:

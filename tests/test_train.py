@@ -12,6 +12,7 @@ from flax import nnx
 
 from configs import mgrpo, sft as sft_config
 from mgrpo_jax import evaluate, metrics, sft, sharding, train
+from mgrpo_jax.envs import search
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TIMING = ("time/", "tokens_per_s")
@@ -168,8 +169,10 @@ def test_sft_corpus_rows_are_the_pages_as_visit_shows_them():
   assert len(rows) == len(env.index.documents)
   for row, doc in zip(rows, env.index.documents):
     text = env.tokenizer.decode(row.tokens)
-    page = env.index.visit(doc.doc_id, max_chars=10**6)
-    assert text == f"[{doc.doc_id}] {doc.title}\n{page}"  # the visit tool's reply, uncut
+    hit, page = text.split("\n", 1)
+    assert hit == search.format_hits(env.index.search(doc.title, k=1))  # the search reply
+    # then the visit tool's reply, uncut
+    assert page == f"[{doc.doc_id}] {doc.title}\n{env.index.visit(doc.doc_id, max_chars=10**6)}"
     assert row.loss_mask.sum() == len(row.tokens)
     # With the world's names as words, the page's title is one token.
     assert env.tokenizer.encode(doc.title) == [env.tokenizer.words.index(doc.title) +

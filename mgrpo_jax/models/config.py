@@ -192,6 +192,13 @@ PRESETS: dict[str, Qwen3Config] = {
     "small": Qwen3Config(vocab_size=384, hidden_size=128, intermediate_size=384, num_layers=4,
                          num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=10_000.0,
                          tie_embeddings=True, max_position_embeddings=4096),
+    # The M-GRPO CPU demo: tiny, with wide heads. Qwen3 RMS-normalises q and k per head, so
+    # an attention logit starts at most sqrt(head_dim): 4 for tiny, too flat to pick one
+    # name out of a hundred tokens until the norm scales grow; 8 here.
+    "tiny_wide": Qwen3Config(vocab_size=384, hidden_size=64, intermediate_size=176,
+                             num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64,
+                             rope_theta=10_000.0, tie_embeddings=True,
+                             max_position_embeddings=4096),
     # Tiny shapes for tests; prime-ish sizes catch swapped axes.
     "tiny": Qwen3Config(vocab_size=384, hidden_size=64, intermediate_size=176, num_layers=2,
                         num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10_000.0,
