@@ -7,7 +7,8 @@ Runs `configs/sft.py:runlocal` (the warm start: SFT on the scripted experts' tra
 `configs/mgrpo.py:runlocal,init=<warm start>` through the library, exactly what
 `launch/train.py` runs. With `--sweep` it runs `configs/mgrpo.py:sweep()`: M-GRPO, frozen
 sub-agent and single agent (which needs its own warm start: one agent with every tool) for
-3 seeds each, every seed from the same warm start. Accuracy is greedy, on the same held-out
+3 seeds each, every seed from the same warm start, and evaluates the scripted experts as the
+upper bound. Accuracy is greedy, on the same held-out
 questions at step 0 (the warm start) and after the last step. Writes one record per run to
 `--out` (default benchmarks/results/mgrpo-demo-cpu.json).
 """
@@ -23,7 +24,7 @@ from absl import app, flags, logging
 
 from configs import mgrpo as mgrpo_config
 from configs import sft as sft_config
-from mgrpo_jax import sft, train
+from mgrpo_jax import evaluate, sft, train
 
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/mgrpo_demo", "Runs go to subfolders (replaced).")
 _OUT = flags.DEFINE_string("out", "benchmarks/results/mgrpo-demo-cpu.json", "Results JSON.")
@@ -97,6 +98,18 @@ def rl_run(arg: str, init: str) -> dict:
   return rec
 
 
+def expert_run() -> dict:
+  """The scripted experts (noise-free) on the same held-out questions: the upper bound."""
+  arg = "runlocal,policy=expert"
+  workdir = _fresh(os.path.join(_WORKDIR.value, "expert"))
+  t0 = time.perf_counter()
+  result = evaluate.run(mgrpo_config.get_config(arg), workdir)
+  return dict(kind="expert", config=f"configs/mgrpo.py:{arg}", variant="expert", seed=0,
+              steps=0, wall_s=round(time.perf_counter() - t0, 1), workdir=workdir,
+              accuracy_first=result["accuracy"], accuracy_last=result["accuracy"],
+              format_last=result["format"])
+
+
 def _write(records: list[dict]) -> None:
   load = os.getloadavg()
   out = dict(
@@ -118,7 +131,7 @@ def main(argv):
   args = list(mgrpo_config.sweep()) if _SWEEP.value else ["runlocal,variant=mgrpo,seed=0"]
   if _ONLY.value:
     args = [a for a in args if any(f"variant={v}," in a + "," for v in _ONLY.value)]
-  records, inits = [], {}
+  records, inits = ([expert_run()] if _SWEEP.value else []), {}
   for arg in args:
     variant = mgrpo_config.get_config(arg).variant
     # frozen_sub starts from the same two agents as mgrpo; single needs its own warm start.

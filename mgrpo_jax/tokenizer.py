@@ -22,6 +22,10 @@ PAD = "<pad>"
 # Control tokens: dropped by `decode(..., skip_special=True)`, like HF's special tokens.
 CONTROL_TOKENS: tuple[str, ...] = (ENDOFTEXT, IM_START, IM_END, PAD)
 
+# The role line that opens every chat turn ("<|im_start|>user\n"): plain text, which a tokenizer
+# trained on chats gives one token each (`byte+world`).
+ROLE_WORDS: tuple[str, ...] = ("system\n", "user\n", "assistant\n")
+
 # Agent-protocol tags, one token each so a tiny model emits a tag in one step. They are content,
 # not control (Qwen3 likewise keeps `<think>` as a non-special added token), so decoding with
 # skip_special keeps them. Append only: a tag's position fixes its id in ByteTokenizer.
@@ -598,12 +602,13 @@ def write_test_hf_tokenizer(
 
 
 def load_tokenizer(spec: str | os.PathLike, *, words: Sequence[str] = ()) -> Tokenizer:
-  """"byte" -> ByteTokenizer(); "byte+names" -> ByteTokenizer(words=words) (a world's names,
-  one id each); anything else is a local directory -> HFTokenizer."""
+  """"byte" -> ByteTokenizer(); "byte+names" or "byte+world" -> ByteTokenizer(words=words)
+  (a world's names, or its names and phrases, one id each: `mgrpo_jax.train.tokenizer_words`
+  picks them); anything else is a local directory -> HFTokenizer."""
   if str(spec) == "byte":
     return ByteTokenizer()
-  if str(spec) == "byte+names":
+  if str(spec) in ("byte+names", "byte+world"):
     if not words:
-      raise ValueError('tokenizer "byte+names" needs the names (words=...) of a world')
+      raise ValueError(f'tokenizer "{spec}" needs the words (words=...) of a world')
     return ByteTokenizer(words=words)
   return HFTokenizer(spec)

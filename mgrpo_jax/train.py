@@ -24,7 +24,7 @@ from mgrpo_jax import decoupled  # Imports this module back; both use the other 
 from mgrpo_jax import metrics as metrics_lib
 from mgrpo_jax import models, sharding
 from mgrpo_jax import tokenizer as tk
-from mgrpo_jax.agents import experts, rollout
+from mgrpo_jax.agents import experts, protocol, rollout
 from mgrpo_jax.envs import python_tool, search, world
 from mgrpo_jax.rl import advantages, hierarchy
 from mgrpo_jax.rl import train_step as ts
@@ -111,8 +111,21 @@ def build_env(c: ml_collections.ConfigDict) -> Env:
   index = search.SearchIndex(the_world.documents)
   tools = dict(search.local_tools(index, k=w.search_k, max_chars=w.visit_chars),
                python=python_tool.PythonTool())
-  tokenizer = tk.load_tokenizer(c.tokenizer, words=world.vocabulary(the_world))
+  tokenizer = tk.load_tokenizer(c.tokenizer, words=tokenizer_words(c.tokenizer, the_world))
   return Env(tokenizer, train, test, index, tools)
+
+
+def tokenizer_words(spec: str, the_world: world.World) -> tuple[str, ...]:
+  """The plain-text words a byte tokenizer gives one id each (see `tk.load_tokenizer`).
+
+  "byte+names": the world's names, doc ids and question stems. "byte+world": those, the page
+  templates' phrases, the chat role lines and the protocol's prompt openings: what a
+  tokenizer trained on the world's traces would make single tokens.
+  """
+  if spec == "byte+world":
+    words = world.vocabulary(the_world, phrases=True) + tk.ROLE_WORDS + protocol.PROMPT_WORDS
+    return tuple(dict.fromkeys(words))
+  return world.vocabulary(the_world) if spec == "byte+names" else ()
 
 
 @dataclasses.dataclass

@@ -359,8 +359,9 @@ def test_bad_words_raise(words):
     tk.ByteTokenizer(words=words)
 
 
-def test_load_tokenizer_byte_names():
-  tok = tk.load_tokenizer("byte+names", words=WORDS)
+@pytest.mark.parametrize("spec", ["byte+names", "byte+world"])
+def test_load_tokenizer_byte_words(spec):
+  tok = tk.load_tokenizer(spec, words=WORDS)
   assert tok.words == WORDS
-  with pytest.raises(ValueError, match="byte\\+names"):
-    tk.load_tokenizer("byte+names")
+  with pytest.raises(ValueError, match=spec.replace("+", "\\+")):
+    tk.load_tokenizer(spec)

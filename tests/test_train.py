@@ -13,6 +13,7 @@ from flax import nnx
 from configs import mgrpo, sft as sft_config
 from mgrpo_jax import evaluate, metrics, sft, sharding, train
 from mgrpo_jax.envs import search
+from mgrpo_jax.envs import world as world_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TIMING = ("time/", "tokens_per_s")
@@ -177,6 +178,23 @@ def test_sft_corpus_rows_are_the_pages_as_visit_shows_them():
     # With the world's names as words, the page's title is one token.
     assert env.tokenizer.encode(doc.title) == [env.tokenizer.words.index(doc.title) +
                                                env.tokenizer.vocab_size - len(env.tokenizer.words)]
+
+
+def test_byte_world_tokenizer_adds_phrases_roles_and_prompts():
+  c = sft_config.get_config("smoke")
+  c.tokenizer = "byte+world"
+  env = train.build_env(c)
+  words = env.tokenizer.words
+  assert len(set(words)) == len(words)
+  c_names = sft_config.get_config("smoke")
+  c_names.tokenizer = "byte+names"
+  assert set(train.build_env(c_names).tokenizer.words) < set(words) and " counts as " in words
+  tok = env.tokenizer
+  word_id = lambda w: words.index(w) + tok.vocab_size - len(words)
+  ids = tok.encode("<|im_start|>user\nQuestion: In which country is ")
+  assert ids[1:] == [word_id("user\n"), word_id("Question: "), word_id("In which country is ")]
+  assert tok.decode(ids) == "<|im_start|>user\nQuestion: In which country is "
+  assert train.tokenizer_words("byte", world_lib.generate_world(world_lib.WorldConfig())) == ()
 
 
 def test_evaluate_writes_eval_json_for_experts(tmp_path):

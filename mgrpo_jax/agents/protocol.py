@@ -537,6 +537,10 @@ def single_system_prompt() -> str:
   return _SINGLE_SYSTEM
 
 
+# The fixed text that opens the user turns above, for tokenizers that give it one id each.
+PROMPT_WORDS: tuple[str, ...] = ("Question: ", "Subtask: ", "\nContext: ")
+
+
 def main_user_prompt(question: str) -> str:
   """The main agent's user turn for `question` (special strings escaped)."""
   return f"Question: {escape_specials(question)}"

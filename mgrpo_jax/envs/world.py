@@ -293,7 +293,7 @@ def generate_world(cfg: WorldConfig = WorldConfig()) -> World:
   return World(cfg, tuple(entities), tuple(documents))
 
 
-def vocabulary(world: World) -> tuple[str, ...]:
+def vocabulary(world: World, *, phrases: bool = False) -> tuple[str, ...]:
   """The world's names and question stems, sorted (a stable order).
 
   Names are those of the entities, attribute values and doc ids; stems are the literal
@@ -301,10 +301,17 @@ def vocabulary(world: World) -> tuple[str, ...]:
   trained on the world's text with a large enough vocabulary gives each of these one
   token; `ByteTokenizer(words=vocabulary(w))` does the same without training one. Then
   copying a name after a stem is one attention lookup, which a tiny model learns in minutes.
+  `phrases=True` adds the literal text of the page templates too (fact and distractor
+  sentences, noun phrases, the media's verbs: "By population, ", " counts as "), as such a
+  tokenizer would: pages, and the traces that quote them, become about three times shorter.
   """
   words = {e.name for e in world.entities} | {d.doc_id for d in world.documents}
   words |= {v for e in world.entities for v in e.attributes.values()}
-  words |= {part for template in _ASK.values() for part in re.split(r"\{\w+\}", template)
+  templates = list(_ASK.values())
+  if phrases:
+    templates += [t for ts in _FACTS.values() for t in ts] + list(_DISTRACTORS)
+    templates += list(_NP.values()) + [w for ws in _MEDIA.values() for w in ws]
+  words |= {part for template in templates for part in re.split(r"\{\w+\}", template)
             if len(part.strip()) > 1}
   return tuple(sorted(words))
 

@@ -4,6 +4,7 @@ import re
 
 import pytest
 
+from mgrpo_jax import tokenizer as tk
 from mgrpo_jax.envs import world as world_lib
 from mgrpo_jax.envs.world import (Question, WorldConfig, generate_world, make_questions,
                                   split_questions)  # fmt: skip
@@ -164,3 +165,17 @@ def test_vocabulary_holds_every_name_value_and_doc_id(world):
     assert set(e.attributes.values()) <= set(words)
   assert "What size of settlement is " in words and " lie?" in words  # question stems
   assert world_lib.vocabulary(generate_world(WorldConfig(seed=7))) == words
+  assert " counts as " not in words  # page phrases only with phrases=True
+
+
+def test_vocabulary_phrases_cover_every_page_template(world):
+  words = world_lib.vocabulary(world, phrases=True)
+  assert list(words) == sorted(set(words)) and set(world_lib.vocabulary(world)) < set(words)
+  assert {"By population, ", " counts as ", " lies on the river "} <= set(words)
+  # Every page is then mostly words: its fixed text is never spelled out byte by byte.
+  tok = tk.ByteTokenizer(words=words)
+  for doc in world.documents:
+    ids = tok.encode(doc.text)
+    assert tok.decode(ids) == doc.text
+    runs = re.findall(r"[^\x00]+", "".join(tok.decode([i]) if i < 256 else "\x00" for i in ids))
+    assert {r.strip(" .,0123456789") for r in runs} <= {"", "a", "an"}, (doc.text, runs)
