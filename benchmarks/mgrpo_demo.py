@@ -10,7 +10,7 @@ sub-agent and single agent (which needs its own warm start: one agent with every
 3 seeds each, every seed from the same warm start, and evaluates the scripted experts as the
 upper bound. Accuracy is greedy, on the same held-out
 questions at step 0 (the warm start) and after the last step. Writes one record per run to
-`--out` (default benchmarks/results/mgrpo-demo-cpu.json).
+`--out` (default benchmarks/results/mgrpo-demo-cpu-world.json).
 """
 
 import json
@@ -27,7 +27,8 @@ from configs import sft as sft_config
 from mgrpo_jax import evaluate, sft, train
 
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/mgrpo_demo", "Runs go to subfolders (replaced).")
-_OUT = flags.DEFINE_string("out", "benchmarks/results/mgrpo-demo-cpu.json", "Results JSON.")
+_OUT = flags.DEFINE_string("out", "benchmarks/results/mgrpo-demo-cpu-world.json",
+                           "Results JSON.")
 _SWEEP = flags.DEFINE_bool("sweep", False, "Run configs/mgrpo.py:sweep() (3 variants x 3 seeds).")
 _ONLY = flags.DEFINE_list("only", None, "Run only these variants of the sweep (e.g. single).")
 _REUSE = flags.DEFINE_bool("reuse_warm_start", False,
