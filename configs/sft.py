@@ -34,9 +34,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # The CPU demo (launch/demo.py): a tiny model, enough distinct questions that it learns
     # to copy names rather than memorise, the world's pages as text so that held-out names
     # (never in a training question) have trained embeddings too. The experts slip 40% of the
-    # time (a vague delegation, an early answer, another fact's value): the warm start learns
-    # the protocol and copying, and keeps some of their hesitation, which RL then removes
-    # (with 15% slips the warm start is at 90% held-out and RL gains 1-5 points).
+    # time (on these one-hop questions with one search hit: a vague delegation, or reporting
+    # another fact of the page): the warm start learns the protocol and copying and keeps some
+    # of their hesitation, which RL then removes (with 15% slips the warm start is at 90%
+    # held-out and RL gains 1-5 points).
     c.sft.update(num_questions=4000, expert_noise=0.4, num_steps=600, batch_size=32,
                  learning_rate=2e-3, corpus_weight=1.0, eval_every=300, checkpoint_every=100)
   if smoke:

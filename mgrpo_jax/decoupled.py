@@ -253,7 +253,7 @@ def run_main_agent(c, workdir: str, run, *, timeout_s: float = 600.0) -> None:
     m.update(train._update(c, agents, {"main": batch}, step))
     writer.write(step, m)
     train.save_after_step(ckpt, agents, step, every=c.checkpoint_every, last=c.num_steps)
-  _finish(workdir, ckpt, writer, agents)
+  _finish(workdir, ckpt, writer, agents, env.tokenizer)
 
 
 def run_sub_agent(c, workdir: str, run, *, timeout_s: float = 600.0) -> None:
@@ -281,11 +281,11 @@ def run_sub_agent(c, workdir: str, run, *, timeout_s: float = 600.0) -> None:
       m.update(train._update(c, agents, {"sub": batch}, step))
     writer.write(step, m)
     train.save_after_step(ckpt, agents, step, every=c.checkpoint_every, last=c.num_steps)
-  _finish(workdir, ckpt, writer, agents)
+  _finish(workdir, ckpt, writer, agents, env.tokenizer)
 
 
-def _finish(workdir, ckpt, writer, agents) -> None:
+def _finish(workdir, ckpt, writer, agents, tokenizer) -> None:
   ckpt.wait()
   ckpt.close()
   writer.close()
-  train._save_final_hf(workdir, agents)
+  train._save_final_hf(workdir, agents, tokenizer)

@@ -166,5 +166,5 @@ def train_sft(c: ml_collections.ConfigDict, workdir: str) -> dict:
   ckpt.close()
   writer.close()
   progress.close()
-  train_lib._save_final_hf(workdir, agents)
+  train_lib._save_final_hf(workdir, agents, env.tokenizer)
   return m

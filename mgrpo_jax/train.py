@@ -9,6 +9,7 @@ Variants are wiring chosen at setup, never flags inside a jitted step:
 
 import dataclasses
 import functools
+import json
 import os
 import time
 from typing import Any
@@ -146,6 +147,7 @@ def _model_params(mc, tokenizer, key, mesh, init_dir: str, name: str):
   if path:
     cfg, params = models.load_hf(path, mesh=mesh, dtype=jnp.dtype(mc.param_dtype),
                                  compute_dtype=jnp.dtype(mc.compute_dtype))
+    _check_vocabulary(path, cfg.vocab_size, tokenizer)
     return cfg.replace(remat=mc.remat), params
   vocab = tokenizer.vocab_size if mc.vocab_size == -1 else mc.vocab_size
   cfg = models.get_preset(mc.preset, vocab_size=vocab, param_dtype=mc.param_dtype,
@@ -397,10 +399,33 @@ def _questions_for_step(train: list, step: int, q: int, seed: int) -> list:
   return [train[i] for i in idx]
 
 
-def _save_final_hf(workdir: str, agents: dict) -> None:
+_WORDS_FILE = "byte_tokenizer_words.json"  # Next to a saved model trained with ByteTokenizer words.
+
+
+def _check_vocabulary(path: str, vocab_size: int, tokenizer: tk.Tokenizer) -> None:
+  """Refuses a checkpoint made with another tokenizer (its ids would mean other strings)."""
+  if vocab_size < tokenizer.vocab_size:
+    raise ValueError(f"{path}: the checkpoint has {vocab_size} token ids but the tokenizer has "
+                     f"{tokenizer.vocab_size}; it was trained with another tokenizer (config."
+                     f"tokenizer or config.world changed?): rerun the warm start.")
+  words_file = os.path.join(path, _WORDS_FILE)
+  if os.path.exists(words_file):
+    with open(words_file) as f:
+      saved = tuple(json.load(f)["words"])
+    if saved != tuple(getattr(tokenizer, "words", ())):
+      raise ValueError(f"{words_file}: the checkpoint was trained with other tokenizer words "
+                       f"than this run's tokenizer has (config.tokenizer or config.world "
+                       f"changed?): rerun the warm start.")
+
+
+def _save_final_hf(workdir: str, agents: dict, tokenizer: tk.Tokenizer | None = None) -> None:
+  """Final weights as HF checkpoints under workdir/hf/<agent> (an `init=` for later runs)."""
   for name, agent in agents.items():
-    models.save_hf(os.path.join(workdir, "hf", name), agent.model_config,
-                   jax.device_get(agent.state.params))
+    path = os.path.join(workdir, "hf", name)
+    models.save_hf(path, agent.model_config, jax.device_get(agent.state.params))
+    if getattr(tokenizer, "words", ()):
+      with open(os.path.join(path, _WORDS_FILE), "w") as f:
+        json.dump({"words": list(tokenizer.words)}, f)
 
 
 def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -454,5 +479,5 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict:
   ckpt.close()
   writer.close()
   progress.close()
-  _save_final_hf(workdir, agents)
+  _save_final_hf(workdir, agents, env.tokenizer)
   return last

@@ -197,6 +197,24 @@ def test_byte_world_tokenizer_adds_phrases_roles_and_prompts():
   assert train.tokenizer_words("byte", world_lib.generate_world(world_lib.WorldConfig())) == ()
 
 
+def test_warm_start_from_another_tokenizer_is_refused(tmp_path):
+  c = _config(tokenizer="byte+names")
+  mesh = sharding.make_mesh(dict(c.mesh))
+  env = train.build_env(c)
+  train._save_final_hf(str(tmp_path), train.build_agents(c, env, mesh, jax.random.key(0)),
+                       env.tokenizer)
+  words_file = tmp_path / "hf" / "main" / "byte_tokenizer_words.json"
+  assert json.loads(words_file.read_text())["words"] == list(env.tokenizer.words)
+  start = lambda cfg: train.build_agents(cfg, train.build_env(cfg), mesh, jax.random.key(0))
+  start(_config(f"smoke,init={tmp_path}", tokenizer="byte+names"))  # the same tokenizer: fine
+  with pytest.raises(ValueError, match=r"has \d+ token ids but the tokenizer has \d+"):
+    start(_config(f"smoke,init={tmp_path}", tokenizer="byte+world"))  # more ids
+  words = json.loads(words_file.read_text())["words"]
+  words_file.write_text(json.dumps({"words": words[1:] + ["Elsewhere"]}))  # same size, shifted
+  with pytest.raises(ValueError, match="byte_tokenizer_words.json"):
+    start(_config(f"smoke,init={tmp_path}", tokenizer="byte+names"))
+
+
 def test_evaluate_writes_eval_json_for_experts(tmp_path):
   c = _config("smoke,policy=expert")
   c.limits.update(max_turns=6, max_new_tokens=160)
