@@ -115,6 +115,9 @@ def train_sft(c: ml_collections.ConfigDict, workdir: str) -> dict:
   env = train_lib.build_env(c)
   data = expert_episodes(c, env, seed=c.seed)
   corpus = corpus_rows(env) if sft.corpus_weight else []
+  # Per agent, the other roles' traces (built once: the list is as long as the data).
+  others = {name: [e for other, eps in data.items() if other != name for e in eps]
+            for name in data}
   for name, eps in data.items():
     lens = [len(e.tokens) for e in eps]
     logging.info("SFT data %s: %d episodes, %d-%d tokens.", name, len(eps), min(lens), max(lens))
@@ -144,8 +147,7 @@ def train_sft(c: ml_collections.ConfigDict, workdir: str) -> dict:
     for name, agent in agents.items():
       rng = np.random.default_rng([c.seed, step, len(name)])
       rows, weights = _pick(data[name], sft.batch_size, rng), [None] * sft.batch_size
-      others = [e for other, eps in data.items() if other != name for e in eps]
-      for extra_rows, w in ((others, sft.other_roles_weight), (corpus, sft.corpus_weight)):
+      for extra_rows, w in ((others[name], sft.other_roles_weight), (corpus, sft.corpus_weight)):
         if w and extra_rows:
           extra = _pick(extra_rows, sft.batch_size // 2, rng)
           rows, weights = rows + extra, weights + [w] * len(extra)

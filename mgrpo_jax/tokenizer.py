@@ -288,8 +288,8 @@ class ByteTokenizer(Tokenizer):
   id wherever it does not continue a longer word or number (so "Avel" is not found inside
   "Aveland"; a word that ends in a space or punctuation needs no boundary there), longest
   first, and it is neither escaped in tool replies nor skipped in decoding, unlike the
-  specials. The CPU demo gives the world's names and question stems one id each
-  (`tokenizer="byte+names"`, `mgrpo_jax.envs.world.vocabulary`).
+  specials. The CPU demo gives the world's names, question stems and page phrases one id
+  each (`tokenizer="byte+world"`, `mgrpo_jax.train.tokenizer_words`).
   """
 
   def __init__(self, tags: Sequence[str] = PROTOCOL_TAGS, words: Sequence[str] = ()):
