@@ -20,6 +20,7 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -27,6 +28,7 @@ from mgrpo_jax import sharding as shard_lib
 from mgrpo_jax.models import qwen3
 from mgrpo_jax.models.config import Qwen3Config
 from mgrpo_jax.rl import losses
+from mgrpo_jax.rl import packing
 
 
 @flax.struct.dataclass
@@ -90,28 +92,41 @@ def init_state(params: nnx.State, tx: optax.GradientTransformation, key) -> Trai
                     key=key)
 
 
-def _micro_terms(model_config: Qwen3Config, loss_config: LossConfig, params, mb):
-  """(numerator, metric sums) of one micro-batch; the denominator is batch-global."""
+def _micro_terms(model_config: Qwen3Config, loss_config: LossConfig, logits_chunk: int, params,
+                 mb):
+  """(numerator, metric sums) of one micro-batch; the denominator is batch-global.
+
+  Position t of the batch describes token t, so the model reads tokens[:, :-1] and scores
+  tokens[:, 1:]. A packed micro-batch (`segment_ids` present, see rl.packing) also brings
+  its RoPE positions and each token's sequence length for per-sequence means.
+  """
   tokens = mb["tokens"]
-  logits = qwen3.forward(model_config, params, tokens[:, :-1],
-                         jnp.broadcast_to(jnp.arange(tokens.shape[1] - 1), tokens[:, :-1].shape),
-                         key_mask_BxS=jnp.ones_like(tokens[:, :-1], bool))[0]
-  logits = logits / loss_config.temperature
-  logp = losses.token_logprobs(logits, tokens[:, 1:])
+  inputs = tokens[:, :-1]
+  packed = "segment_ids" in mb  # Batch structure (static), not a config value.
+  positions = (mb["positions"][:, :-1] if packed
+               else jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape))
+  hidden, head = qwen3.hidden_and_head(
+      model_config, params, inputs, positions,
+      segment_ids_BxT=mb["segment_ids"][:, :-1] if packed else None)
+  # Scored in chunks: the [B, T, V] float32 logits never exist (PAPERS-scale vocabularies).
+  logp, ent = losses.chunked_logprobs(hidden, head, tokens[:, 1:],
+                                      temperature=loss_config.temperature, chunk=logits_chunk)
   mask = mb["loss_mask"][:, 1:]
   adv = mb["adv"] if mb["adv"].ndim == 1 else mb["adv"][:, 1:]
+  seq_tokens = mb["seq_tokens"][:, 1:] if packed else None
   if loss_config.kind == "reinforce":
-    num, _, sums = losses.reinforce_terms(logp, adv, mask, agg=loss_config.agg)
+    num, _, sums = losses.reinforce_terms(logp, adv, mask, agg=loss_config.agg,
+                                          seq_tokens=seq_tokens)
   else:
     ref = mb.get("ref_logp")
     num, _, sums = losses.loss_terms(
         logp, mb["old_logp"][:, 1:], adv, mask, eps_low=loss_config.eps_low,
         eps_high=loss_config.eps_high, agg=loss_config.agg,
         ref_logp=None if ref is None else ref[:, 1:], kl_coef=loss_config.kl_coef,
-        kl_estimator=loss_config.kl_estimator, dual_clip=loss_config.dual_clip)
+        kl_estimator=loss_config.kl_estimator, dual_clip=loss_config.dual_clip,
+        seq_tokens=seq_tokens)
   # Entropy of the (temperature-scaled) policy on generated tokens: cheap next to the
   # forward pass, and the first thing to look at when a run collapses.
-  ent = losses.entropy(jax.lax.stop_gradient(logits))
   sums = dict(sums, entropy=jnp.sum(jnp.where(mask > 0, ent * mask, 0.0)))
   return num, sums
 
@@ -127,21 +142,35 @@ def _reduce_sums(stacked: dict) -> dict:
   return {k: one(k, v) for k, v in stacked.items()}
 
 
-def train_step(state: TrainState, batch: dict, *, model_config: Qwen3Config,
-               loss_config: LossConfig, tx: optax.GradientTransformation, num_micro: int = 1):
-  """One optimizer step over `batch`, accumulating gradients over `num_micro` slices.
-
-  Accumulation is exact: per-micro-batch loss numerators are differentiated and
-  summed, then divided once by the batch-global denominator (token or sequence
-  count), so the update equals the full-batch update for every aggregation mode.
-  """
+def _micro_batches(batch: dict, num_micro: int, agg: str):
+  """(micro-batches with a leading [M] axis, batch-global loss denominator)."""
+  if "segment_ids" in batch:
+    # Packed (rl.packing): already [M, R, L]; the packer counted the denominator.
+    micro = {k: v for k, v in batch.items() if k != "denominator"}
+    return micro, batch["denominator"]
   b = batch["tokens"].shape[0]
   if b % num_micro:
     raise ValueError(f"Batch of {b} rows does not split into {num_micro} micro-batches.")
   mask = batch["loss_mask"][:, 1:]
-  _, denominator = losses.aggregate_terms(jnp.zeros(mask.shape), mask, agg=loss_config.agg)
+  _, denominator = losses.aggregate_terms(jnp.zeros(mask.shape), mask, agg=agg)
   micro = jax.tree.map(lambda x: x.reshape(num_micro, b // num_micro, *x.shape[1:]), batch)
-  grad_fn = jax.grad(functools.partial(_micro_terms, model_config, loss_config), has_aux=True)
+  return micro, denominator
+
+
+def train_step(state: TrainState, batch: dict, *, model_config: Qwen3Config,
+               loss_config: LossConfig, tx: optax.GradientTransformation, num_micro: int = 1,
+               logits_chunk: int = 4096):
+  """One optimizer step over `batch`, accumulating gradients over micro-batches.
+
+  A padded batch [B, T] is split into `num_micro` slices of rows; a packed batch
+  (rl.packing.pack) comes as [M, R, L] micro-batches already. Accumulation is exact:
+  per-micro-batch loss numerators are differentiated and summed, then divided once by
+  the batch-global denominator (token or sequence count), so the update equals the
+  full-batch update for every aggregation mode, packed or not.
+  """
+  micro, denominator = _micro_batches(batch, num_micro, loss_config.agg)
+  grad_fn = jax.grad(functools.partial(_micro_terms, model_config, loss_config, logits_chunk),
+                     has_aux=True)
 
   def body(grad_acc, mb):
     grads, sums = grad_fn(state.params, mb)
@@ -185,24 +214,54 @@ def state_shardings(state: TrainState, mesh):
 
 def make_train_step(model_config: Qwen3Config, loss_config: LossConfig,
                     tx: optax.GradientTransformation, *, num_micro: int = 1, mesh=None,
-                    state_sharding=None):
+                    state_sharding=None, max_tokens_per_micro: int | None = None,
+                    logits_chunk: int = 4096):
   """`train_step` with its static pieces bound, jitted once, state donated.
 
   With a mesh, the state keeps `state_sharding` (default: `state_shardings` of the
   state's structure is needed, so pass it) and every batch array is split over
-  (data, fsdp) on its leading axis.
+  (data, fsdp) on its row axis.
+
+  With `max_tokens_per_micro`, the returned function takes the same padded numpy batch,
+  packs it on the host (`rl.packing.pack`: [M, R, L] with R * L <= the budget) and runs
+  the packed step; `num_micro` is then ignored. The jitted step is its `.jitted`.
   """
   step = functools.partial(train_step, model_config=model_config, loss_config=loss_config,
-                           tx=tx, num_micro=num_micro)
-  if mesh is None:
-    return jax.jit(step, donate_argnames=("state",))
-  if state_sharding is None:
+                           tx=tx, num_micro=num_micro, logits_chunk=logits_chunk)
+  if mesh is not None and state_sharding is None:
     raise ValueError("make_train_step(mesh=...) needs state_sharding=state_shardings(...).")
   P = jax.sharding.PartitionSpec
-  batch_sh = jax.sharding.NamedSharding(mesh, P(shard_lib.BATCH))  # A prefix for every leaf.
-  replicated = jax.sharding.NamedSharding(mesh, P())
-  return jax.jit(step, donate_argnames=("state",), in_shardings=(state_sharding, batch_sh),
-                 out_shardings=(state_sharding, replicated))
+  if max_tokens_per_micro is None:
+    if mesh is None:
+      return jax.jit(step, donate_argnames=("state",))
+    batch_sh = jax.sharding.NamedSharding(mesh, P(shard_lib.BATCH))  # A prefix for every leaf.
+    replicated = jax.sharding.NamedSharding(mesh, P())
+    return jax.jit(step, donate_argnames=("state",), in_shardings=(state_sharding, batch_sh),
+                   out_shardings=(state_sharding, replicated))
+  if max_tokens_per_micro < 8:
+    raise ValueError(f"max_tokens_per_micro must be >= 8, got {max_tokens_per_micro}.")
+  rows_multiple = 1
+  if mesh is None:
+    jitted = jax.jit(step, donate_argnames=("state",))
+  else:
+    rows_multiple = int(np.prod([mesh.shape[a] for a in shard_lib.BATCH]))
+    replicated = jax.sharding.NamedSharding(mesh, P())
+    # Packed leaves are [M, R, L]: rows (axis 1) split over the batch axes; the scalar
+    # denominator is replicated. Sharded by device_put below, so jit keeps them.
+    jitted = jax.jit(step, donate_argnames=("state",),
+                     out_shardings=(state_sharding, replicated))
+    rows_sh = jax.sharding.NamedSharding(mesh, P(None, shard_lib.BATCH))
+
+  def packed_step(state, batch):
+    packed = packing.pack(batch, max_tokens_per_micro=max_tokens_per_micro,
+                          agg=loss_config.agg, rows_multiple=rows_multiple)
+    if mesh is not None:
+      packed = {k: jax.device_put(v, replicated if np.ndim(v) == 0 else rows_sh)
+                for k, v in packed.items()}
+    return jitted(state, packed)
+
+  packed_step.jitted = jitted
+  return packed_step
 
 
 class NonFiniteError(FloatingPointError):
