@@ -68,6 +68,44 @@ def _apply_rope(x_BxNxTxH, sin_BxTxH2, cos_BxTxH2):
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
+def _rows_sharded(x):
+  """Pins an activation's leading (row) axis to the mesh's batch axes, when a mesh is set.
+
+  Under `jax.set_mesh(mesh)` (the train step sets it) this keeps activations split by rows,
+  so each layer all-gathers its fsdp-sharded weights (FSDP) instead of XLA sharding the
+  activations along the hidden axis and holding every row of the batch on every device.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  axes = tuple(a for a in ("data", "fsdp") if a in mesh.axis_names)
+  if mesh.empty or not axes:
+    return x
+  return jax.lax.with_sharding_constraint(
+      x, jax.sharding.PartitionSpec(axes, *([None] * (x.ndim - 1))))
+
+
+def _write_rows(cache_BxKxSxH, new_BxKxTxH, start_B):
+  """Writes row b's T new slots at start_b.. (contiguous positions); slots past S are dropped.
+
+  A dynamic_update_slice per row (not a scatter) so XLA updates the cache in place inside
+  the layer scan; a scatter there costs two extra copies of the whole cache (measured with
+  compiled.memory_analysis on CPU). dynamic_update_slice clamps a start that runs past the
+  end, so such a row rewrites the clamped window with its old slots plus its in-range news.
+  """
+  s, t = cache_BxKxSxH.shape[2], new_BxKxTxH.shape[2]
+  if t > s:
+    raise ValueError(f"Cannot write {t} positions per row into a cache of {s} slots.")
+
+  def row(c_KxSxH, n_KxTxH, p):
+    at = jnp.minimum(p, s - t)
+    shift = p - at  # > 0 only for a write that runs past the last slot.
+    old = jax.lax.dynamic_slice_in_dim(c_KxSxH, at, t, axis=1)
+    keep_new = (jnp.arange(t) >= shift)[None, :, None]
+    merged = jnp.where(keep_new, jnp.roll(n_KxTxH, shift, axis=1), old)
+    return jax.lax.dynamic_update_slice_in_dim(c_KxSxH, merged, at, axis=1)
+
+  return jax.vmap(row)(cache_BxKxSxH, new_BxKxTxH, start_B)
+
+
 class Attention(nnx.Module):
   """Grouped-query attention with per-head q/k RMSNorm and RoPE.
 
@@ -109,15 +147,14 @@ class Attention(nnx.Module):
     q_idx_BxT = jnp.broadcast_to(jnp.arange(t), (b, t))
     if cache_kv is not None:
       ck, cv, layer, window = cache_kv
-      b_idx = jnp.arange(b)[:, None, None]
-      k_idx = jnp.arange(kv)[None, :, None]
-      pos = positions_BxT[:, None, :]
       # Per-row positions: each row writes where it is; out-of-range writes are dropped.
-      ck = ck.at[layer, b_idx, k_idx, pos].set(k.astype(ck.dtype), mode="drop")
-      cv = cv.at[layer, b_idx, k_idx, pos].set(v.astype(cv.dtype), mode="drop")
-      new_cache = (ck, cv)
+      start_B = positions_BxT[:, 0]
+      ck_l = _write_rows(ck[layer], k.astype(ck.dtype), start_B)
+      cv_l = _write_rows(cv[layer], v.astype(cv.dtype), start_B)
+      new_cache = (jax.lax.dynamic_update_index_in_dim(ck, ck_l, layer, 0),
+                   jax.lax.dynamic_update_index_in_dim(cv, cv_l, layer, 0))
       # Decode is bound by reading the cache: read only the slots in use (static window).
-      k, v = ck[layer, :, :, :window].astype(dt), cv[layer, :, :, :window].astype(dt)
+      k, v = ck_l[:, :, :window].astype(dt), cv_l[:, :, :window].astype(dt)
       key_mask_BxS = key_mask_BxS[:, :window]
       q_idx_BxT = positions_BxT  # A cached token's slot is its position.
     out = attention.attend(q, k, v, q_idx_BxT=q_idx_BxT, kv_valid_BxS=key_mask_BxS,
@@ -183,7 +220,7 @@ class Qwen3(nnx.Module):
                return_hidden: bool = False):
     cfg = self.cfg
     dt = cfg.compute_jnp_dtype
-    x = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(dt)
+    x = _rows_sharded(jnp.take(self.embed[...], tokens_BxT, axis=0).astype(dt))
     sin, cos = rope_sin_cos(positions_BxT, cfg.head_dim, cfg.rope_theta)
     graphdef, layer_state = nnx.split(self.layers)
 
@@ -193,7 +230,7 @@ class Qwen3(nnx.Module):
       block = nnx.merge(graphdef, state_l)
       x, kv = block(x, sin, cos, positions_BxT, key_mask_BxS,
                     None if kv is None else (*kv, layer, window), segment_ids_BxT)
-      return (x, kv), None
+      return (_rows_sharded(x), kv), None
 
     if cfg.remat:
       body = jax.checkpoint(body, prevent_cse=False)

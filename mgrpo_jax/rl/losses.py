@@ -57,34 +57,38 @@ def entropy(logits_BxTxV):
 
 def chunked_logprobs(hidden_BxTxD, head_DxV, targets_BxT, *, temperature: float = 1.0,
                      chunk: int = 4096):
-  """Token log-probs and entropies of `hidden @ head / temperature`, `chunk` tokens at a time.
+  """Token log-probs and entropies of `hidden @ head / temperature`, ~`chunk` tokens at a time.
 
   Equals `token_logprobs` / `entropy` of the full logits (float32, matmul accumulated in
   float32 as the model's own head does), but the [B, T, V] float32 logits never exist: the
-  B*T tokens are scored in chunks under a scan whose body is rematerialised, so the forward
-  and the backward hold one [chunk, V] block at a time. Entropy carries no gradient.
-  Returns (logp [B, T], entropy [B, T]), float32.
+  sequence axis is cut into chunks of max(1, chunk // B) positions, scored under a scan
+  whose body is rematerialised, so the forward and the backward hold one [B, c, V] block
+  at a time (rows stay whole, so a row-sharded batch stays row-sharded). Entropy carries
+  no gradient. Returns (logp [B, T], entropy [B, T]), float32.
   """
   b, t, d = hidden_BxTxD.shape
-  n = b * t
-  c = min(chunk, n)
-  pad = -n % c
-  h_NxD = jnp.pad(hidden_BxTxD.reshape(n, d), ((0, pad), (0, 0)))
-  y_N = jnp.pad(targets_BxT.reshape(n).astype(jnp.int32), (0, pad))
+  c = min(t, max(1, chunk // b))
+  pad = -t % c
+  h = jnp.pad(hidden_BxTxD, ((0, 0), (0, pad), (0, 0)))
+  y = jnp.pad(targets_BxT.astype(jnp.int32), ((0, 0), (0, pad)))
+  # [B, n*c, ...] -> [n, B, c, ...]: chunks first, for the scan.
+  h_NxBxCxD = jnp.moveaxis(h.reshape(b, -1, c, d), 1, 0)
+  y_NxBxC = jnp.moveaxis(y.reshape(b, -1, c), 1, 0)
 
   @jax.checkpoint
-  def score(h_CxD, y_C):
-    logits_CxV = jnp.einsum("cd,dv->cv", h_CxD, head_DxV,
-                            preferred_element_type=jnp.float32) / temperature
-    lse_C = jax.nn.logsumexp(logits_CxV, axis=-1)
-    logp_C = jnp.take_along_axis(logits_CxV, y_C[:, None], axis=-1)[:, 0] - lse_C
-    return logp_C, entropy(jax.lax.stop_gradient(logits_CxV))
+  def score(h_BxCxD, y_BxC):
+    logits_BxCxV = jnp.einsum("bcd,dv->bcv", h_BxCxD, head_DxV,
+                              preferred_element_type=jnp.float32) / temperature
+    lse_BxC = jax.nn.logsumexp(logits_BxCxV, axis=-1)
+    picked_BxC = jnp.take_along_axis(logits_BxCxV, y_BxC[..., None], axis=-1)[..., 0]
+    return picked_BxC - lse_BxC, entropy(jax.lax.stop_gradient(logits_BxCxV))
 
   def body(_, xs):
     return None, score(*xs)
 
-  _, (logp, ent) = jax.lax.scan(body, None, (h_NxD.reshape(-1, c, d), y_N.reshape(-1, c)))
-  return logp.reshape(-1)[:n].reshape(b, t), ent.reshape(-1)[:n].reshape(b, t)
+  _, (logp, ent) = jax.lax.scan(body, None, (h_NxBxCxD, y_NxBxC))
+  unchunk = lambda x_NxBxC: jnp.moveaxis(x_NxBxC, 0, 1).reshape(b, -1)[:, :t]
+  return unchunk(logp), unchunk(ent)
 
 
 def _check(name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -159,7 +159,7 @@ def _micro_batches(batch: dict, num_micro: int, agg: str):
 
 def train_step(state: TrainState, batch: dict, *, model_config: Qwen3Config,
                loss_config: LossConfig, tx: optax.GradientTransformation, num_micro: int = 1,
-               logits_chunk: int = 4096):
+               logits_chunk: int = 4096, param_sharding=None):
   """One optimizer step over `batch`, accumulating gradients over micro-batches.
 
   A padded batch [B, T] is split into `num_micro` slices of rows; a packed batch
@@ -167,14 +167,19 @@ def train_step(state: TrainState, batch: dict, *, model_config: Qwen3Config,
   per-micro-batch loss numerators are differentiated and summed, then divided once by
   the batch-global denominator (token or sequence count), so the update equals the
   full-batch update for every aggregation mode, packed or not.
+
+  `param_sharding` (with a mesh) pins each micro-batch's gradients and their running sum
+  to the parameters' shards: reduce-scattered, never a full replicated copy per device.
   """
   micro, denominator = _micro_batches(batch, num_micro, loss_config.agg)
   grad_fn = jax.grad(functools.partial(_micro_terms, model_config, loss_config, logits_chunk),
                      has_aux=True)
+  pin = ((lambda tree: jax.lax.with_sharding_constraint(tree, param_sharding))
+         if param_sharding is not None else (lambda tree: tree))
 
   def body(grad_acc, mb):
     grads, sums = grad_fn(state.params, mb)
-    return jax.tree.map(jnp.add, grad_acc, grads), sums
+    return pin(jax.tree.map(jnp.add, grad_acc, pin(grads))), sums
 
   zeros = jax.tree.map(jnp.zeros_like, state.params)
   grad_sum, stacked = jax.lax.scan(body, zeros, micro)
@@ -226,10 +231,18 @@ def make_train_step(model_config: Qwen3Config, loss_config: LossConfig,
   packs it on the host (`rl.packing.pack`: [M, R, L] with R * L <= the budget) and runs
   the packed step; `num_micro` is then ignored. The jitted step is its `.jitted`.
   """
-  step = functools.partial(train_step, model_config=model_config, loss_config=loss_config,
-                           tx=tx, num_micro=num_micro, logits_chunk=logits_chunk)
   if mesh is not None and state_sharding is None:
     raise ValueError("make_train_step(mesh=...) needs state_sharding=state_shardings(...).")
+  step = functools.partial(train_step, model_config=model_config, loss_config=loss_config,
+                           tx=tx, num_micro=num_micro, logits_chunk=logits_chunk,
+                           param_sharding=None if mesh is None else state_sharding.params)
+  if mesh is not None:
+    unmeshed = step
+
+    def step(state, batch):
+      # The model pins activations to the batch axes of the mesh in scope (FSDP layout).
+      with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        return unmeshed(state, batch)
   P = jax.sharding.PartitionSpec
   if max_tokens_per_micro is None:
     if mesh is None:

@@ -145,3 +145,18 @@ def test_model_blockwise_and_packed_equal_reference():
       alone = models.logits(cfg.replace(attention="reference"), params, jnp.asarray(x)[None],
                             jnp.ones((1, len(x)), bool))
       np.testing.assert_allclose(packed[0, span], alone[0], atol=2e-5)
+
+
+def test_cache_writes_in_place_and_drop_past_the_end():
+  # Rows write T contiguous positions; a row whose write runs past the last slot keeps its
+  # earlier slots (dynamic_update_slice would otherwise clamp and overwrite them).
+  s, t = 10, 4
+  cache = jnp.arange(2 * 1 * s * 1, dtype=jnp.float32).reshape(2, 1, s, 1)
+  new = -jnp.arange(1, 2 * t + 1, dtype=jnp.float32).reshape(2, 1, t, 1)
+  out = qwen3._write_rows(cache, new, jnp.asarray([3, 8]))
+  want = np.array(cache)
+  want[0, 0, 3:7, 0] = [-1, -2, -3, -4]
+  want[1, 0, 8:10, 0] = [-5, -6]  # Positions 10 and 11 are dropped.
+  np.testing.assert_array_equal(out, want)
+  stopped = qwen3._write_rows(cache, new[:, :, :1], jnp.asarray([s, s]))  # Slot s: nowhere.
+  np.testing.assert_array_equal(stopped, cache)
