@@ -10,11 +10,17 @@ import time
 
 import pytest  # Imports no JAX, so the flags below still come first.
 
-# Must run before `import jax` anywhere, so sharding is testable on a CPU-only machine.
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+# Must run before `import jax` anywhere, so sharding is testable on a CPU-only machine. An
+# explicit count in XLA_FLAGS wins (=1 shows which tests a one-device machine skips).
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (
+      os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# CPU unless told otherwise: `JAX_PLATFORMS=cuda python -m pytest` runs the suite on a GPU.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Every numeric test compares float32 results with a float32 reference (transformers, NumPy,
+# the padded batch); on GPU XLA's default f32 matmul is TF32 (relative error ~3e-3), so the
+# suite pins full precision. bf16/fp16 kernels (cuDNN attention) are unaffected.
+os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # A compilation cache per test worker, never reused across sessions (CI starts clean): tests
@@ -30,15 +36,16 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
 
 def pytest_collection_modifyitems(config, items):
-  """Skips `@pytest.mark.gpu` tests unless JAX runs on a GPU."""
+  """Skips `gpu` tests off GPU, and `devices(n)` tests where fewer than n devices exist."""
   del config
   import jax  # Only now: XLA_FLAGS above are set first.
-  if jax.default_backend() == "gpu":
-    return
-  skip = pytest.mark.skip(reason="needs a GPU (JAX backend is not 'gpu')")
+  on_gpu, count = jax.default_backend() == "gpu", jax.device_count()
   for item in items:
-    if "gpu" in item.keywords:
-      item.add_marker(skip)
+    if "gpu" in item.keywords and not on_gpu:
+      item.add_marker(pytest.mark.skip(reason="needs a GPU (JAX backend is not 'gpu')"))
+    need = item.get_closest_marker("devices")
+    if need is not None and need.args[0] > count:
+      item.add_marker(pytest.mark.skip(reason=f"needs {need.args[0]} devices, {count} here"))
 
 
 def _free_port():

@@ -174,6 +174,7 @@ def test_bfloat16_checkpoint_loads_as_float32(tmp_path, ckpt):
 
 
 @pytest.mark.parametrize("axes", [(2, 2, 2), (1, 2, 4)])
+@pytest.mark.devices(8)
 def test_load_with_mesh_places_shards(ckpt, axes):
   path, _, config, params = ckpt
   mesh = sharding.make_mesh(axes)

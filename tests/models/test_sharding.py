@@ -11,6 +11,9 @@ from jax.sharding import PartitionSpec as P
 from mgrpo_jax import models, sharding
 from mgrpo_jax.sharding import ShardingError
 
+# Meshes of up to 8 devices (8 fake CPU devices in the test session).
+pytestmark = pytest.mark.devices(8)
+
 B, T = 8, 9  # B divisible by data * fsdp on every mesh below.
 LENGTHS = (9, 3, 1, 7, 9, 5, 2, 8)
 

@@ -92,6 +92,7 @@ def test_packed_step_equals_padded(kind, agg, attn):
     np.testing.assert_allclose(_flat(s_pk.params), _flat(s_pad.params), atol=2e-6)
 
 
+@pytest.mark.devices(8)
 def test_packed_step_on_a_mesh():
   mesh = sharding.make_mesh(dict(data=4, fsdp=2, tensor=1))
   tx = optax.sgd(1.0)

@@ -123,6 +123,7 @@ def test_compiles_once_and_adamw_moves_params():
   assert float(metrics["grad_norm"]) > 0 and float(metrics["entropy"]) > 0
 
 
+@pytest.mark.devices(8)
 def test_sharded_step_matches_unsharded():
   tx = ts.make_optimizer(learning_rate=1e-2)
   batch = _batch()
