@@ -1,0 +1,27 @@
+"""benchmarks/memory.py at a mid shape: update memory grows linearly with sequence length."""
+
+import importlib.util
+import os
+
+import pytest
+
+
+def _memory_module():
+  path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "memory.py")
+  spec = importlib.util.spec_from_file_location("memory_benchmark", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.mark.slow
+def test_update_temporaries_grow_linearly_with_length():
+  # The plain padded make_train_step of Qwen3-0.6B (real vocabulary and widths), compiled
+  # with abstract inputs: with [T, T] scores or [B, T, V] logits each doubling of T would
+  # cost ~4x / 2x of a large term (at 2819582: 14.0 -> 25.0 -> 62.5 GB at 2k/4k/8k).
+  memory = _memory_module()
+  cases = [memory.scaling_case("qwen3_0p6b", t, rows=2) for t in (2048, 4096, 8192)]
+  temps = [c["temporaries_gb"] for c in cases]
+  assert all(b / a < 2.2 for a, b in zip(temps, temps[1:])), temps
+  assert temps[-1] < 20, temps  # 0.6B, 2 x 8192 tokens, remat: ~11 GB measured.
+  assert cases[0]["arguments_gb"] > 7  # f32 params + Adam moments of 0.6B: really 0.6B.
