@@ -472,7 +472,7 @@ def test_sample_token_frequencies_follow_truncated_softmax(temperature, top_p, t
     sp = sampling._SamplingParams(jnp.float32(temperature), jnp.float32(top_p),
                                   jnp.int32(top_k), jnp.full(8, -1, jnp.int32))
     tok, logp, slogp = jax.jit(sampling._sample_token)(
-        jnp.asarray(np.tile(logits_V, (n, 1))), sp, jax.random.key(4))
+        jnp.asarray(np.tile(logits_V, (n, 1))), sp, jax.random.split(jax.random.key(4), n))
     tok, logp, slogp = map(np.asarray, (tok, logp, slogp))
     scaled = logits_V / temperature
     ref = _np_truncated_log_softmax(scaled, top_k, top_p)
