@@ -241,10 +241,21 @@ def _window(end: int, capacity: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnums=(1,))
-def _grow(cache: qwen3.KVCache, length: int) -> qwen3.KVCache:
-  """The cache copied into `length` slots per row (the new slots hold zeros)."""
+def _pad_cache(cache: qwen3.KVCache, length: int) -> qwen3.KVCache:
   pad = ((0, 0),) * 3 + ((0, length - cache.max_len), (0, 0))
   return jax.tree.map(lambda x: jnp.pad(x, pad), cache)
+
+
+def _grow(cache: qwen3.KVCache, length: int) -> qwen3.KVCache:
+  """The cache copied into `length` slots per row (new slots hold zeros); frees the old one.
+
+  The old cache belongs to a donated Sequences: its buffers are deleted here, or the
+  caller's reference would keep it alive beside the new one for the whole decode.
+  """
+  new = jax.block_until_ready(_pad_cache(cache, length))
+  for x in jax.tree.leaves(cache):
+    x.delete()
+  return new
 
 
 @jax.jit

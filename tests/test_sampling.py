@@ -531,6 +531,8 @@ def test_cache_grows_by_need_not_max_len(tiny, monkeypatch):
     tool = [[7] * (140 - len(p) - N_NEW) for p in prompts]
     seqs = sampling.extend(m.config, m.params, res.sequences, tool)
     assert grows[-1] == (128, 256) and seqs.capacity == 256
+    # The outgrown cache is freed, not held by the caller's (donated) Sequences.
+    assert res.sequences.cache.k_LxBxKxSxH.is_deleted()
     rows = [r + t for r, t in zip(_rows(res, prompts), tool)]
     full = _full_logits(m, rows)
     np.testing.assert_allclose(np.asarray(seqs.next_logits_BxV), full[:, -1], atol=1e-4, rtol=1e-4)
