@@ -5,9 +5,17 @@ and `extend` (append tool output to live rows, reusing their cached prefix), wit
 `generate` = prefill + sample for the single-turn case. Rows are right-padded and
 each row writes its cache at its own position, so short rows waste no attention.
 
-Compilation: one compile per (batch bucket, prompt bucket, cache length, chunk)
-shape. Temperature, top-p, top-k, stop ids and the PRNG key are traced, so changing
-them never recompiles.
+Memory follows need, not `max_len`: the cache holds `cache_len(n)` slots per row, n the
+longest row (a power of two, at least `MIN_CACHE_LEN`, at most `max_len`), and is copied
+into the next bucket only when a row is about to write past it. Identical prompts (a
+group's K rollouts) are prefilled once and their cache rows copied. With
+`kv_cache_budget_bytes`, `generate` admits the rows in waves whose cache fits the budget;
+the others wait for the running wave to finish, and none is dropped.
+
+Compilation: one compile per (batch bucket, prompt bucket, cache length, window) shape.
+Temperature, top-p, top-k, stop ids and the PRNG key are traced, so changing them never
+recompiles. Token j of row r is drawn with fold_in(fold_in(key, row_id), j), so a row's
+samples do not depend on which rows share its batch (the budget changes no result).
 """
 
 import dataclasses
@@ -28,18 +36,20 @@ RUNNING, STOP_TOKEN, STOP_STRING, LENGTH, CONTEXT = 0, 1, 2, 3, 4
 FINISH_NAMES = {RUNNING: "running", STOP_TOKEN: "stop", STOP_STRING: "stop_string",
                 LENGTH: "length", CONTEXT: "context"}
 _MAX_STOP_IDS = 8  # Stop ids are a fixed-size traced array; -1 pads unused slots.
+MIN_CACHE_LEN = 64  # Smallest cache bucket: short rows cost few grows and few compiles.
 
 
 @flax.struct.dataclass
 class Sequences:
   """Live rows: their cache, how many tokens each holds, and the next-token logits."""
 
-  cache: qwen3.KVCache
+  cache: qwen3.KVCache  # `capacity` slots per row, grown by need up to max_len.
   lengths_B: jax.Array  # Tokens in the cache per row.
   next_logits_BxV: jax.Array  # Float32 logits for the token after the last one.
+  max_len: int = flax.struct.field(pytree_node=False)  # Context limit of every row.
 
   @property
-  def max_len(self) -> int:
+  def capacity(self) -> int:
     return self.cache.max_len
 
 
@@ -68,6 +78,51 @@ def _bucket(n: int, minimum: int = 8) -> int:
   return max(minimum, 1 << max(0, int(n - 1).bit_length()))
 
 
+def cache_len(n: int, max_len: int) -> int:
+  """Cache slots the sampler allocates for rows of up to `n` tokens (see module doc)."""
+  return min(max_len, _bucket(n, MIN_CACHE_LEN))
+
+
+def kv_cache_bytes(config: Qwen3Config, rows: int, length: int) -> int:
+  """Bytes of the keys and values of every layer for `rows` x `length` cache slots."""
+  itemsize = jnp.dtype(config.compute_jnp_dtype).itemsize
+  return 2 * config.num_layers * rows * config.num_kv_heads * length * config.head_dim * itemsize
+
+
+def kv_cache_peak_bytes(config: Qwen3Config, rows: int, need: int, max_len: int) -> int:
+  """Most KV-cache bytes the sampler holds for `rows` rows reaching `need` tokens.
+
+  Counts the batch bucket's padding rows and, when the cache must grow into its final
+  bucket, the old cache that lives beside the new one during the copy.
+  """
+  b, length = _bucket(rows, 1), cache_len(need, max_len)
+  below = cache_len(1 << ((length - 1).bit_length() - 1), max_len)
+  old = below if below < length else 0
+  return kv_cache_bytes(config, b, length) + kv_cache_bytes(config, b, old)
+
+
+def plan_waves(config: Qwen3Config, bounds: Sequence[int], *, max_len: int,
+               budget_bytes: int) -> list[list[int]]:
+  """Row indices grouped into waves whose `kv_cache_peak_bytes` fit `budget_bytes`.
+
+  `bounds[i]` is the most tokens row i can reach. Rows are taken shortest first, so a
+  wave holds rows of similar length; a row that cannot fit even alone raises.
+  """
+  waves, wave = [], []
+  for i in sorted(range(len(bounds)), key=lambda i: bounds[i]):
+    # Sorted ascending: row i is the longest of any wave it joins.
+    if wave and kv_cache_peak_bytes(config, len(wave) + 1, bounds[i], max_len) > budget_bytes:
+      waves.append(wave)
+      wave = []
+    if not wave and kv_cache_peak_bytes(config, 1, bounds[i], max_len) > budget_bytes:
+      raise ValueError(
+          f"Row {i} may reach {bounds[i]} tokens, a KV cache of "
+          f"{kv_cache_peak_bytes(config, 1, bounds[i], max_len)} bytes; "
+          f"kv_cache_budget_bytes={budget_bytes} cannot hold even this one row.")
+    wave.append(i)
+  return waves + [wave] if wave else waves
+
+
 def _filter_logits(logits_BxV, top_k, top_p):
   """Masks tokens outside top-k and the top-p nucleus (one descending sort)."""
   sorted_BxV = jnp.sort(logits_BxV, axis=-1)[:, ::-1]
@@ -81,8 +136,11 @@ def _filter_logits(logits_BxV, top_k, top_p):
   return jnp.where(logits_BxV >= cutoff_B[:, None], logits_BxV, -jnp.inf)
 
 
-def _sample_token(logits_BxV, sp: _SamplingParams, key):
-  """Returns (token, log-prob under logits/T, log-prob under the truncated distribution)."""
+def _sample_token(logits_BxV, sp: _SamplingParams, keys_B):
+  """Returns (token, log-prob under logits/T, log-prob under the truncated distribution).
+
+  Each row draws with its own key, so its token does not depend on the other rows.
+  """
 
   def greedy(_):
     token = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
@@ -94,7 +152,7 @@ def _sample_token(logits_BxV, sp: _SamplingParams, key):
     needs_filter = (sp.top_k > 0) | (sp.top_p < 1.0)
     filtered = jax.lax.cond(needs_filter, _filter_logits, lambda x, *_: x, scaled,
                             sp.top_k, sp.top_p)
-    token = jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
+    token = jax.vmap(jax.random.categorical)(keys_B, filtered).astype(jnp.int32)
     pick = lambda x: jnp.take_along_axis(jax.nn.log_softmax(x), token[:, None], axis=-1)[:, 0]
     return token, pick(scaled), pick(filtered)
 
@@ -121,38 +179,40 @@ class _LoopState:
   sample_logp_BxN: jax.Array
   n_B: jax.Array  # Tokens generated so far per row.
   finish_B: jax.Array  # 0 while running, else a finish reason.
-  step: jax.Array  # Global decode step (for the per-step PRNG key).
+  row_ids_B: jax.Array  # PRNG stream of each row (see module doc).
   budget_B: jax.Array  # max_new_tokens per row.
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 6), donate_argnames=("state",))
-def _decode_chunk(config, params, state: _LoopState, sp: _SamplingParams, chunk: int, key,
+@functools.partial(jax.jit, static_argnums=(0, 6), donate_argnames=("state",))
+def _decode_chunk(config, params, state: _LoopState, sp: _SamplingParams, steps, key,
                   window: int):
-  """Up to `chunk` decode steps; exits early once every row has finished.
+  """Up to `steps` (traced) decode steps; exits early once every row has finished.
 
-  Attention reads only the first `window` cache slots; the caller picks a window that
-  covers every position this chunk can reach.
+  Attention reads only the first `window` cache slots; the caller picks `steps` so that
+  no row passes the cache's capacity, and a window that covers every position reached.
   """
-  max_len = state.seqs.max_len
+  capacity, max_len = state.seqs.capacity, state.seqs.max_len
+  row_keys_B = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, state.row_ids_B)
 
   def cond(carry):
     i, st = carry
-    return (i < chunk) & jnp.any(st.finish_B == RUNNING)
+    return (i < steps) & jnp.any(st.finish_B == RUNNING)
 
   def body(carry):
     i, st = carry
     seqs = st.seqs
     running = st.finish_B == RUNNING
-    token, logp, slogp = _sample_token(seqs.next_logits_BxV, sp, jax.random.fold_in(key, st.step))
+    keys_B = jax.vmap(jax.random.fold_in)(row_keys_B, st.n_B)
+    token, logp, slogp = _sample_token(seqs.next_logits_BxV, sp, keys_B)
     b_idx = jnp.arange(token.shape[0])
     col = jnp.where(running, st.n_B, st.tokens_BxN.shape[1])  # Finished rows write nowhere.
     tokens = st.tokens_BxN.at[b_idx, col].set(token, mode="drop")
     logp_all = st.logp_BxN.at[b_idx, col].set(logp, mode="drop")
     slogp_all = st.sample_logp_BxN.at[b_idx, col].set(slogp, mode="drop")
     # Feed the token so the cache always holds every generated token (for `extend`).
-    # Stopped rows write nowhere (slot max_len is dropped): their cache may hold real
+    # Stopped rows write nowhere (slot `capacity` is dropped): their cache may hold real
     # tokens beyond this chunk's window.
-    pos = jnp.where(running, seqs.lengths_B, max_len)[:, None]
+    pos = jnp.where(running, seqs.lengths_B, capacity)[:, None]
     logits, cache = qwen3.forward(config, params, token[:, None], pos, seqs.cache,
                                   attn_window=window)
     n = st.n_B + running
@@ -162,23 +222,48 @@ def _decode_chunk(config, params, state: _LoopState, sp: _SamplingParams, chunk:
     finish = jnp.where((finish == RUNNING) & (n >= st.budget_B), LENGTH, finish)
     finish = jnp.where((finish == RUNNING) & (lengths >= max_len), CONTEXT, finish)
     next_logits = jnp.where(running[:, None], logits[:, 0], seqs.next_logits_BxV)
-    new = st.replace(seqs=Sequences(cache, lengths, next_logits), tokens_BxN=tokens,
-                     logp_BxN=logp_all, sample_logp_BxN=slogp_all, n_B=n, finish_B=finish,
-                     step=st.step + 1)
+    new = st.replace(seqs=Sequences(cache, lengths, next_logits, max_len), tokens_BxN=tokens,
+                     logp_BxN=logp_all, sample_logp_BxN=slogp_all, n_B=n, finish_B=finish)
     return i + 1, new
 
   _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
   return state
 
 
-def _window(end: int, max_len: int) -> int:
+def _window(end: int, capacity: int) -> int:
   """The static attention window for positions below `end`.
 
   Four sizes per octave (multiples of a quarter of the power of two below `end`): at
   most ~25% of the slots read are unused, and a run compiles only a few windows.
   """
   granule = max(64, (1 << (max(end, 1).bit_length() - 1)) // 4)
-  return min(max_len, -(-end // granule) * granule)
+  return min(capacity, -(-end // granule) * granule)
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _pad_cache(cache: qwen3.KVCache, length: int) -> qwen3.KVCache:
+  pad = ((0, 0),) * 3 + ((0, length - cache.max_len), (0, 0))
+  return jax.tree.map(lambda x: jnp.pad(x, pad), cache)
+
+
+def _grow(cache: qwen3.KVCache, length: int) -> qwen3.KVCache:
+  """The cache copied into `length` slots per row (new slots hold zeros); frees the old one.
+
+  The old cache belongs to a donated Sequences: its buffers are deleted here, or the
+  caller's reference would keep it alive beside the new one for the whole decode.
+  """
+  new = jax.block_until_ready(_pad_cache(cache, length))
+  for x in jax.tree.leaves(cache):
+    x.delete()
+  return new
+
+
+@jax.jit
+def _take_rows(seqs: Sequences, idx_B) -> Sequences:
+  """Rows `idx_B` of `seqs`; a row taken several times is copied (shared prompts)."""
+  cache = jax.tree.map(lambda x: jnp.take(x, idx_B, axis=1), seqs.cache)
+  return seqs.replace(cache=cache, lengths_B=seqs.lengths_B[idx_B],
+                      next_logits_BxV=seqs.next_logits_BxV[idx_B])
 
 
 def _pad_rows(rows: Sequence[Sequence[int]], batch: int, width: int, pad_id: int):
@@ -188,24 +273,41 @@ def _pad_rows(rows: Sequence[Sequence[int]], batch: int, width: int, pad_id: int
   return out
 
 
+def _dedupe(prompts: Sequence[Sequence[int]]) -> tuple[list[list[int]], list[int]]:
+  """The distinct prompts, in first-seen order, and each prompt's index among them."""
+  first: dict[tuple[int, ...], int] = {}
+  idx = [first.setdefault(tuple(p), len(first)) for p in prompts]
+  return [list(p) for p in first], idx
+
+
 def prefill(config: Qwen3Config, params: nnx.State, prompts: Sequence[Sequence[int]], *,
             max_len: int, pad_id: int = 0) -> Sequences:
-  """Runs the prompts through the model into a fresh cache of `max_len` slots per row."""
+  """Runs the prompts through the model into a fresh cache of `cache_len` slots per row.
+
+  Rows may later grow to `max_len` tokens. Identical prompts are run once and their
+  cache rows copied: a group's K rollouts of one prompt cost one prefill.
+  """
   if not prompts or any(len(p) == 0 for p in prompts):
     raise ValueError("prefill needs a non-empty list of non-empty prompts.")
   longest = max(len(p) for p in prompts)
   if longest >= max_len:
-    raise ValueError(f"A prompt of {longest} tokens does not fit a cache of {max_len}.")
-  b = _bucket(len(prompts), 1)
-  tokens = _pad_rows(prompts, b, min(_bucket(longest, 16), max_len), pad_id)
+    raise ValueError(f"A prompt of {longest} tokens does not fit a context of {max_len}.")
+  unique, idx = _dedupe(prompts)
+  b = _bucket(len(unique), 1)
+  tokens = _pad_rows(unique, b, min(_bucket(longest, 16), max_len), pad_id)
   lengths = np.zeros(b, np.int32)
-  lengths[:len(prompts)] = [len(p) for p in prompts]
-  cache = qwen3.init_cache(config, b, max_len)
+  lengths[:len(unique)] = [len(p) for p in unique]
+  cache = qwen3.init_cache(config, b, cache_len(longest + 1, max_len))
   cache, last_logits = _prefill(config, params, jnp.asarray(tokens), jnp.asarray(lengths),
                                 jnp.zeros(b, jnp.int32), cache,
-                                _window(tokens.shape[1], max_len))
+                                _window(tokens.shape[1], cache.max_len))
   # Padding rows (batch bucket) hold one dummy token so they stay well-formed.
-  return Sequences(cache, jnp.asarray(np.maximum(lengths, 1)), last_logits)
+  seqs = Sequences(cache, jnp.asarray(np.maximum(lengths, 1)), last_logits, max_len)
+  if len(unique) == len(prompts):
+    return seqs
+  rows = np.zeros(_bucket(len(prompts), 1), np.int32)  # Padding rows copy row 0.
+  rows[:len(prompts)] = idx
+  return _take_rows(seqs, jnp.asarray(rows))
 
 
 def extend(config: Qwen3Config, params: nnx.State, seqs: Sequences,
@@ -214,7 +316,8 @@ def extend(config: Qwen3Config, params: nnx.State, seqs: Sequences,
 
   Rows given an empty list are left unchanged. Only the new tokens are computed:
   the cost is that of a prefill of the appended chunk, not of the whole context.
-  The cache of `seqs` is donated: use the returned Sequences.
+  The cache grows (to `cache_len`) if a row would pass it. The cache of `seqs` is
+  donated: use the returned Sequences.
   """
   b = seqs.lengths_B.shape[0]
   if len(new_tokens) > b:
@@ -224,17 +327,22 @@ def extend(config: Qwen3Config, params: nnx.State, seqs: Sequences,
   lengths = np.asarray(seqs.lengths_B)
   if np.any(lengths + counts > seqs.max_len):
     row = int(np.argmax(lengths + counts > seqs.max_len))
-    raise ValueError(f"Row {row} would hold {lengths[row] + counts[row]} tokens; the cache "
+    raise ValueError(f"Row {row} would hold {lengths[row] + counts[row]} tokens; the context "
                      f"has {seqs.max_len}. Check the context budget before extending.")
   if not counts.any():
     return seqs
+  need = int((lengths + counts).max())
+  cache = seqs.cache
+  if need > seqs.capacity:
+    cache = _grow(cache, cache_len(need, seqs.max_len))
   tokens = _pad_rows(new_tokens, b, _bucket(int(counts.max()), 16), pad_id)
-  window = _window(int(lengths.max()) + tokens.shape[1], seqs.max_len)
+  # Padding tokens past the capacity are dropped by the cache write.
+  window = _window(int(lengths.max()) + tokens.shape[1], cache.max_len)
   cache, last_logits = _prefill(config, params, jnp.asarray(tokens), jnp.asarray(counts),
-                                seqs.lengths_B, seqs.cache, window)
+                                seqs.lengths_B, cache, window)
   extended = jnp.asarray(counts > 0)
   next_logits = jnp.where(extended[:, None], last_logits, seqs.next_logits_BxV)
-  return Sequences(cache, seqs.lengths_B + jnp.asarray(counts), next_logits)
+  return Sequences(cache, seqs.lengths_B + jnp.asarray(counts), next_logits, seqs.max_len)
 
 
 def _stop_string_end(ids: list[int], stop_strings: Sequence[str], tokenizer) -> int | None:
@@ -260,7 +368,8 @@ def sample(config: Qwen3Config, params: nnx.State, seqs: Sequences, *, num_rows:
            max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
            stop_token_ids: Sequence[int] = (), stop_strings: Sequence[str] = (),
            tokenizer=None, key: jax.Array | None = None, pad_id: int = 0,
-           chunk: int = 64, active: Sequence[bool] | None = None) -> SampleResult:
+           chunk: int = 64, active: Sequence[bool] | None = None,
+           row_ids: Sequence[int] | None = None) -> SampleResult:
   """Decodes from live `seqs` until each row stops; see module docstring.
 
   The cache of `seqs` is donated: use `result.sequences` afterwards, never `seqs`.
@@ -268,6 +377,7 @@ def sample(config: Qwen3Config, params: nnx.State, seqs: Sequences, *, num_rows:
   Stop strings are matched on decoded text between chunks of `chunk` steps (so a
   stop string split across tokens in any way is found); the row is cut right after
   it, its cache length rolled back to match. `active` restricts decoding to some rows.
+  `row_ids` name the rows' PRNG streams (default 0, 1, ...).
   """
   if len(stop_token_ids) > _MAX_STOP_IDS:
     raise ValueError(f"At most {_MAX_STOP_IDS} stop token ids, got {len(stop_token_ids)}.")
@@ -289,14 +399,16 @@ def sample(config: Qwen3Config, params: nnx.State, seqs: Sequences, *, num_rows:
   # Rows asked to decode but already full are active rows that end for lack of context.
   was_active = finish == RUNNING
   finish = np.where(was_active & (start_lengths >= seqs.max_len), CONTEXT, finish)
+  ids = np.arange(b, dtype=np.int32)
+  if row_ids is not None:
+    ids[:len(row_ids)] = row_ids
   state = _LoopState(seqs, jnp.full((b, n_cols), pad_id, jnp.int32), jnp.zeros((b, n_cols)),
                      jnp.zeros((b, n_cols)), jnp.zeros(b, jnp.int32), jnp.asarray(finish),
-                     jnp.int32(0), jnp.full(b, max_new_tokens, jnp.int32))
+                     jnp.asarray(ids), jnp.full(b, max_new_tokens, jnp.int32))
   lengths = start_lengths
   while (finish == RUNNING).any():
-    # Rows can grow by at most `chunk` positions in this call; attend to just those slots.
-    window = _window(int(lengths[finish == RUNNING].max()) + chunk + 1, seqs.max_len)
-    state = _decode_chunk(config, params, state, sp, chunk, key, window)
+    state = _decode_some(config, params, state, sp, key, int(lengths[finish == RUNNING].max()),
+                         chunk)
     lengths = np.asarray(state.seqs.lengths_B)
     finish = np.asarray(state.finish_B)
     if stop_strings:
@@ -321,6 +433,25 @@ def sample(config: Qwen3Config, params: nnx.State, seqs: Sequences, *, num_rows:
              for i, f in enumerate(finish[:num_rows])]
   return SampleResult(np.where(valid, tokens, pad_id).astype(np.int32), logp.astype(np.float32),
                       slogp.astype(np.float32), n[:num_rows].copy(), reasons, seqs)
+
+
+def _decode_some(config, params, state: _LoopState, sp, key, longest: int,
+                 chunk: int) -> _LoopState:
+  """One chunk of decoding; `longest` is the longest running row.
+
+  The cache grows by need: only once a running row fills it, into the next bucket. A
+  chunk stops at the capacity (a traced step count, so no recompile), so the cache of
+  rows that stop on their own is never grown on speculation.
+  """
+  seqs = state.seqs
+  if longest >= seqs.capacity:
+    cache = _grow(seqs.cache, cache_len(longest + 1, seqs.max_len))
+    state = state.replace(seqs=seqs.replace(cache=cache))
+  capacity = state.seqs.capacity
+  steps = min(chunk, capacity - longest)
+  # Attend to just the slots this chunk can reach.
+  window = _window(longest + steps + 1, capacity)
+  return _decode_chunk(config, params, state, sp, jnp.int32(steps), key, window)
 
 
 def _apply_stop_strings(state: _LoopState, stop_strings, tokenizer, start_lengths, was_active,
@@ -349,18 +480,47 @@ def generate(config: Qwen3Config, params: nnx.State, prompts: Sequence[Sequence[
              max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
              stop_token_ids: Sequence[int] = (), key: jax.Array | None = None,
              stop_strings: Sequence[str] = (), tokenizer=None, pad_id: int = 0,
-             max_len: int | None = None, chunk: int = 64) -> SampleResult:
+             max_len: int | None = None, chunk: int = 64, row_ids: Sequence[int] | None = None,
+             kv_cache_budget_bytes: int | None = None) -> SampleResult:
   """Completes each prompt (a list of token ids); greedy when temperature == 0.
 
   `result.logprobs` are log-softmax(logits / temperature) of the chosen tokens
   (log-softmax(logits) when greedy): exactly what the trainer recomputes for the
   importance ratio. `result.sample_logprobs` are under the top-k/top-p truncated
   distribution that was actually sampled from.
+
+  With `kv_cache_budget_bytes`, rows run in waves (`plan_waves`) whose KV cache fits
+  the budget, growth copy included; the results are those of one batch, but when more
+  than one wave runs `result.sequences` is None (each wave's cache is freed).
+  `row_ids` name the rows' PRNG streams (default 0, 1, ...).
   """
   longest = max(len(p) for p in prompts)
   max_len = max_len or _bucket(longest + max_new_tokens + 1, 16)
-  seqs = prefill(config, params, prompts, max_len=max_len, pad_id=pad_id)
-  return sample(config, params, seqs, num_rows=len(prompts), max_new_tokens=max_new_tokens,
-                temperature=temperature, top_p=top_p, top_k=top_k,
-                stop_token_ids=stop_token_ids, stop_strings=stop_strings, tokenizer=tokenizer,
-                key=key, pad_id=pad_id, chunk=chunk)
+  row_ids = list(range(len(prompts))) if row_ids is None else list(row_ids)
+  run = functools.partial(
+      _generate_batch, config, params, max_new_tokens=max_new_tokens, temperature=temperature,
+      top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids, stop_strings=stop_strings,
+      tokenizer=tokenizer, key=key, pad_id=pad_id, max_len=max_len, chunk=chunk)
+  if kv_cache_budget_bytes is None:
+    return run(prompts, row_ids)
+  bounds = [min(max_len, len(p) + max_new_tokens) for p in prompts]
+  waves = plan_waves(config, bounds, max_len=max_len, budget_bytes=kv_cache_budget_bytes)
+  if len(waves) == 1:
+    return run(prompts, row_ids)
+  out = SampleResult(np.full((len(prompts), max_new_tokens), pad_id, np.int32),
+                     np.zeros((len(prompts), max_new_tokens), np.float32),
+                     np.zeros((len(prompts), max_new_tokens), np.float32),
+                     np.zeros(len(prompts), np.int32), [""] * len(prompts))
+  for wave in waves:
+    res = run([prompts[i] for i in wave], [row_ids[i] for i in wave])
+    out.tokens[wave], out.logprobs[wave] = res.tokens, res.logprobs
+    out.sample_logprobs[wave], out.lengths[wave] = res.sample_logprobs, res.lengths
+    for j, i in enumerate(wave):
+      out.finish_reasons[i] = res.finish_reasons[j]
+    del res  # Frees this wave's cache before the next one is allocated.
+  return out
+
+
+def _generate_batch(config, params, prompts, row_ids, *, max_len, **kw) -> SampleResult:
+  seqs = prefill(config, params, prompts, max_len=max_len, pad_id=kw["pad_id"])
+  return sample(config, params, seqs, num_rows=len(prompts), row_ids=row_ids, **kw)

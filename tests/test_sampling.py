@@ -472,7 +472,7 @@ def test_sample_token_frequencies_follow_truncated_softmax(temperature, top_p, t
     sp = sampling._SamplingParams(jnp.float32(temperature), jnp.float32(top_p),
                                   jnp.int32(top_k), jnp.full(8, -1, jnp.int32))
     tok, logp, slogp = jax.jit(sampling._sample_token)(
-        jnp.asarray(np.tile(logits_V, (n, 1))), sp, jax.random.key(4))
+        jnp.asarray(np.tile(logits_V, (n, 1))), sp, jax.random.split(jax.random.key(4), n))
     tok, logp, slogp = map(np.asarray, (tok, logp, slogp))
     scaled = logits_V / temperature
     ref = _np_truncated_log_softmax(scaled, top_k, top_p)
@@ -507,3 +507,117 @@ def test_filter_logits_hand_worked():
     # top_k <= 0 or > vocab and top_p = 1 keep everything.
     for k in (0, -1, 9):
         np.testing.assert_array_equal(kept(k, 1.0), np.asarray(logits))
+
+
+# ---------------------------------------------- 9. memory: cache by need, shared prompts, budget
+
+
+def test_cache_grows_by_need_not_max_len(tiny, monkeypatch):
+    m = tiny["untied"]
+    prompts = _prompts(m.vocab, lens=LONG_LENS, seed=12)
+    grows = []
+    grow = sampling._grow
+    monkeypatch.setattr(sampling, "_grow", lambda c, n: grows.append((c.max_len, n)) or grow(c, n))
+    res = sampling.generate(m.config, m.params, prompts, max_new_tokens=N_NEW, temperature=0.0,
+                            max_len=32768)
+    # Rows reach 63 + 32 = 95 tokens: prefilled into 64 slots, grown once to 128, not 32768.
+    reached = max(len(p) for p in prompts) + N_NEW
+    assert grows == [(64, 128)] and sampling.cache_len(reached, 32768) == 128
+    assert res.sequences.capacity == 128 and res.sequences.max_len == 32768
+    for i, (p, greedy) in enumerate(zip(prompts, _teacher_forced_argmax(m, prompts, res))):
+        assert res.lengths[i] == N_NEW and res.finish_reasons[i] == "length"
+        np.testing.assert_array_equal(res.tokens[i], greedy, err_msg=f"row {i}")
+    # An extend past the capacity grows the cache again; the next logits stay exact.
+    tool = [[7] * (140 - len(p) - N_NEW) for p in prompts]
+    seqs = sampling.extend(m.config, m.params, res.sequences, tool)
+    assert grows[-1] == (128, 256) and seqs.capacity == 256
+    # The outgrown cache is freed, not held by the caller's (donated) Sequences.
+    assert res.sequences.cache.k_LxBxKxSxH.is_deleted()
+    rows = [r + t for r, t in zip(_rows(res, prompts), tool)]
+    full = _full_logits(m, rows)
+    np.testing.assert_allclose(np.asarray(seqs.next_logits_BxV), full[:, -1], atol=1e-4, rtol=1e-4)
+
+
+def test_cache_len_buckets():
+    assert [sampling.cache_len(n, 32768) for n in (1, 64, 65, 95, 1024, 1025)] == [
+        64, 64, 128, 128, 1024, 2048]
+    assert sampling.cache_len(40_000, 32768) == 32768 and sampling.cache_len(70, 100) == 100
+    cfg = models.get_preset("tiny")  # 2 layers, 2 kv heads of 16, float32.
+    assert sampling.kv_cache_bytes(cfg, 3, 64) == 2 * 2 * 3 * 2 * 64 * 16 * 4
+    # 3 rows pad to 4; growing into 128 slots holds the old 64 beside the new 128.
+    assert sampling.kv_cache_peak_bytes(cfg, 3, 100, 32768) == (
+        sampling.kv_cache_bytes(cfg, 4, 128) + sampling.kv_cache_bytes(cfg, 4, 64))
+    assert sampling.kv_cache_peak_bytes(cfg, 1, 10, 32768) == sampling.kv_cache_bytes(cfg, 1, 64)
+
+
+def test_0p6b_kv_cache_for_1024_token_traces_is_under_10gb():
+    """Issue 21: max_len=32768, 64 rows of Qwen3-0.6B (bf16) whose traces reach 1024 tokens."""
+    from mgrpo_jax.models import qwen3
+
+    cfg = models.get_preset("qwen3_0p6b", compute_dtype="bfloat16", param_dtype="bfloat16")
+    rows, max_len, reached = 64, 32768, 1024
+    capacity = sampling.cache_len(reached, max_len)  # What prefill/extend/sample allocate.
+    # The decode step the sampler runs at that capacity, traced with abstract inputs only.
+    s = jax.ShapeDtypeStruct
+    cache = jax.eval_shape(lambda: qwen3.init_cache(cfg, rows, capacity))
+    seqs = sampling.Sequences(cache, s((rows,), jnp.int32),
+                              s((rows, cfg.vocab_size), jnp.float32), max_len)
+    ints, floats = s((rows, 16), jnp.int32), s((rows, 16), jnp.float32)
+    state = sampling._LoopState(seqs, ints, floats, floats, *[s((rows,), jnp.int32)] * 4)
+    sp = sampling._SamplingParams(s((), jnp.float32), s((), jnp.float32), s((), jnp.int32),
+                                  s((8,), jnp.int32))
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    out = sampling._decode_chunk.lower(cfg, qwen3.abstract_params(cfg), state, sp,
+                                       s((), jnp.int32), key, capacity).out_info
+    held = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(out.seqs.cache))
+    assert held == sampling.kv_cache_bytes(cfg, rows, capacity) == 7_516_192_768
+    assert held < 10e9
+    # Allocated at max_len, as before, the cache alone would be 240.5 GB.
+    assert sampling.kv_cache_bytes(cfg, rows, max_len) == 240_518_168_576
+
+
+def test_shared_prompts_are_prefilled_once(tiny, monkeypatch):
+    m = tiny["untied"]
+    a, b = _prompts(m.vocab, lens=(11, 6), seed=13)
+    prompts = [a] * 4 + [b] * 3 + [a]
+    batches = []
+    prefill = sampling._prefill
+    monkeypatch.setattr(sampling, "_prefill",
+                        lambda *args: batches.append(args[2].shape[0]) or prefill(*args))
+    kw = dict(max_new_tokens=N_NEW, temperature=1.0, top_k=50, key=jax.random.key(3))
+    shared = sampling.generate(m.config, m.params, prompts, **kw)
+    assert batches == [2]  # The two distinct prompts, then only decoding.
+    # Reference: every copy prefilled in its own row.
+    monkeypatch.setattr(sampling, "_dedupe", lambda ps: (list(ps), list(range(len(ps)))))
+    each = sampling.generate(m.config, m.params, prompts, **kw)
+    assert batches[1:] == [8]
+    np.testing.assert_array_equal(shared.tokens, each.tokens)
+    np.testing.assert_allclose(shared.logprobs, each.logprobs, atol=1e-5)
+    np.testing.assert_allclose(shared.sample_logprobs, each.sample_logprobs, atol=1e-5)
+    assert len({tuple(r) for r in shared.tokens[:4]}) == 4  # Copies still sample apart.
+
+
+def test_budget_runs_rows_in_waves_with_the_same_results(tiny):
+    m = tiny["untied"]
+    prompts = _prompts(m.vocab, seed=14)
+    kw = dict(max_new_tokens=N_NEW, temperature=1.0, key=jax.random.key(5), max_len=64,
+              stop_token_ids=[3, 4, 5, 6])
+    free = sampling.generate(m.config, m.params, prompts, **kw)
+    # Room for two rows of 64 slots: four waves of two.
+    budget = sampling.kv_cache_bytes(m.config, 2, 64)
+    bounds = [len(p) + N_NEW for p in prompts]
+    waves = sampling.plan_waves(m.config, bounds, max_len=64, budget_bytes=budget)
+    assert len(waves) == 4 and sorted(i for w in waves for i in w) == list(range(8))
+    tight = sampling.generate(m.config, m.params, prompts, kv_cache_budget_bytes=budget, **kw)
+    assert tight.sequences is None
+    np.testing.assert_array_equal(tight.tokens, free.tokens)
+    np.testing.assert_array_equal(tight.lengths, free.lengths)
+    assert tight.finish_reasons == free.finish_reasons and "stop" in free.finish_reasons
+    np.testing.assert_allclose(tight.logprobs, free.logprobs, atol=1e-5)
+    np.testing.assert_allclose(tight.sample_logprobs, free.sample_logprobs, atol=1e-5)
+    # One row at a time gives the same rows too: a row's samples do not depend on its batch.
+    for i in (0, 5):
+        one = sampling.generate(m.config, m.params, [prompts[i]], row_ids=[i], **kw)
+        np.testing.assert_array_equal(one.tokens[0], free.tokens[i])
+    with pytest.raises(ValueError, match="cannot hold even this one row"):
+        sampling.generate(m.config, m.params, prompts, kv_cache_budget_bytes=budget // 3, **kw)

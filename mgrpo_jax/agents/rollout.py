@@ -114,41 +114,68 @@ class TurnPolicy(Protocol):
 
 
 class LLMPolicy:
-  """A Qwen3 policy over the batched KV-cache sampler."""
+  """A Qwen3 policy over the batched KV-cache sampler.
+
+  The rows' caches stay on device between turns (tool replies extend them) while a turn
+  fits `kv_cache_budget_bytes`. Once one would not, each turn re-prefills its rows from
+  the episodes' tokens, in waves that fit (`sampling.generate`): slower, same results.
+  """
 
   def __init__(self, config, params, tokenizer: tk.Tokenizer, role: str, *, limits: Limits,
                temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-               version: int = 0, chunk: int = 32):
+               version: int = 0, chunk: int = 32, kv_cache_budget_bytes: int | None = None):
     self.config, self.params, self.tokenizer, self.role = config, params, tokenizer, role
     self.limits, self.version, self.chunk = limits, version, chunk
+    self.budget = kv_cache_budget_bytes
     self.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
     try:
       self.stop_ids, self.stop_strings = protocol.stop_token_ids(tokenizer, role), ()
     except KeyError:  # Closing tags are not single tokens: match them on text.
       self.stop_ids, self.stop_strings = tuple(tokenizer.stop_ids), protocol.stop_strings(role)
+    self._episodes: Sequence[Episode] = ()
     self._seqs = None
-    self._n = 0
 
   def begin(self, episodes):
-    self._n = len(episodes)
-    self._seqs = sampling.prefill(self.config, self.params, [e.tokens for e in episodes],
-                                  max_len=self.limits.max_len, pad_id=self.tokenizer.pad_id)
+    self._episodes = list(episodes)
+    self._seqs = None
+    if self._resident_fits(range(len(episodes))):
+      self._seqs = sampling.prefill(self.config, self.params, [e.tokens for e in episodes],
+                                    max_len=self.limits.max_len, pad_id=self.tokenizer.pad_id)
+
+  def _resident_fits(self, rows) -> bool:
+    """Whether every row's cache fits the budget through a turn of `rows`."""
+    if self.budget is None:
+      return True
+    lim = self.limits
+    need = max([len(e.tokens) for e in self._episodes]
+               + [len(self._episodes[r].tokens) + lim.max_new_tokens for r in rows])
+    return sampling.kv_cache_peak_bytes(self.config, len(self._episodes), min(need, lim.max_len),
+                                        lim.max_len) <= self.budget
 
   def act(self, rows, key):
-    active = np.zeros(self._n, bool)
+    kw = dict(max_new_tokens=self.limits.max_new_tokens, stop_token_ids=self.stop_ids,
+              stop_strings=self.stop_strings, tokenizer=self.tokenizer, key=key,
+              pad_id=self.tokenizer.pad_id, chunk=self.chunk, **self.sampling)
+    if self._seqs is not None and not self._resident_fits(rows):
+      self._seqs = None  # Rows only grow: from here on, every turn runs in waves.
+    if self._seqs is None:
+      # Row ids are episode indices, as in the resident batch: the same samples.
+      res = sampling.generate(self.config, self.params, [self._episodes[r].tokens for r in rows],
+                              max_len=self.limits.max_len, row_ids=list(rows),
+                              kv_cache_budget_bytes=self.budget, **kw)
+      return [(res.tokens[j, :res.lengths[j]].tolist(), res.logprobs[j, :res.lengths[j]].tolist())
+              for j in range(len(rows))]
+    n = len(self._episodes)
+    active = np.zeros(n, bool)
     active[list(rows)] = True
-    res = sampling.sample(self.config, self.params, self._seqs, num_rows=self._n,
-                          max_new_tokens=self.limits.max_new_tokens, stop_token_ids=self.stop_ids,
-                          stop_strings=self.stop_strings, tokenizer=self.tokenizer, key=key,
-                          pad_id=self.tokenizer.pad_id, active=active, chunk=self.chunk,
-                          **self.sampling)
+    res = sampling.sample(self.config, self.params, self._seqs, num_rows=n, active=active, **kw)
     self._seqs = res.sequences
     return [(res.tokens[r, :res.lengths[r]].tolist(), res.logprobs[r, :res.lengths[r]].tolist())
             for r in rows]
 
   def append(self, appended):
-    if appended:
-      rows = [appended.get(i, []) for i in range(self._n)]
+    if appended and self._seqs is not None:
+      rows = [appended.get(i, []) for i in range(len(self._episodes))]
       self._seqs = sampling.extend(self.config, self.params, self._seqs, rows,
                                    pad_id=self.tokenizer.pad_id)
 

@@ -53,10 +53,12 @@ class Policy:
   """One agent's sampler over its current parameters."""
 
   def __init__(self, model_config, params, tokenizer, *, max_new_tokens: int, max_len: int,
-               temperature: float, top_p: float = 1.0, top_k: int = 0, chunk: int = 64):
+               temperature: float, top_p: float = 1.0, top_k: int = 0, chunk: int = 64,
+               kv_cache_budget_bytes: int | None = None):
     self.model_config, self.params, self.tokenizer = model_config, params, tokenizer
     self.kw = dict(max_new_tokens=max_new_tokens, max_len=max_len, temperature=temperature,
-                   top_p=top_p, top_k=top_k, chunk=chunk)
+                   top_p=top_p, top_k=top_k, chunk=chunk,
+                   kv_cache_budget_bytes=kv_cache_budget_bytes)
 
   def complete(self, prompts: Sequence[list[int]], key) -> list[Completion]:
     longest = max(len(p) for p in prompts)
