@@ -13,8 +13,8 @@ chunked log-probs, remat, packed token-budget micro-batches):
   update/<preset>/main   16 x 32768 tokens (the main agent's Q x K traces)
   update/<preset>/sub    64 x 8192 tokens (Q x K x D sub-agent traces)
   update/qwen3_8b/*      the same with the state sharded over 8 devices (fsdp=8)
-  decode/<preset>/cache=1024  one decode token for 64 rows with a 1024-slot cache (traces
-                         that reached 1024 tokens, the cache sized by need)
+  decode/<preset>/reached=1024  the sampler's decode loop for 64 rows whose traces reached
+                         1024 tokens with max_len=32768 (the cache is sized by need)
   scaling/T=<n>          the plain (unpacked) make_train_step on 4 x n padded rows, remat,
                          n = 2048 ... 32768: temporaries must grow linearly
 """
@@ -35,7 +35,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from mgrpo_jax import models, sharding  # noqa: E402
+from mgrpo_jax import models, sampling, sharding  # noqa: E402
 from mgrpo_jax.models import qwen3  # noqa: E402
 from mgrpo_jax.rl import train_step as ts  # noqa: E402
 
@@ -131,28 +131,29 @@ def scaling_case(preset: str, length: int, rows: int = 4) -> dict:
   return out
 
 
-def decode_case(preset: str, rows: int = 64, cache_len: int = 1024) -> dict:
-  """One decode token for `rows` rows against a bf16 KV cache of `cache_len` slots.
-
-  The sampler's decode loop runs this forward (qwen3.forward with a cache) once per token;
-  its memory is the weights, the cache (donated, updated in place) and the temporaries.
-  """
+def decode_case(preset: str, rows: int = 64, reached: int = 1024,
+                max_len: int = 32768) -> dict:
+  """The sampler's real decode loop (`sampling._decode_chunk`) for `rows` rows whose traces
+  reached `reached` tokens, with `max_len` configured: the cache is what the sampler holds
+  (`sampling.cache_len`), not `max_len` slots per row."""
   cfg = models.get_preset(preset, param_dtype="bfloat16", compute_dtype="bfloat16")
-  params = _abstract(jax.eval_shape(lambda k: models.init_params(cfg, k), jax.random.key(0)))
-  cache = _abstract(jax.eval_shape(lambda: qwen3.init_cache(cfg, rows, cache_len)))
-
-  def decode(params, cache, token_B, pos_B, key_mask_BxS):
-    logits, cache = qwen3.forward(cfg, params, token_B[:, None], pos_B[:, None], cache,
-                                  key_mask_BxS, logits_idx_B=jnp.zeros_like(token_B))
-    return logits, cache
-
-  vec = jax.ShapeDtypeStruct((rows,), jnp.int32)
+  capacity = sampling.cache_len(reached, max_len)
+  s = jax.ShapeDtypeStruct
+  cache = jax.eval_shape(lambda: qwen3.init_cache(cfg, rows, capacity))
+  seqs = sampling.Sequences(cache, s((rows,), jnp.int32), s((rows, cfg.vocab_size), jnp.float32),
+                            max_len)
+  ints, floats = s((rows, 64), jnp.int32), s((rows, 64), jnp.float32)
+  state = sampling._LoopState(seqs, ints, floats, floats, *[s((rows,), jnp.int32)] * 4)
+  sp = sampling._SamplingParams(s((), jnp.float32), s((), jnp.float32), s((), jnp.int32),
+                                s((8,), jnp.int32))
+  key = jax.eval_shape(lambda: jax.random.key(0))
   t0 = time.perf_counter()
-  compiled = jax.jit(decode, donate_argnums=(1,)).lower(
-      params, cache, vec, vec, jax.ShapeDtypeStruct((rows, cache_len), jnp.bool_)).compile()
+  compiled = sampling._decode_chunk.lower(cfg, qwen3.abstract_params(cfg), state, sp,
+                                          s((), jnp.int32), key, capacity).compile()
   out = _stats(compiled, time.perf_counter() - t0)
-  kv_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
-  out.update(preset=preset, rows=rows, cache_len=cache_len, kv_cache_gb=kv_bytes / GB)
+  out.update(preset=preset, rows=rows, reached=reached, max_len=max_len, cache_len=capacity,
+             kv_cache_gb=sampling.kv_cache_bytes(cfg, rows, capacity) / GB,
+             kv_cache_at_max_len_gb=sampling.kv_cache_bytes(cfg, rows, max_len) / GB)
   return out
 
 
@@ -162,7 +163,7 @@ def all_cases() -> dict:
     devices = 8 if p == "qwen3_8b" else 1
     cases[f"update/{p}/main"] = lambda p=p, d=devices: update_case(p, 16, 32768, devices=d)
     cases[f"update/{p}/sub"] = lambda p=p, d=devices: update_case(p, 64, 8192, devices=d)
-    cases[f"decode/{p}/cache=1024"] = lambda p=p: decode_case(p, cache_len=1024)
+    cases[f"decode/{p}/reached=1024"] = lambda p=p: decode_case(p)
   for t in map(int, _SCALING_T.value):
     cases[f"scaling/T={t}"] = lambda t=t: scaling_case(_SCALING_PRESET.value, t)
   return cases
@@ -186,12 +187,14 @@ def main(argv):
     print(f"{name} ...", flush=True)
     results[name] = cases[name]()
     r = results[name]
+    r["command"] = "python benchmarks/memory.py " + " ".join(sys.argv[1:])
     print(f"  total {r['total_gb']:.2f} GB (arguments {r['arguments_gb']:.2f}, temporaries "
           f"{r['temporaries_gb']:.2f}), compiled in {r['compile_s']} s", flush=True)
     os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
     with open(_OUT.value, "w") as f:
-      json.dump({"command": "python benchmarks/memory.py " + " ".join(sys.argv[1:]),
-                 "device": "cpu (compiled memory analysis; per device)",
+      json.dump({"device": "cpu (compiled memory analysis; per device)",
+                 "note": "XLA:CPU keeps float32 copies of bf16 weights (no bf16 matmul), so "
+                         "bf16 cases overstate what a GPU needs",
                  "jax": jax.__version__, "cases": results}, f, indent=1)
 
 
