@@ -6,6 +6,7 @@ with the parameter state inside whatever jitted function calls them.
 """
 
 import functools
+import math
 
 import flax.struct
 import jax
@@ -77,7 +78,9 @@ def _rows_sharded(x):
   """
   mesh = jax.sharding.get_abstract_mesh()
   axes = tuple(a for a in ("data", "fsdp") if a in mesh.axis_names)
-  if mesh.empty or not axes:
+  if mesh.empty or not axes or x.shape[0] % math.prod(mesh.shape[a] for a in axes):
+    # Rows that do not split evenly are left to XLA: an uneven row sharding pinned here
+    # made XLA:CPU's collectives deadlock (micro-batches of 4 rows on 8 devices).
     return x
   return jax.lax.with_sharding_constraint(
       x, jax.sharding.PartitionSpec(axes, *([None] * (x.ndim - 1))))
