@@ -170,7 +170,7 @@ def state_shardings(state: TrainState, mesh):
 
   def opt_leaf(path, leaf):
     # Adam moments mirror the params' paths (…/mu/layers/attn/q); scalars replicate.
-    keys = shard_lib._path_str(path)
+    keys = shard_lib.path_str(path)
     if getattr(leaf, "ndim", 0) == 0:
       return replicated
     for name in ("mu/", "nu/"):
