@@ -603,8 +603,8 @@ def write_test_hf_tokenizer(
 
 def load_tokenizer(spec: str | os.PathLike, *, words: Sequence[str] = ()) -> Tokenizer:
   """"byte" -> ByteTokenizer(); "byte+names" or "byte+world" -> ByteTokenizer(words=words)
-  (a world's names, or its names and phrases, one id each: `mgrpo_jax.research_env.tokenizer_words`
-  picks them); anything else is a local directory -> HFTokenizer."""
+  (a world's names, or its names and phrases, one id each: picked by
+  `mgrpo_jax.research_env.tokenizer_words`); anything else is a local directory -> HFTokenizer."""
   if str(spec) == "byte":
     return ByteTokenizer()
   if str(spec) in ("byte+names", "byte+world"):

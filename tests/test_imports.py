@@ -1,4 +1,4 @@
-"""The package's imports point down: no import cycle, no reaching for another module's _private name.
+"""The package's imports point down: no import cycle, no use of another module's _private name.
 
 Walks every module of mgrpo_jax/ with the stdlib `ast` (nothing is imported), so a cycle or a
 private import fails here, naming the modules, before it can confuse a reader or an import order.
@@ -129,3 +129,16 @@ def test_no_private_name_from_another_module():
           and not node.attr.startswith("__")):
         bad.append(f"{path}:{node.lineno} uses {aliases[node.value.id]}.{node.attr}")
   assert not bad, "\n".join(bad)
+
+
+# The thin programs of DESIGN.md 7 (each wrapped by a launch/ binary): none imports another.
+PROGRAMS = ("mgrpo_jax.colocated", "mgrpo_jax.decoupled", "mgrpo_jax.sft", "mgrpo_jax.evaluate",
+            "mgrpo_jax.magrpo.program", "mgrpo_jax.hf_demo")
+
+
+def test_no_program_imports_another():
+  modules = _modules()
+  assert set(PROGRAMS) <= set(modules)
+  graph = _graph(modules)
+  bad = {p: sorted(graph[p] & set(PROGRAMS)) for p in PROGRAMS if graph[p] & set(PROGRAMS)}
+  assert not bad, f"programs importing programs: {bad}"

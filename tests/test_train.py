@@ -195,13 +195,15 @@ def test_byte_world_tokenizer_adds_phrases_roles_and_prompts():
   assert len(set(words)) == len(words)
   c_names = sft_config.get_config("smoke")
   c_names.tokenizer = "byte+names"
-  assert set(research_env.build_env(c_names).tokenizer.words) < set(words) and " counts as " in words
+  names = research_env.build_env(c_names).tokenizer.words
+  assert set(names) < set(words) and " counts as " in words
   tok = env.tokenizer
   word_id = lambda w: words.index(w) + tok.vocab_size - len(words)
   ids = tok.encode("<|im_start|>user\nQuestion: In which country is ")
   assert ids[1:] == [word_id("user\n"), word_id("Question: "), word_id("In which country is ")]
   assert tok.decode(ids) == "<|im_start|>user\nQuestion: In which country is "
-  assert research_env.tokenizer_words("byte", world_lib.generate_world(world_lib.WorldConfig())) == ()
+  the_world = world_lib.generate_world(world_lib.WorldConfig())
+  assert research_env.tokenizer_words("byte", the_world) == ()
 
 
 def test_warm_start_from_another_tokenizer_is_refused(tmp_path):

@@ -40,10 +40,6 @@ class Batch:
     return batch if isinstance(batch, cls) else cls(**batch)
 
   @property
-  def rows(self) -> int:
-    return self.tokens.shape[0]
-
-  @property
   def length(self) -> int:
     return self.tokens.shape[1]
 
