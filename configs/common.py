@@ -12,6 +12,14 @@ def model(preset: str = "tiny") -> ml_collections.ConfigDict:
       param_dtype="float32",  # Master weights.
       compute_dtype="float32",  # Activations / matmuls ("bfloat16" on GPU).
       remat=False,  # Recompute layers in the backward pass.
+      # Attention kernel: "auto" (cuDNN on GPU for padded batches, else the einsum reference
+      # for small [T, T], else blockwise), "cudnn", "blockwise" or "reference".
+      attention="auto",
+      attention_block=512,  # Tokens per tile of the blockwise kernel.
+      # Update memory: > 0 packs the batch's episodes into rows under this many tokens per
+      # micro-batch (rl/packing.py; num_micro is then unused); 0 keeps one padded batch.
+      max_tokens_per_micro=0,
+      logits_chunk=4096,  # Tokens scored per chunk: [chunk, vocab] float32 logits at a time.
   ))
 
 

@@ -5,22 +5,27 @@
   python launch/evaluate.py --config=configs/mgrpo.py:runlocal,policy=expert --workdir=/tmp/e
   python launch/demo.py --workdir=/tmp/demo # the CPU demo: warm start, then M-GRPO
   python benchmarks/mgrpo_demo.py --sweep   # its ablation: warm starts, then sweep() below
+  python launch/train.py --config=configs/mgrpo.py:gpu,hf_path=/ckpt/Qwen3-0.6B --workdir=/w
 
 Arguments (comma-separated): variant=mgrpo|frozen_sub|single|shared, model=<preset> (default
 tiny; tiny_wide with runlocal), hf_path=<dir>, init=<sft workdir>, policy=model|expert,
-seed=<int>, runlocal, smoke.
+seed=<int>, runlocal, smoke, gpu (one 80 GB GPU at the paper's limits: Qwen3-0.6B preset
+unless model= or hf_path=, bf16 compute over f32 master weights, remat, packed token-budget
+updates, cuDNN attention where it applies, memory proved by benchmarks/memory.py).
 """
 
 import ml_collections
 
 from configs import common
+from mgrpo_jax import models
 
 VARIANTS = ("mgrpo", "frozen_sub", "single", "shared")
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   args = common.parse_args(arg, dict(variant="mgrpo", model="", hf_path="", init="",
-                                     policy="model", seed=0, runlocal=False, smoke=False))
+                                     policy="model", seed=0, runlocal=False, smoke=False,
+                                     gpu=False))
   if args["variant"] not in VARIANTS:
     raise ValueError(f"variant={args['variant']!r}; expected one of {VARIANTS}.")
   c = ml_collections.ConfigDict()
@@ -65,6 +70,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.max_to_keep = 2
   c.log_every = 1
   c.max_staleness = 0  # Sub-agent versions a result may lag (checked by the main program).
+  if args["gpu"]:
+    _gpu(c, preset=args["model"] or "qwen3_0p6b")
   if args["runlocal"] or args["smoke"]:
     _cpu(c)
   if args["runlocal"]:
@@ -74,6 +81,22 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.num_rollouts, c.align_d = 2, 2
     c.limits.max_turns, c.limits.max_new_tokens = 3, 24
   return c
+
+
+def _gpu(c, preset: str):
+  """One H100/H200 at the paper's limits (20 turns, 1024 new tokens per turn, 32k context).
+
+  Update memory (benchmarks/results/memory-cpu.json): a 16 x 32768-token main batch of
+  Qwen3-0.6B takes about 22 GB per update step, a 64 x 8192 sub batch about the same.
+  """
+  for mc in (c.main_model, c.sub_model):
+    mc.preset = preset
+    if not mc.hf_path:
+      # A random-weight preset keeps Qwen3's vocabulary (the tokenizer's ids fit inside it),
+      # so its memory is the real model's.
+      mc.vocab_size = models.get_preset(preset).vocab_size
+    mc.update(param_dtype="float32", compute_dtype="bfloat16", remat=True, attention="auto",
+              max_tokens_per_micro=32_768, logits_chunk=4096)
 
 
 def _cpu(c):

@@ -88,6 +88,11 @@ def nll_objective(lc, oc, *, learning_rate: float, weight_decay: float):
   return lc, oc
 
 
+def _runtime(mc) -> dict:
+  """The model config's runtime fields (how it computes, not what it is)."""
+  return dict(remat=mc.remat, attention=mc.attention, attention_block=mc.attention_block)
+
+
 def _model_params(mc, tokenizer, key, mesh, init_dir: str, name: str):
   """Parameters from a warm start's final weights, an HF checkpoint, or a random preset."""
   path = os.path.join(init_dir, "hf", name) if init_dir else mc.hf_path
@@ -95,10 +100,10 @@ def _model_params(mc, tokenizer, key, mesh, init_dir: str, name: str):
     cfg, params = models.load_hf(path, mesh=mesh, dtype=jnp.dtype(mc.param_dtype),
                                  compute_dtype=jnp.dtype(mc.compute_dtype))
     _check_vocabulary(path, cfg.vocab_size, tokenizer)
-    return cfg.replace(remat=mc.remat), params
+    return cfg.replace(**_runtime(mc)), params
   vocab = tokenizer.vocab_size if mc.vocab_size == -1 else mc.vocab_size
   cfg = models.get_preset(mc.preset, vocab_size=vocab, param_dtype=mc.param_dtype,
-                          compute_dtype=mc.compute_dtype, remat=mc.remat)
+                          compute_dtype=mc.compute_dtype, **_runtime(mc))
   return cfg, models.init_params(cfg, key, mesh=mesh)
 
 
@@ -133,7 +138,9 @@ def build_agent(name, mc, oc, lc, tokenizer, mesh, key, *, init_dir="", num_micr
   state = jax.device_put(state, st_sh)
   lcfg = loss_config(lc, temperature)
   step_fn = ts.make_train_step(cfg, lcfg, tx, num_micro=num_micro, mesh=mesh,
-                               state_sharding=st_sh)
+                               state_sharding=st_sh,
+                               max_tokens_per_micro=mc.max_tokens_per_micro or None,
+                               logits_chunk=mc.logits_chunk)
   return Agent(name, cfg, lcfg, state, step_fn, lc.nonfinite)
 
 

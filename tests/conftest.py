@@ -29,6 +29,18 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(4 << 30)
 
 
+def pytest_collection_modifyitems(config, items):
+  """Skips `@pytest.mark.gpu` tests unless JAX runs on a GPU."""
+  del config
+  import jax  # Only now: XLA_FLAGS above are set first.
+  if jax.default_backend() == "gpu":
+    return
+  skip = pytest.mark.skip(reason="needs a GPU (JAX backend is not 'gpu')")
+  for item in items:
+    if "gpu" in item.keywords:
+      item.add_marker(skip)
+
+
 def _free_port():
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))

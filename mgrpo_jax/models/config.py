@@ -7,6 +7,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from mgrpo_jax.models.attention import IMPLEMENTATIONS
+
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -38,6 +40,10 @@ class Qwen3Config:
   compute_dtype: str = "float32"
   # Rematerialise each layer in the backward pass (trades FLOPs for memory).
   remat: bool = False
+  # Attention kernel (models/attention.py): "auto" | "cudnn" | "blockwise" | "reference",
+  # and the blockwise kernel's tile size. Runtime choices, not part of config.json.
+  attention: str = "auto"
+  attention_block: int = 512
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -55,6 +61,12 @@ class Qwen3Config:
       if getattr(self, name) not in _DTYPES:
         raise ConfigError(
             f"Qwen3Config.{name}={getattr(self, name)!r}; expected one of {sorted(_DTYPES)}.")
+    if self.attention not in IMPLEMENTATIONS:
+      raise ConfigError(
+          f"Qwen3Config.attention={self.attention!r}; expected one of {IMPLEMENTATIONS}.")
+    if not isinstance(self.attention_block, int) or self.attention_block < 8:
+      raise ConfigError(
+          f"Qwen3Config.attention_block must be an int >= 8, got {self.attention_block!r}.")
     if not self.rope_theta > 0:
       raise ConfigError(f"Qwen3Config.rope_theta must be > 0, got {self.rope_theta!r}.")
 

@@ -12,12 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mgrpo_jax.models import attention
 from mgrpo_jax.models.config import Qwen3Config
-
-# A large finite negative instead of -inf: a row with no valid key (an all-padding
-# row) then softmaxes to a uniform garbage row instead of NaN, which would leak
-# into gradients through the masked loss.
-_MASK_VALUE = -1e30
 
 
 @flax.struct.dataclass
@@ -72,6 +68,44 @@ def _apply_rope(x_BxNxTxH, sin_BxTxH2, cos_BxTxH2):
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
+def _rows_sharded(x):
+  """Pins an activation's leading (row) axis to the mesh's batch axes, when a mesh is set.
+
+  Under `jax.set_mesh(mesh)` (the train step sets it) this keeps activations split by rows,
+  so each layer all-gathers its fsdp-sharded weights (FSDP) instead of XLA sharding the
+  activations along the hidden axis and holding every row of the batch on every device.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  axes = tuple(a for a in ("data", "fsdp") if a in mesh.axis_names)
+  if mesh.empty or not axes:
+    return x
+  return jax.lax.with_sharding_constraint(
+      x, jax.sharding.PartitionSpec(axes, *([None] * (x.ndim - 1))))
+
+
+def _write_rows(cache_BxKxSxH, new_BxKxTxH, start_B):
+  """Writes row b's T new slots at start_b.. (contiguous positions); slots past S are dropped.
+
+  A dynamic_update_slice per row (not a scatter) so XLA updates the cache in place inside
+  the layer scan; a scatter there costs two extra copies of the whole cache (measured with
+  compiled.memory_analysis on CPU). dynamic_update_slice clamps a start that runs past the
+  end, so such a row rewrites the clamped window with its old slots plus its in-range news.
+  """
+  s, t = cache_BxKxSxH.shape[2], new_BxKxTxH.shape[2]
+  if t > s:
+    raise ValueError(f"Cannot write {t} positions per row into a cache of {s} slots.")
+
+  def row(c_KxSxH, n_KxTxH, p):
+    at = jnp.minimum(p, s - t)
+    shift = p - at  # > 0 only for a write that runs past the last slot.
+    old = jax.lax.dynamic_slice_in_dim(c_KxSxH, at, t, axis=1)
+    keep_new = (jnp.arange(t) >= shift)[None, :, None]
+    merged = jnp.where(keep_new, jnp.roll(n_KxTxH, shift, axis=1), old)
+    return jax.lax.dynamic_update_slice_in_dim(c_KxSxH, merged, at, axis=1)
+
+  return jax.vmap(row)(cache_BxKxSxH, new_BxKxTxH, start_B)
+
+
 class Attention(nnx.Module):
   """Grouped-query attention with per-head q/k RMSNorm and RoPE.
 
@@ -90,12 +124,15 @@ class Attention(nnx.Module):
     self.q_norm = RMSNorm(dh, cfg.rms_norm_eps, param_dtype=pd)
     self.k_norm = RMSNorm(dh, cfg.rms_norm_eps, param_dtype=pd)
 
-  def __call__(self, x_BxTxD, sin, cos, positions_BxT, key_mask_BxS, cache_kv=None):
+  def __call__(self, x_BxTxD, sin, cos, positions_BxT, key_mask_BxS, cache_kv=None,
+               segment_ids_BxT=None):
     """Returns the attention output and, with a cache, the updated (k, v) of all layers.
 
     `cache_kv = (k_LxBxKxSxH, v_LxBxKxSxH, layer, window)`: this layer's new keys and values
     are written at their positions first, then the queries attend to the first `window`
     slots of the cache row (the caller guarantees no position reaches past it).
+    Without a cache, query t sits in slot t (causality follows slots, so RoPE positions may
+    restart inside a packed row) and `segment_ids_BxT` keeps packed sequences apart.
     """
     cfg, dt = self.cfg, x_BxTxD.dtype
     b, t, _ = x_BxTxD.shape
@@ -107,27 +144,23 @@ class Attention(nnx.Module):
     q = _apply_rope(q.reshape(b, kv * g, t, -1), sin, cos).reshape(q.shape)
     k = _apply_rope(k, sin, cos)
     new_cache = None
+    q_idx_BxT = jnp.broadcast_to(jnp.arange(t), (b, t))
     if cache_kv is not None:
       ck, cv, layer, window = cache_kv
-      b_idx = jnp.arange(b)[:, None, None]
-      k_idx = jnp.arange(kv)[None, :, None]
-      pos = positions_BxT[:, None, :]
       # Per-row positions: each row writes where it is; out-of-range writes are dropped.
-      ck = ck.at[layer, b_idx, k_idx, pos].set(k.astype(ck.dtype), mode="drop")
-      cv = cv.at[layer, b_idx, k_idx, pos].set(v.astype(cv.dtype), mode="drop")
-      new_cache = (ck, cv)
+      start_B = positions_BxT[:, 0]
+      ck_l = _write_rows(ck[layer], k.astype(ck.dtype), start_B)
+      cv_l = _write_rows(cv[layer], v.astype(cv.dtype), start_B)
+      new_cache = (jax.lax.dynamic_update_index_in_dim(ck, ck_l, layer, 0),
+                   jax.lax.dynamic_update_index_in_dim(cv, cv_l, layer, 0))
       # Decode is bound by reading the cache: read only the slots in use (static window).
-      k, v = ck[layer, :, :, :window].astype(dt), cv[layer, :, :, :window].astype(dt)
+      k, v = ck_l[:, :, :window].astype(dt), cv_l[:, :, :window].astype(dt)
       key_mask_BxS = key_mask_BxS[:, :window]
-    # Causal over absolute positions, plus key padding: slot s is visible to a
-    # query at position p iff s <= p and the slot holds a real token.
-    s_idx = jnp.arange(k.shape[2])
-    visible_BxTxS = (s_idx[None, None, :] <= positions_BxT[:, :, None]) & key_mask_BxS[:, None, :]
-    scores = jnp.einsum("bkgth,bksh->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores * (cfg.head_dim ** -0.5)
-    scores = jnp.where(visible_BxTxS[:, None, None], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    out = jnp.einsum("bkgts,bksh->bkgth", probs, v)
+      q_idx_BxT = positions_BxT  # A cached token's slot is its position.
+    out = attention.attend(q, k, v, q_idx_BxT=q_idx_BxT, kv_valid_BxS=key_mask_BxS,
+                           q_seg_BxT=segment_ids_BxT, kv_seg_BxS=segment_ids_BxT,
+                           impl=cfg.attention, cached=cache_kv is not None,
+                           block=cfg.attention_block)
     o = self.o[...].astype(dt).reshape(kv, g, cfg.head_dim, -1)
     return jnp.einsum("bkgth,kghd->btd", out, o), new_cache
 
@@ -157,8 +190,9 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd)
     self.mlp = MLP(cfg, rngs=rngs)
 
-  def __call__(self, x, sin, cos, positions, key_mask, cache_kv=None):
-    h, new_cache = self.attn(self.attn_norm(x), sin, cos, positions, key_mask, cache_kv)
+  def __call__(self, x, sin, cos, positions, key_mask, cache_kv=None, segment_ids=None):
+    h, new_cache = self.attn(self.attn_norm(x), sin, cos, positions, key_mask, cache_kv,
+                             segment_ids)
     x = x + h
     return x + self.mlp(self.mlp_norm(x)), new_cache
 
@@ -182,10 +216,11 @@ class Qwen3(nnx.Module):
       self.lm_head = nnx.Param(_normal(0.02)(rngs.params(), (cfg.hidden_size, cfg.vocab_size), pd))
 
   def __call__(self, tokens_BxT, positions_BxT, key_mask_BxS, cache: KVCache | None = None,
-               logits_idx_B=None, attn_window: int | None = None):
+               logits_idx_B=None, attn_window: int | None = None, segment_ids_BxT=None,
+               return_hidden: bool = False):
     cfg = self.cfg
     dt = cfg.compute_jnp_dtype
-    x = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(dt)
+    x = _rows_sharded(jnp.take(self.embed[...], tokens_BxT, axis=0).astype(dt))
     sin, cos = rope_sin_cos(positions_BxT, cfg.head_dim, cfg.rope_theta)
     graphdef, layer_state = nnx.split(self.layers)
 
@@ -194,8 +229,8 @@ class Qwen3(nnx.Module):
       state_l, layer = xs
       block = nnx.merge(graphdef, state_l)
       x, kv = block(x, sin, cos, positions_BxT, key_mask_BxS,
-                    None if kv is None else (*kv, layer, window))
-      return (x, kv), None
+                    None if kv is None else (*kv, layer, window), segment_ids_BxT)
+      return (_rows_sharded(x), kv), None
 
     if cfg.remat:
       body = jax.checkpoint(body, prevent_cse=False)
@@ -207,9 +242,16 @@ class Qwen3(nnx.Module):
       # Only one position per row needs logits (prefill): skip the [B, T, V] projection.
       x = jnp.take_along_axis(x, logits_idx_B[:, None, None], axis=1)
     x = self.final_norm(x)
-    head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
-    logits = jnp.einsum("btd,dv->btv", x, head.astype(dt), preferred_element_type=jnp.float32)
+    if return_hidden:
+      # The caller applies the head itself, in chunks (never [B, T, V] at once).
+      return x, (None if kv is None else KVCache(*kv))
+    logits = jnp.einsum("btd,dv->btv", x, self.head().astype(dt),
+                        preferred_element_type=jnp.float32)
     return logits, (None if kv is None else KVCache(*kv))
+
+  def head(self):
+    """The [D, V] output projection (the embedding's transpose when tied)."""
+    return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
 
 
 @functools.lru_cache(maxsize=64)
@@ -249,7 +291,7 @@ def abstract_params(config: Qwen3Config) -> nnx.State:
 
 def forward(config: Qwen3Config, params: nnx.State, tokens_BxT, positions_BxT,
             cache: KVCache | None = None, key_mask_BxS=None, logits_idx_B=None,
-            attn_window: int | None = None):
+            attn_window: int | None = None, segment_ids_BxT=None):
   """Pure forward: float32 logits [B, T, V] and the updated cache.
 
   Without a cache, keys are the T input tokens and `key_mask_BxS` (S = T) marks the
@@ -257,7 +299,8 @@ def forward(config: Qwen3Config, params: nnx.State, tokens_BxT, positions_BxT,
   cache slots up to their position (a row's earlier slots must hold real tokens).
   With `logits_idx_B`, logits are computed only at that index of each row: [B, 1, V].
   `attn_window` (static) limits a cached forward to the first slots of the cache; every
-  position written or attended must be below it.
+  position written or attended must be below it. `segment_ids_BxT` (uncached only) packs
+  several sequences in a row: a token attends only to earlier slots of its own segment.
   """
   model = nnx.merge(graphdef(config), params)
   b = tokens_BxT.shape[0]
@@ -265,7 +308,22 @@ def forward(config: Qwen3Config, params: nnx.State, tokens_BxT, positions_BxT,
   if key_mask_BxS is None:
     key_mask_BxS = jnp.ones((b, s), bool)
   return model(tokens_BxT, positions_BxT, key_mask_BxS.astype(bool), cache, logits_idx_B,
-               attn_window)
+               attn_window, segment_ids_BxT)
+
+
+def hidden_and_head(config: Qwen3Config, params: nnx.State, tokens_BxT, positions_BxT, *,
+                    key_mask_BxS=None, segment_ids_BxT=None):
+  """Uncached forward up to the final norm: (hidden [B, T, D] in compute dtype, head [D, V]).
+
+  For losses that apply the head in chunks (`rl.losses.chunked_logprobs`), so that the
+  float32 logits over the vocabulary never exist for the whole batch at once.
+  """
+  model = nnx.merge(graphdef(config), params)
+  if key_mask_BxS is None:
+    key_mask_BxS = jnp.ones(tokens_BxT.shape, bool)
+  x, _ = model(tokens_BxT, positions_BxT, key_mask_BxS.astype(bool), None, None, None,
+               segment_ids_BxT, return_hidden=True)
+  return x, model.head().astype(config.compute_jnp_dtype)
 
 
 def logits(config: Qwen3Config, params: nnx.State, tokens_BxT, mask_BxT):

@@ -6,6 +6,7 @@ Every program (M-GRPO's two sides, SFT, MAGRPO) builds its batches with `make_ba
 lengths come from `bucket_length`, so few shapes are ever compiled.
 """
 
+import dataclasses
 import math
 from typing import Any, Sequence
 
@@ -23,7 +24,9 @@ class Batch:
   old_logp    behaviour log-probs of token t (from the sampler), 0 elsewhere
   adv         [B] row advantage (or [B, T])
   ref_logp    optional, log-probs under a reference policy
-  segment_ids, positions   optional, for packed rows (several sequences in one row)
+  Packed micro-batches (`rl.packing`, [M, R, L]) also carry segment_ids (0 = padding),
+  positions (restarting per sequence), seq_tokens (each token's sequence's loss-token
+  count) and the whole batch's loss denominator (a scalar).
   """
 
   tokens: jax.Array
@@ -33,11 +36,18 @@ class Batch:
   ref_logp: jax.Array | None = None
   segment_ids: jax.Array | None = None
   positions: jax.Array | None = None
+  seq_tokens: jax.Array | None = None
+  denominator: jax.Array | None = None
 
   @classmethod
   def of(cls, batch) -> "Batch":
     """A `Batch` from a `Batch` or a dict with the same keys (older callers, notebooks)."""
     return batch if isinstance(batch, cls) else cls(**batch)
+
+  def as_dict(self) -> dict:
+    """The arrays by field name, absent (None) fields left out."""
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+            if getattr(self, f.name) is not None}
 
   @property
   def length(self) -> int:

@@ -18,6 +18,7 @@ __all__ = [
     "KL_ESTIMATORS",
     "accumulate_metric_sums",
     "aggregate_terms",
+    "chunked_logprobs",
     "entropy",
     "finalize_metrics",
     "kl_penalty",
@@ -54,18 +55,60 @@ def entropy(logits_BxTxV):
   return lse_BxT - jnp.sum(probs_BxTxV * logits_BxTxV, axis=-1)
 
 
+def chunked_logprobs(hidden_BxTxD, head_DxV, targets_BxT, *, temperature: float = 1.0,
+                     chunk: int = 4096):
+  """Token log-probs and entropies of `hidden @ head / temperature`, ~`chunk` tokens at a time.
+
+  Equals `token_logprobs` / `entropy` of the full logits (float32, matmul accumulated in
+  float32 as the model's own head does), but the [B, T, V] float32 logits never exist: the
+  sequence axis is cut into chunks of max(1, chunk // B) positions, scored under a scan
+  whose body is rematerialised, so the forward and the backward hold one [B, c, V] block
+  at a time (rows stay whole, so a row-sharded batch stays row-sharded). Entropy carries
+  no gradient. Returns (logp [B, T], entropy [B, T]), float32.
+  """
+  b, t, d = hidden_BxTxD.shape
+  c = min(t, max(1, chunk // b))
+  pad = -t % c
+  h = jnp.pad(hidden_BxTxD, ((0, 0), (0, pad), (0, 0)))
+  y = jnp.pad(targets_BxT.astype(jnp.int32), ((0, 0), (0, pad)))
+  # [B, n*c, ...] -> [n, B, c, ...]: chunks first, for the scan.
+  h_NxBxCxD = jnp.moveaxis(h.reshape(b, -1, c, d), 1, 0)
+  y_NxBxC = jnp.moveaxis(y.reshape(b, -1, c), 1, 0)
+
+  @jax.checkpoint
+  def score(h_BxCxD, y_BxC):
+    logits_BxCxV = jnp.einsum("bcd,dv->bcv", h_BxCxD, head_DxV,
+                              preferred_element_type=jnp.float32) / temperature
+    lse_BxC = jax.nn.logsumexp(logits_BxCxV, axis=-1)
+    picked_BxC = jnp.take_along_axis(logits_BxCxV, y_BxC[..., None], axis=-1)[..., 0]
+    return picked_BxC - lse_BxC, entropy(jax.lax.stop_gradient(logits_BxCxV))
+
+  def body(_, xs):
+    return None, score(*xs)
+
+  _, (logp, ent) = jax.lax.scan(body, None, (h_NxBxCxD, y_NxBxC))
+  unchunk = lambda x_NxBxC: jnp.moveaxis(x_NxBxC, 0, 1).reshape(b, -1)[:, :t]
+  return unchunk(logp), unchunk(ent)
+
+
 def _check(name: str, value: str, allowed: tuple[str, ...]) -> None:
   if value not in allowed:
     raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
 
 
-def aggregate_terms(loss_BxT, mask_BxT, *, agg: str = "seq-mean-token-mean"):
+def aggregate_terms(loss_BxT, mask_BxT, *, agg: str = "seq-mean-token-mean",
+                    seq_tokens_BxT=None):
   """Splits the aggregation of per-token losses into (numerator, denominator).
 
   - "token-mean": Σ mask·L / Σ mask (denominator = token count).
   - "seq-mean-token-mean": Σ_b (Σ_t mask·L / Σ_t mask) / #sequences with ≥ 1 token.
   - "seq-mean-token-sum": Σ_b Σ_t mask·L / #sequences with ≥ 1 token.
   Per-sequence quantities never straddle microbatches, so sums of these terms are exact.
+
+  Packed rows hold several sequences: there `seq_tokens_BxT` gives, at each token, Σ mask
+  of the sequence it belongs to, and the per-sequence mean becomes Σ_t mask·L / seq_tokens.
+  The denominator then counts tokens with mask > 0 weighted 1/seq_tokens; a packed step
+  takes its denominator from the packer (`rl.packing`), which counts sequences exactly.
   """
   _check("agg", agg, AGGREGATIONS)
   w_BxT = jnp.asarray(mask_BxT).astype(jnp.float32)
@@ -73,6 +116,13 @@ def aggregate_terms(loss_BxT, mask_BxT, *, agg: str = "seq-mean-token-mean"):
   x_BxT = jnp.where(w_BxT > 0, loss_BxT * w_BxT, 0.0)
   if agg == "token-mean":
     return x_BxT.sum(), w_BxT.sum()
+  if seq_tokens_BxT is not None:
+    on = w_BxT > 0
+    inv_BxT = jnp.where(on, 1.0 / jnp.where(on, seq_tokens_BxT, 1.0), 0.0)
+    count = jnp.sum(inv_BxT * w_BxT)
+    if agg == "seq-mean-token-mean":
+      return jnp.sum(x_BxT * inv_BxT), count
+    return x_BxT.sum(), count
   tokens_B, sum_B = w_BxT.sum(axis=1), x_BxT.sum(axis=1)
   has_B = tokens_B > 0
   if agg == "seq-mean-token-mean":
@@ -123,6 +173,7 @@ def loss_terms(
     kl_coef=0.0,
     kl_estimator="k3",
     dual_clip=None,
+    seq_tokens=None,
 ):
   """The clipped surrogate (+ optional KL) as (numerator, denominator, metric_sums).
 
@@ -154,7 +205,7 @@ def loss_terms(
   pg_BxT = jnp.maximum(-ratio_BxT * adv_BxT, -clipped_BxT * adv_BxT)
   if dual_clip is not None:
     pg_BxT = jnp.where(adv_BxT < 0, jnp.minimum(pg_BxT, -dual_clip * adv_BxT), pg_BxT)
-  pg_num, denominator = aggregate_terms(pg_BxT, w_BxT, agg=agg)
+  pg_num, denominator = aggregate_terms(pg_BxT, w_BxT, agg=agg, seq_tokens_BxT=seq_tokens)
 
   def tok_sum(x_BxT):
     return jnp.sum(jnp.where(on_BxT, x_BxT * w_BxT, 0.0))
@@ -177,7 +228,7 @@ def loss_terms(
   if ref_logp is not None:
     ref_BxT = jnp.where(on_BxT, jnp.asarray(ref_logp, jnp.float32), 0.0)
     kl_BxT = kl_penalty(logp_BxT, ref_BxT, estimator=kl_estimator)
-    kl_num, _ = aggregate_terms(kl_BxT, w_BxT, agg=agg)
+    kl_num, _ = aggregate_terms(kl_BxT, w_BxT, agg=agg, seq_tokens_BxT=seq_tokens)
     sums["kl_ref_numerator"] = kl_num
     numerator = numerator + kl_coef * kl_num
   return numerator, denominator, sums
@@ -267,13 +318,14 @@ def policy_loss(
   return terms_to_loss(numerator, denominator), finalize_metrics(sums, denominator)
 
 
-def reinforce_terms(logp, adv, mask, *, agg="seq-mean-token-sum"):
+def reinforce_terms(logp, adv, mask, *, agg="seq-mean-token-sum", seq_tokens=None):
   """MAGRPO's REINFORCE loss −A·Σ_t log π as (numerator, denominator, metric_sums)."""
   w_BxT = jnp.asarray(mask).astype(jnp.float32)
   on_BxT = w_BxT > 0
   logp_BxT = jnp.where(on_BxT, jnp.asarray(logp, jnp.float32), 0.0)
   adv_BxT = jnp.where(on_BxT, _adv_BxT(adv, jnp.shape(logp)), 0.0)
-  numerator, denominator = aggregate_terms(-adv_BxT * logp_BxT, w_BxT, agg=agg)
+  numerator, denominator = aggregate_terms(-adv_BxT * logp_BxT, w_BxT, agg=agg,
+                                          seq_tokens_BxT=seq_tokens)
   sums = {
       "tokens": w_BxT.sum(),
       "pg_loss_numerator": numerator,

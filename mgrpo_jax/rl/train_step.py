@@ -5,8 +5,9 @@ sub-agent, single-agent GRPO and MAGRPO is the batch and the `LossConfig`, both 
 at setup: `make_train_step` picks the objective's terms function (`LOSS_TERMS`) once and
 binds it, so the variants never become `if`s inside the compiled step.
 
-The batch is an `rl.batch.Batch` (tokens, loss_mask, old_logp, adv, optional ref_logp);
-a dict with those keys is accepted too.
+The batch is an `rl.batch.Batch` (a dict with its keys is accepted too): padded [B, T],
+or packed [M, R, L] micro-batches (`rl.packing`, with segment ids, positions, per-token
+sequence lengths and the batch's loss denominator).
 """
 
 import dataclasses
@@ -16,6 +17,7 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -23,6 +25,7 @@ from mgrpo_jax import sharding as shard_lib
 from mgrpo_jax.models import qwen3
 from mgrpo_jax.models.config import Qwen3Config
 from mgrpo_jax.rl import losses
+from mgrpo_jax.rl import packing
 from mgrpo_jax.rl.batch import Batch
 
 
@@ -87,67 +90,94 @@ def init_state(params: nnx.State, tx: optax.GradientTransformation, key) -> Trai
                     key=key)
 
 
-def clipped_terms(loss_config: LossConfig, logp, mb: Batch, adv, mask):
+def clipped_terms(loss_config: LossConfig, logp, mb: Batch, adv, mask, seq_tokens):
   """The clipped surrogate's (numerator, denominator, sums), with the optional KL term."""
   ref = mb.ref_logp
   return losses.loss_terms(
       logp, mb.old_logp[:, 1:], adv, mask, eps_low=loss_config.eps_low,
       eps_high=loss_config.eps_high, agg=loss_config.agg,
       ref_logp=None if ref is None else ref[:, 1:], kl_coef=loss_config.kl_coef,
-      kl_estimator=loss_config.kl_estimator, dual_clip=loss_config.dual_clip)
+      kl_estimator=loss_config.kl_estimator, dual_clip=loss_config.dual_clip,
+      seq_tokens=seq_tokens)
 
 
-def reinforce_terms(loss_config: LossConfig, logp, mb: Batch, adv, mask):
+def reinforce_terms(loss_config: LossConfig, logp, mb: Batch, adv, mask, seq_tokens):
   """REINFORCE's (numerator, denominator, sums): no ratio, no behaviour log-probs."""
   del mb
-  return losses.reinforce_terms(logp, adv, mask, agg=loss_config.agg)
+  return losses.reinforce_terms(logp, adv, mask, agg=loss_config.agg, seq_tokens=seq_tokens)
 
 
 LOSS_TERMS = {"clipped": clipped_terms, "reinforce": reinforce_terms}  # By LossConfig.kind.
 
 
-def _micro_terms(model_config: Qwen3Config, loss_config: LossConfig, terms, params, mb: Batch):
-  """(numerator, metric sums) of one micro-batch; the denominator is batch-global."""
+def _micro_terms(model_config: Qwen3Config, loss_config: LossConfig, terms, logits_chunk: int,
+                 params, mb: Batch):
+  """(numerator, metric sums) of one micro-batch; the denominator is batch-global.
+
+  Position t of the batch describes token t, so the model reads tokens[:, :-1] and scores
+  tokens[:, 1:]. A packed micro-batch (`segment_ids` present, see rl.packing) also brings
+  its RoPE positions and each token's sequence length for per-sequence means.
+  """
   tokens = mb.tokens
-  logits = qwen3.forward(model_config, params, tokens[:, :-1],
-                         jnp.broadcast_to(jnp.arange(tokens.shape[1] - 1), tokens[:, :-1].shape),
-                         key_mask_BxS=jnp.ones_like(tokens[:, :-1], bool))[0]
-  logits = logits / loss_config.temperature
-  logp = losses.token_logprobs(logits, tokens[:, 1:])
+  inputs = tokens[:, :-1]
+  packed = mb.segment_ids is not None  # Batch structure (static), not a config value.
+  positions = (mb.positions[:, :-1] if packed
+               else jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape))
+  hidden, head = qwen3.hidden_and_head(
+      model_config, params, inputs, positions,
+      segment_ids_BxT=mb.segment_ids[:, :-1] if packed else None)
+  # Scored in chunks: the [B, T, V] float32 logits never exist (PAPERS-scale vocabularies).
+  logp, ent = losses.chunked_logprobs(hidden, head, tokens[:, 1:],
+                                      temperature=loss_config.temperature, chunk=logits_chunk)
   mask = mb.loss_mask[:, 1:]
   adv = mb.adv if mb.adv.ndim == 1 else mb.adv[:, 1:]
-  num, _, sums = terms(loss_config, logp, mb, adv, mask)
+  seq_tokens = mb.seq_tokens[:, 1:] if packed else None
+  num, _, sums = terms(loss_config, logp, mb, adv, mask, seq_tokens)
   # Entropy of the (temperature-scaled) policy on generated tokens: cheap next to the
   # forward pass, and the first thing to look at when a run collapses.
-  ent = losses.entropy(jax.lax.stop_gradient(logits))
   sums = dict(sums, entropy=jnp.sum(jnp.where(mask > 0, ent * mask, 0.0)))
   return num, sums
 
 
-def train_step(state: TrainState, batch: Batch | dict, *, model_config: Qwen3Config,
-               loss_config: LossConfig, tx: optax.GradientTransformation, num_micro: int = 1,
-               terms):
-  """One optimizer step over `batch`, accumulating gradients over `num_micro` slices.
-
-  Accumulation is exact: per-micro-batch loss numerators are differentiated and
-  summed, then divided once by the batch-global denominator (token or sequence
-  count), so the update equals the full-batch update for every aggregation mode.
-  `terms` is the objective, chosen at setup (`make_train_step` binds
-  `LOSS_TERMS[loss_config.kind]`).
-  """
-  batch = Batch.of(batch)
+def _micro_batches(batch: Batch, num_micro: int, agg: str):
+  """(micro-batches with a leading [M] axis, batch-global loss denominator)."""
+  if batch.segment_ids is not None:
+    # Packed (rl.packing): already [M, R, L]; the packer counted the denominator.
+    return batch.replace(denominator=None), batch.denominator
   b = batch.tokens.shape[0]
   if b % num_micro:
     raise ValueError(f"Batch of {b} rows does not split into {num_micro} micro-batches.")
   mask = batch.loss_mask[:, 1:]
-  _, denominator = losses.aggregate_terms(jnp.zeros(mask.shape), mask, agg=loss_config.agg)
+  _, denominator = losses.aggregate_terms(jnp.zeros(mask.shape), mask, agg=agg)
   micro = jax.tree.map(lambda x: x.reshape(num_micro, b // num_micro, *x.shape[1:]), batch)
-  grad_fn = jax.grad(functools.partial(_micro_terms, model_config, loss_config, terms),
-                     has_aux=True)
+  return micro, denominator
+
+
+def train_step(state: TrainState, batch: Batch | dict, *, model_config: Qwen3Config,
+               loss_config: LossConfig, tx: optax.GradientTransformation, num_micro: int = 1,
+               logits_chunk: int = 4096, param_sharding=None, terms):
+  """One optimizer step over `batch`, accumulating gradients over micro-batches.
+
+  A padded batch [B, T] is split into `num_micro` slices of rows; a packed batch
+  (rl.packing.pack) comes as [M, R, L] micro-batches already. Accumulation is exact:
+  per-micro-batch loss numerators are differentiated and summed, then divided once by
+  the batch-global denominator (token or sequence count), so the update equals the
+  full-batch update for every aggregation mode, packed or not.
+
+  `param_sharding` (with a mesh) pins each micro-batch's gradients and their running sum
+  to the parameters' shards: reduce-scattered, never a full replicated copy per device.
+  `terms` is the objective, chosen at setup (`make_train_step` binds
+  `LOSS_TERMS[loss_config.kind]`).
+  """
+  micro, denominator = _micro_batches(Batch.of(batch), num_micro, loss_config.agg)
+  grad_fn = jax.grad(functools.partial(_micro_terms, model_config, loss_config, terms,
+                                       logits_chunk), has_aux=True)
+  pin = ((lambda tree: jax.lax.with_sharding_constraint(tree, param_sharding))
+         if param_sharding is not None else (lambda tree: tree))
 
   def body(grad_acc, mb):
     grads, sums = grad_fn(state.params, mb)
-    return jax.tree.map(jnp.add, grad_acc, grads), sums
+    return pin(jax.tree.map(jnp.add, grad_acc, pin(grads))), sums
 
   zeros = jax.tree.map(jnp.zeros_like, state.params)
   grad_sum, stacked = jax.lax.scan(body, zeros, micro)
@@ -156,8 +186,9 @@ def train_step(state: TrainState, batch: Batch | dict, *, model_config: Qwen3Con
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   # Per-micro-batch sums (leading axis M) combined by the one metric reducer.
+  num = jax.tree.leaves(stacked)[0].shape[0]
   sums = functools.reduce(losses.accumulate_metric_sums,
-                          [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(num_micro)])
+                          [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(num)])
   metrics = losses.finalize_metrics(sums, denominator)
   metrics["loss"] = metrics.pop("pg_loss") + (
       loss_config.kl_coef * metrics["kl_ref"] if "kl_ref" in metrics else 0.0)
@@ -189,24 +220,64 @@ def state_shardings(state: TrainState, mesh):
 
 def make_train_step(model_config: Qwen3Config, loss_config: LossConfig,
                     tx: optax.GradientTransformation, *, num_micro: int = 1, mesh=None,
-                    state_sharding=None):
+                    state_sharding=None, max_tokens_per_micro: int | None = None,
+                    logits_chunk: int = 4096):
   """`train_step` with its static pieces bound, jitted once, state donated.
 
   With a mesh, the state keeps `state_sharding` (default: `state_shardings` of the
   state's structure is needed, so pass it) and every batch array is split over
-  (data, fsdp) on its leading axis.
+  (data, fsdp) on its row axis.
+
+  With `max_tokens_per_micro`, the returned function takes the same padded numpy batch,
+  packs it on the host (`rl.packing.pack`: [M, R, L] with R * L <= the budget) and runs
+  the packed step; `num_micro` is then ignored. The jitted step is its `.jitted`.
   """
-  step = functools.partial(train_step, model_config=model_config, loss_config=loss_config,
-                           tx=tx, num_micro=num_micro, terms=LOSS_TERMS[loss_config.kind])
-  if mesh is None:
-    return jax.jit(step, donate_argnames=("state",))
-  if state_sharding is None:
+  if mesh is not None and state_sharding is None:
     raise ValueError("make_train_step(mesh=...) needs state_sharding=state_shardings(...).")
+  step = functools.partial(train_step, model_config=model_config, loss_config=loss_config,
+                           tx=tx, num_micro=num_micro, logits_chunk=logits_chunk,
+                           param_sharding=None if mesh is None else state_sharding.params,
+                           terms=LOSS_TERMS[loss_config.kind])
+  if mesh is not None:
+    unmeshed = step
+
+    def step(state, batch):
+      # The model pins activations to the batch axes of the mesh in scope (FSDP layout).
+      with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        return unmeshed(state, batch)
   P = jax.sharding.PartitionSpec
-  batch_sh = jax.sharding.NamedSharding(mesh, P(shard_lib.BATCH))  # A prefix for every leaf.
-  replicated = jax.sharding.NamedSharding(mesh, P())
-  return jax.jit(step, donate_argnames=("state",), in_shardings=(state_sharding, batch_sh),
-                 out_shardings=(state_sharding, replicated))
+  if max_tokens_per_micro is None:
+    if mesh is None:
+      return jax.jit(step, donate_argnames=("state",))
+    batch_sh = jax.sharding.NamedSharding(mesh, P(shard_lib.BATCH))  # A prefix for every leaf.
+    replicated = jax.sharding.NamedSharding(mesh, P())
+    return jax.jit(step, donate_argnames=("state",), in_shardings=(state_sharding, batch_sh),
+                   out_shardings=(state_sharding, replicated))
+  if max_tokens_per_micro < 8:
+    raise ValueError(f"max_tokens_per_micro must be >= 8, got {max_tokens_per_micro}.")
+  rows_multiple = 1
+  if mesh is None:
+    jitted = jax.jit(step, donate_argnames=("state",))
+  else:
+    rows_multiple = int(np.prod([mesh.shape[a] for a in shard_lib.BATCH]))
+    replicated = jax.sharding.NamedSharding(mesh, P())
+    # Packed leaves are [M, R, L]: rows (axis 1) split over the batch axes; the scalar
+    # denominator is replicated. Sharded by device_put below, so jit keeps them.
+    jitted = jax.jit(step, donate_argnames=("state",),
+                     out_shardings=(state_sharding, replicated))
+    rows_sh = jax.sharding.NamedSharding(mesh, P(None, shard_lib.BATCH))
+
+  def packed_step(state, batch):
+    packed = Batch(**packing.pack(Batch.of(batch).as_dict(),
+                                  max_tokens_per_micro=max_tokens_per_micro,
+                                  agg=loss_config.agg, rows_multiple=rows_multiple))
+    if mesh is not None:
+      packed = jax.tree.map(lambda v: jax.device_put(v, replicated if np.ndim(v) == 0
+                                                     else rows_sh), packed)
+    return jitted(state, packed)
+
+  packed_step.jitted = jitted
+  return packed_step
 
 
 class NonFiniteError(FloatingPointError):

@@ -1,0 +1,199 @@
+"""Memory of the real update and decode steps at the paper's shapes, proved on CPU.
+
+Each case lowers and compiles the jitted step that training runs, with abstract inputs
+(`jax.ShapeDtypeStruct`: nothing is allocated) and reads `compiled.memory_analysis()`:
+arguments, outputs, temporaries and their total per device. No GPU or weights needed.
+
+  python benchmarks/memory.py                      # every case -> benchmarks/results/memory-cpu.json
+  python benchmarks/memory.py --cases=scaling --out=/tmp/m.json
+  python benchmarks/memory.py --list
+
+Cases (bf16 compute, f32 master weights and Adam moments, cuDNN-free blockwise attention,
+chunked log-probs, remat, packed token-budget micro-batches):
+  update/<preset>/main   16 x 32768 tokens (the main agent's Q x K traces)
+  update/<preset>/sub    64 x 8192 tokens (Q x K x D sub-agent traces)
+  update/qwen3_8b/*      the same with the state sharded over 8 devices (fsdp=8)
+  decode/<preset>/cache=1024  one decode token for 64 rows with a 1024-slot cache (traces
+                         that reached 1024 tokens, the cache sized by need)
+  scaling/T=<n>          the plain (unpacked) make_train_step on 4 x n padded rows, remat,
+                         n = 2048 ... 32768: temporaries must grow linearly
+"""
+
+import os
+import sys
+
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  # 8 fake CPU devices for the sharded cases; must precede the first JAX import.
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import json  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+from mgrpo_jax import models, sharding  # noqa: E402
+from mgrpo_jax.models import qwen3  # noqa: E402
+from mgrpo_jax.rl import train_step as ts  # noqa: E402
+
+_CASES = flags.DEFINE_list("cases", ["update", "decode", "scaling"],
+                           "Case name prefixes to run (update, decode, scaling, or full names).")
+_OUT = flags.DEFINE_string("out", "benchmarks/results/memory-cpu.json", "Where to write JSON.")
+_LIST = flags.DEFINE_bool("list", False, "List the cases and exit.")
+_PRESETS = flags.DEFINE_list("presets", ["qwen3_0p6b", "qwen3_1p7b", "qwen3_8b"],
+                             "Model presets of the update/decode cases.")
+_SCALING_T = flags.DEFINE_list("scaling_t", ["2048", "4096", "8192", "16384", "32768"],
+                               "Sequence lengths of the scaling cases.")
+_SCALING_PRESET = flags.DEFINE_string("scaling_preset", "qwen3_0p6b", "Preset of scaling cases.")
+
+GB = 1e9
+# Tokens per packed micro-batch per device: one 32k trace (main) or four 8k traces (sub).
+_BUDGET = 32768
+_LOGITS_CHUNK = 4096
+
+
+def model_config(preset: str, **kw) -> models.Qwen3Config:
+  """The real-scale policy: bf16 compute, f32 master weights, remat, blockwise attention."""
+  return models.get_preset(preset, param_dtype="float32", compute_dtype="bfloat16", remat=True,
+                           attention="blockwise", **kw)
+
+
+def _abstract(tree, shardings=None):
+  if shardings is None:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
+                      shardings)
+
+
+def abstract_state(cfg, tx, mesh=None):
+  """ShapeDtypeStructs of a TrainState (and its shardings with a mesh)."""
+  state = jax.eval_shape(lambda k: ts.init_state(models.init_params(cfg, k), tx, k),
+                         jax.random.key(0))
+  if mesh is None:
+    return _abstract(state), None
+  st_sh = ts.state_shardings(state, mesh)
+  return _abstract(state, st_sh), st_sh
+
+
+def _stats(compiled, seconds: float) -> dict:
+  m = compiled.memory_analysis()
+  args, out, temp = m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes
+  alias = m.alias_size_in_bytes
+  return {"arguments_gb": args / GB, "outputs_gb": out / GB, "temporaries_gb": temp / GB,
+          "aliased_gb": alias / GB, "total_gb": (args + out - alias + temp) / GB,
+          "compile_s": round(seconds, 1)}
+
+
+def update_case(preset: str, rows: int, length: int, *, devices: int = 1) -> dict:
+  """The packed update of `rows` traces of `length` tokens (one trace per row)."""
+  cfg = model_config(preset)
+  tx = ts.make_optimizer(learning_rate=1e-6)
+  mesh = None
+  if devices > 1:
+    mesh = sharding.make_mesh(dict(data=1, fsdp=devices, tensor=1),
+                              devices=jax.devices()[:devices])
+  state, st_sh = abstract_state(cfg, tx, mesh)
+  per_micro = max(devices, _BUDGET * devices // length)
+  shape = (rows // per_micro, per_micro, length)
+  step = ts.make_train_step(cfg, ts.LossConfig(), tx, mesh=mesh, state_sharding=st_sh,
+                            max_tokens_per_micro=_BUDGET * devices, logits_chunk=_LOGITS_CHUNK)
+  rows_sh = None if mesh is None else jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec(None, sharding.BATCH))
+  tok = lambda dt: jax.ShapeDtypeStruct(shape, dt, sharding=rows_sh)
+  batch = {"tokens": tok(jnp.int32), "positions": tok(jnp.int32),
+           "segment_ids": tok(jnp.int32), "adv": tok(jnp.float32),
+           "seq_tokens": tok(jnp.float32), "loss_mask": tok(jnp.float32),
+           "old_logp": tok(jnp.float32), "denominator": jax.ShapeDtypeStruct((), jnp.float32)}
+  t0 = time.perf_counter()
+  compiled = step.jitted.lower(state, batch).compile()
+  out = _stats(compiled, time.perf_counter() - t0)
+  out.update(preset=preset, rows=rows, length=length, devices=devices,
+             micro_batches=shape[0], rows_per_micro=shape[1], params=cfg.num_params())
+  return out
+
+
+def scaling_case(preset: str, length: int, rows: int = 4) -> dict:
+  """The plain make_train_step (no packing) on one padded [rows, length] batch."""
+  cfg = model_config(preset)
+  tx = ts.make_optimizer(learning_rate=1e-6)
+  state, _ = abstract_state(cfg, tx)
+  step = ts.make_train_step(cfg, ts.LossConfig(), tx, logits_chunk=_LOGITS_CHUNK)
+  tok = lambda dt: jax.ShapeDtypeStruct((rows, length), dt)
+  batch = {"tokens": tok(jnp.int32), "loss_mask": tok(jnp.float32),
+           "old_logp": tok(jnp.float32), "adv": jax.ShapeDtypeStruct((rows,), jnp.float32)}
+  t0 = time.perf_counter()
+  compiled = step.lower(state, batch).compile()
+  out = _stats(compiled, time.perf_counter() - t0)
+  out.update(preset=preset, rows=rows, length=length)
+  return out
+
+
+def decode_case(preset: str, rows: int = 64, cache_len: int = 1024) -> dict:
+  """One decode token for `rows` rows against a bf16 KV cache of `cache_len` slots.
+
+  The sampler's decode loop runs this forward (qwen3.forward with a cache) once per token;
+  its memory is the weights, the cache (donated, updated in place) and the temporaries.
+  """
+  cfg = models.get_preset(preset, param_dtype="bfloat16", compute_dtype="bfloat16")
+  params = _abstract(jax.eval_shape(lambda k: models.init_params(cfg, k), jax.random.key(0)))
+  cache = _abstract(jax.eval_shape(lambda: qwen3.init_cache(cfg, rows, cache_len)))
+
+  def decode(params, cache, token_B, pos_B, key_mask_BxS):
+    logits, cache = qwen3.forward(cfg, params, token_B[:, None], pos_B[:, None], cache,
+                                  key_mask_BxS, logits_idx_B=jnp.zeros_like(token_B))
+    return logits, cache
+
+  vec = jax.ShapeDtypeStruct((rows,), jnp.int32)
+  t0 = time.perf_counter()
+  compiled = jax.jit(decode, donate_argnums=(1,)).lower(
+      params, cache, vec, vec, jax.ShapeDtypeStruct((rows, cache_len), jnp.bool_)).compile()
+  out = _stats(compiled, time.perf_counter() - t0)
+  kv_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+  out.update(preset=preset, rows=rows, cache_len=cache_len, kv_cache_gb=kv_bytes / GB)
+  return out
+
+
+def all_cases() -> dict:
+  cases = {}
+  for p in _PRESETS.value:
+    devices = 8 if p == "qwen3_8b" else 1
+    cases[f"update/{p}/main"] = lambda p=p, d=devices: update_case(p, 16, 32768, devices=d)
+    cases[f"update/{p}/sub"] = lambda p=p, d=devices: update_case(p, 64, 8192, devices=d)
+    cases[f"decode/{p}/cache=1024"] = lambda p=p: decode_case(p, cache_len=1024)
+  for t in map(int, _SCALING_T.value):
+    cases[f"scaling/T={t}"] = lambda t=t: scaling_case(_SCALING_PRESET.value, t)
+  return cases
+
+
+def main(argv):
+  del argv
+  cases = all_cases()
+  if _LIST.value:
+    print("\n".join(cases))
+    return
+  chosen = [n for n in cases if any(n == c or n.startswith(c + "/") or n.startswith(c)
+                                    for c in _CASES.value)]
+  if not chosen:
+    sys.exit(f"--cases={','.join(_CASES.value)} matches none of: {', '.join(cases)}")
+  results = {}
+  if os.path.exists(_OUT.value):
+    with open(_OUT.value) as f:
+      results = json.load(f).get("cases", {})
+  for name in chosen:
+    print(f"{name} ...", flush=True)
+    results[name] = cases[name]()
+    r = results[name]
+    print(f"  total {r['total_gb']:.2f} GB (arguments {r['arguments_gb']:.2f}, temporaries "
+          f"{r['temporaries_gb']:.2f}), compiled in {r['compile_s']} s", flush=True)
+    os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
+    with open(_OUT.value, "w") as f:
+      json.dump({"command": "python benchmarks/memory.py " + " ".join(sys.argv[1:]),
+                 "device": "cpu (compiled memory analysis; per device)",
+                 "jax": jax.__version__, "cases": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,267 @@
+"""Grouped-query attention kernels that share one masking rule, chosen by config.
+
+Every implementation computes, for queries q[b, k, g, t] and keys k[b, k, s],
+
+  visible(t, s) = s <= q_idx[t]  and  kv_valid[s]  and  q_seg[t] == kv_seg[s]
+
+where `q_idx` is the cache slot (= packed-row index) of the query, so causality follows the
+slots, while RoPE positions may restart inside a packed row. Implementations:
+
+- "reference": the einsum over the full [T, S] score tensor (the parity baseline).
+- "blockwise": flash-style online softmax over [block, block] tiles with a hand-written
+  backward (`jax.custom_vjp`) that recomputes the tiles, so neither pass ever holds more
+  than one tile of scores: memory is linear in T. Pure JAX, runs everywhere.
+- "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")` (fused flash kernel) for
+  uncached right-padded batches on GPU.
+- "auto": cuDNN where it applies on GPU, else the reference for small [T, S] (cheapest on
+  CPU at demo sizes), else blockwise.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+IMPLEMENTATIONS = ("auto", "cudnn", "blockwise", "reference")
+# "auto" keeps the reference while one row's scores per head stay this small (1024 x 1024).
+_AUTO_REFERENCE_MAX_TS = 1 << 20
+# A large finite negative instead of -inf: a row with no visible key softmaxes to a uniform
+# garbage row instead of NaN (reference only; the blockwise kernel returns zeros there).
+_MASK_VALUE = -1e30
+
+
+def visible_mask(q_idx_BxT, kv_valid_BxS, q_seg_BxT=None, kv_seg_BxS=None, kv_start: int = 0):
+  """The [B, T, S] boolean mask of the shared rule (keys numbered from `kv_start`)."""
+  s_idx = kv_start + jnp.arange(kv_valid_BxS.shape[1])
+  vis = (s_idx[None, None, :] <= q_idx_BxT[:, :, None]) & kv_valid_BxS[:, None, :]
+  if q_seg_BxT is not None:
+    vis &= q_seg_BxT[:, :, None] == kv_seg_BxS[:, None, :]
+  return vis
+
+
+def reference(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, q_idx_BxT, kv_valid_BxS, q_seg_BxT=None,
+              kv_seg_BxS=None):
+  """Materialises the [B, K, G, T, S] scores in float32 (test baseline, tiny shapes)."""
+  dt = q_BxKxGxTxH.dtype
+  scale = q_BxKxGxTxH.shape[-1] ** -0.5
+  vis = visible_mask(q_idx_BxT, kv_valid_BxS, q_seg_BxT, kv_seg_BxS)
+  scores = jnp.einsum("bkgth,bksh->bkgts", q_BxKxGxTxH, k_BxKxSxH,
+                      preferred_element_type=jnp.float32) * scale
+  scores = jnp.where(vis[:, None, None], scores, _MASK_VALUE)
+  probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+  return jnp.einsum("bkgts,bksh->bkgth", probs, v_BxKxSxH)
+
+
+def _pad_axis(x, axis: int, size: int, value):
+  pad = size - x.shape[axis]
+  if pad == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, pad)
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def _tile_probs(q_i, k_j, qi_i, qs_i, kv_j, ks_j, j, bk, scale, stat_i, *, online):
+  """Scores of one [bq, bk] tile, masked; with online=False, probs exp(s - lse)."""
+  s = jnp.einsum("bkgqh,bksh->bkgqs", q_i, k_j, preferred_element_type=jnp.float32) * scale
+  vis = (j * bk + jnp.arange(bk))[None, None, :] <= qi_i[:, :, None]
+  vis &= kv_j[:, None, :] & (qs_i[:, :, None] == ks_j[:, None, :])
+  vis = vis[:, None, None]
+  if online:
+    return jnp.where(vis, s, -jnp.inf)
+  return jnp.where(vis, jnp.exp(s - stat_i[..., None]), 0.0)
+
+
+def _blocked(x, axis: int, block: int):
+  """[..., n * block, ...] -> [n, ..., block, ...] (blocks first, for loops)."""
+  n = x.shape[axis] // block
+  x = x.reshape(*x.shape[:axis], n, block, *x.shape[axis + 1:])
+  return jnp.moveaxis(x, axis, 0)
+
+
+def _unblocked(x, axis: int):
+  x = jnp.moveaxis(x, 0, axis)
+  return x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2:])
+
+
+def _flash_fwd_blocks(q, k, v, q_idx, q_seg, kv_valid, kv_seg, bq, bk):
+  """Blocked forward: (out [nq, B, K, G, bq, H], lse [nq, B, K, G, bq]) in float32."""
+  scale = q.shape[-1] ** -0.5
+  qb, qib, qsb = _blocked(q, 3, bq), _blocked(q_idx, 1, bq), _blocked(q_seg, 1, bq)
+  kb, vb = _blocked(k, 2, bk), _blocked(v, 2, bk)
+  kvb, ksb = _blocked(kv_valid, 1, bk), _blocked(kv_seg, 1, bk)
+  nk = kb.shape[0]
+
+  def one_q_block(xs):
+    q_i, qi_i, qs_i = xs
+    # Causal skip: key blocks past the block's last visible slot hold nothing visible.
+    hi = jnp.clip((jnp.max(qi_i) + bk) // bk, 0, nk)
+
+    def body(j, carry):
+      m, l, acc = carry
+      s = _tile_probs(q_i, kb[j], qi_i, qs_i, kvb[j], ksb[j], j, bk, scale, None, online=True)
+      m_new = jnp.maximum(m, s.max(-1))
+      m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+      p = jnp.exp(s - m_safe[..., None])
+      corr = jnp.exp(m - m_safe)
+      pv = jnp.einsum("bkgqs,bksh->bkgqh", p.astype(v.dtype), vb[j],
+                      preferred_element_type=jnp.float32)
+      return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
+
+    shape = q_i.shape[:-1]
+    init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros(q_i.shape, jnp.float32))
+    m, l, acc = jax.lax.fori_loop(0, hi, body, init)
+    has = l > 0
+    out = acc / jnp.where(has, l, 1.0)[..., None]
+    # +inf for a query that sees nothing: the backward's exp(s - lse) is then 0.
+    lse = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), jnp.inf)
+    return out, lse
+
+  return jax.lax.map(one_q_block, (qb, qib, qsb))
+
+
+def _flash_bwd_blocks(q, k, v, q_idx, q_seg, kv_valid, kv_seg, out_b, lse_b, do, bq, bk):
+  """dq, dk, dv of the blocked forward, recomputing each tile's probabilities."""
+  scale = q.shape[-1] ** -0.5
+  qb, qib, qsb = _blocked(q, 3, bq), _blocked(q_idx, 1, bq), _blocked(q_seg, 1, bq)
+  kb, vb = _blocked(k, 2, bk), _blocked(v, 2, bk)
+  kvb, ksb = _blocked(kv_valid, 1, bk), _blocked(kv_seg, 1, bk)
+  dob = _blocked(do, 3, bq)
+  delta_b = jnp.sum(dob.astype(jnp.float32) * out_b, axis=-1)  # [nq, B, K, G, bq]
+  nq, nk = qb.shape[0], kb.shape[0]
+  q_last = jnp.max(qib, axis=(1, 2))  # [nq]: the furthest slot any query of a block sees.
+
+  def k_block(j, carry):
+    dq, dk, dv = carry
+
+    def q_block(i, inner):
+      dq, dk_j, dv_j = inner
+
+      def tile(args):
+        dq, dk_j, dv_j = args
+        p = _tile_probs(qb[i], kb[j], qib[i], qsb[i], kvb[j], ksb[j], j, bk, scale, lse_b[i],
+                        online=False)
+        dv_j = dv_j + jnp.einsum("bkgqs,bkgqh->bksh", p.astype(do.dtype), dob[i],
+                                 preferred_element_type=jnp.float32)
+        dp = jnp.einsum("bkgqh,bksh->bkgqs", dob[i], vb[j], preferred_element_type=jnp.float32)
+        ds = p * (dp - delta_b[i][..., None]) * scale
+        dq_i = jnp.einsum("bkgqs,bksh->bkgqh", ds.astype(k.dtype), kb[j],
+                          preferred_element_type=jnp.float32)
+        dk_j = dk_j + jnp.einsum("bkgqs,bkgqh->bksh", ds.astype(q.dtype), qb[i],
+                                 preferred_element_type=jnp.float32)
+        return dq.at[i].add(dq_i), dk_j, dv_j
+
+      return jax.lax.cond(q_last[i] >= j * bk, tile, lambda a: a, (dq, dk_j, dv_j))
+
+    zeros = jnp.zeros(kb.shape[1:], jnp.float32)
+    dq, dk_j, dv_j = jax.lax.fori_loop(0, nq, q_block, (dq, zeros, zeros))
+    return dq, dk.at[j].set(dk_j), dv.at[j].set(dv_j)
+
+  init = (jnp.zeros(qb.shape, jnp.float32), jnp.zeros(kb.shape, jnp.float32),
+          jnp.zeros(vb.shape, jnp.float32))
+  dq, dk, dv = jax.lax.fori_loop(0, nk, k_block, init)
+  return (_unblocked(dq, 3).astype(q.dtype), _unblocked(dk, 2).astype(k.dtype),
+          _unblocked(dv, 2).astype(v.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _flash(q, k, v, q_idx, q_seg, kv_valid, kv_seg, bq, bk):
+  out_b, _ = _flash_fwd_blocks(q, k, v, q_idx, q_seg, kv_valid, kv_seg, bq, bk)
+  return _unblocked(out_b, 3).astype(q.dtype)
+
+
+def _flash_fwd(q, k, v, q_idx, q_seg, kv_valid, kv_seg, bq, bk):
+  out_b, lse_b = _flash_fwd_blocks(q, k, v, q_idx, q_seg, kv_valid, kv_seg, bq, bk)
+  out = _unblocked(out_b, 3).astype(q.dtype)
+  # Residuals: the inputs, the output (cast, as the caller sees it) and the row statistics.
+  return out, (q, k, v, q_idx, q_seg, kv_valid, kv_seg, out, lse_b)
+
+
+def _flash_bwd(bq, bk, res, do):
+  q, k, v, q_idx, q_seg, kv_valid, kv_seg, out, lse_b = res
+  out_b = _blocked(out, 3, bq).astype(jnp.float32)
+  dq, dk, dv = _flash_bwd_blocks(q, k, v, q_idx, q_seg, kv_valid, kv_seg, out_b, lse_b, do,
+                                 bq, bk)
+  return dq, dk, dv, None, None, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def blockwise(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, q_idx_BxT, kv_valid_BxS, q_seg_BxT=None,
+              kv_seg_BxS=None, *, block_q: int = 512, block_kv: int = 512):
+  """Flash-style attention: [block_q, block_kv] tiles, online softmax, recomputing backward.
+
+  Queries that see no key return 0 (the reference returns an average of garbage there);
+  either way such rows carry no loss.
+  """
+  t, s = q_BxKxGxTxH.shape[3], k_BxKxSxH.shape[2]
+  bq = min(block_q, -(-t // 8) * 8)
+  bk = min(block_kv, -(-s // 8) * 8)
+  tp, sp = -(-t // bq) * bq, -(-s // bk) * bk
+  b = q_BxKxGxTxH.shape[0]
+  if q_seg_BxT is None:
+    q_seg_BxT, kv_seg_BxS = jnp.zeros((b, t), jnp.int32), jnp.zeros((b, s), jnp.int32)
+  # Padded queries see nothing (slot -1); padded keys are invalid.
+  q = _pad_axis(q_BxKxGxTxH, 3, tp, 0)
+  q_idx = _pad_axis(q_idx_BxT.astype(jnp.int32), 1, tp, -1)
+  q_seg = _pad_axis(q_seg_BxT.astype(jnp.int32), 1, tp, 0)
+  k = _pad_axis(k_BxKxSxH, 2, sp, 0)
+  v = _pad_axis(v_BxKxSxH, 2, sp, 0)
+  kv_valid = _pad_axis(kv_valid_BxS.astype(bool), 1, sp, False)
+  kv_seg = _pad_axis(kv_seg_BxS.astype(jnp.int32), 1, sp, 0)
+  out = _flash(q, k, v, q_idx, q_seg, kv_valid, kv_seg, bq, bk)
+  return out[:, :, :, :t]
+
+
+def cudnn(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, lengths_B, *, implementation: str = "cudnn"):
+  """cuDNN's fused causal attention over right-padded rows of `lengths_B` real tokens.
+
+  Only for uncached batches (query t sits in slot t). `implementation="xla"` runs the
+  same call through XLA, which is how CPU tests check the layout and length handling.
+  """
+  b, kv, g, t, h = q_BxKxGxTxH.shape
+  # [B, K, G, T, H] -> [B, T, K*G, H]: query head k*G + g uses kv head k, as jax expects.
+  q = jnp.transpose(q_BxKxGxTxH, (0, 3, 1, 2, 4)).reshape(b, t, kv * g, h)
+  k = jnp.transpose(k_BxKxSxH, (0, 2, 1, 3))
+  v = jnp.transpose(v_BxKxSxH, (0, 2, 1, 3))
+  lengths = lengths_B.astype(jnp.int32)
+  out = jax.nn.dot_product_attention(q, k, v, is_causal=True, query_seq_lengths=lengths,
+                                     key_value_seq_lengths=lengths,
+                                     implementation=implementation)
+  return jnp.transpose(out.reshape(b, t, kv, g, h), (0, 2, 3, 1, 4))
+
+
+def resolve(impl: str, *, cached: bool, packed: bool, t: int, s: int) -> str:
+  """The implementation `impl` ("auto" or explicit) stands for at these static shapes."""
+  if impl not in IMPLEMENTATIONS:
+    raise ValueError(f"attention={impl!r}; expected one of {IMPLEMENTATIONS}.")
+  cudnn_ok = not cached and not packed
+  if impl == "cudnn" and not cudnn_ok:
+    # Cached queries and packed rows need the general mask: cuDNN's padded-causal mask
+    # cannot express them, so they take the memory-bounded pure-JAX kernel.
+    return "blockwise"
+  if impl != "auto":
+    return impl
+  if cudnn_ok and jax.default_backend() == "gpu":
+    return "cudnn"
+  return "reference" if t * s <= _AUTO_REFERENCE_MAX_TS else "blockwise"
+
+
+def attend(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, *, q_idx_BxT, kv_valid_BxS, q_seg_BxT=None,
+           kv_seg_BxS=None, impl: str = "auto", cached: bool = False, block: int = 512):
+  """Attention under the shared masking rule, by the implementation `impl` resolves to.
+
+  Without a cache, rows must be right-padded (`kv_valid` a prefix) for cuDNN to apply.
+  """
+  t, s = q_BxKxGxTxH.shape[3], k_BxKxSxH.shape[2]
+  packed = q_seg_BxT is not None
+  which = resolve(impl, cached=cached, packed=packed, t=t, s=s)
+  if which == "reference":
+    return reference(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, q_idx_BxT, kv_valid_BxS, q_seg_BxT,
+                     kv_seg_BxS)
+  if which == "cudnn":
+    return cudnn(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, kv_valid_BxS.sum(-1))
+  return blockwise(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, q_idx_BxT, kv_valid_BxS, q_seg_BxT,
+                   kv_seg_BxS, block_q=block, block_kv=block)

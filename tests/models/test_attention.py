@@ -1,0 +1,162 @@
+"""Attention kernels: blockwise and cuDNN equal the reference (forward and gradients)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mgrpo_jax import models
+from mgrpo_jax.models import attention, qwen3
+
+# Prime sizes catch swapped axes; T is not a multiple of the blocks (padding inside).
+B, K, G, T, H = 2, 2, 3, 37, 8
+
+
+def _qkv(dtype=jnp.float32, seed=0, s=T):
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.normal(size=(B, K, G, T, H)), dtype)
+  k = jnp.asarray(rng.normal(size=(B, K, s, H)), dtype)
+  v = jnp.asarray(rng.normal(size=(B, K, s, H)), dtype)
+  return q, k, v
+
+
+def _cases():
+  q_idx = jnp.broadcast_to(jnp.arange(T), (B, T))
+  lengths = np.array([T, 20])
+  valid = jnp.arange(T)[None] < lengths[:, None]
+  # Row 0: three packed sequences; row 1: two, then padding (segment 0).
+  seg = np.stack([np.repeat([1, 2, 3], [10, 15, 12]),
+                  np.r_[np.repeat([1, 2], [8, 12]), np.zeros(17, int)]])
+  return {
+      "padded": (q_idx, valid, None, None, valid),
+      "packed": (q_idx, jnp.ones((B, T), bool), jnp.asarray(seg), jnp.asarray(seg),
+                 jnp.asarray(seg > 0)),
+  }
+
+
+def _loss(fn, live_BxT):
+  def f(q, k, v):
+    o = fn(q, k, v).astype(jnp.float32)
+    return jnp.sum(jnp.where(live_BxT[:, None, None, :, None], o * jnp.sin(o), 0.0))
+  return f
+
+
+@pytest.mark.parametrize("case", ["padded", "packed"])
+@pytest.mark.parametrize("blocks", [(8, 8), (16, 8), (512, 512)])
+def test_blockwise_equals_reference(case, blocks):
+  q_idx, valid, qs, ks, live = _cases()[case]
+  q, k, v = _qkv()
+  ref = lambda q, k, v: attention.reference(q, k, v, q_idx, valid, qs, ks)
+  blk = lambda q, k, v: attention.blockwise(q, k, v, q_idx, valid, qs, ks, block_q=blocks[0],
+                                            block_kv=blocks[1])
+  o_ref, o_blk = ref(q, k, v), jax.jit(blk)(q, k, v)
+  w = np.broadcast_to(np.asarray(live)[:, None, None, :, None], o_ref.shape)
+  np.testing.assert_allclose(np.asarray(o_blk)[w], np.asarray(o_ref)[w], atol=2e-6)
+  g_ref = jax.grad(_loss(ref, live), argnums=(0, 1, 2))(q, k, v)
+  g_blk = jax.jit(jax.grad(_loss(blk, live), argnums=(0, 1, 2)))(q, k, v)
+  assert float(jnp.abs(g_ref[1]).max()) > 1e-2  # Gradients are not trivially zero.
+  for a, b in zip(g_blk, g_ref):
+    np.testing.assert_allclose(a, b, atol=2e-5)
+
+
+def test_blockwise_bf16_close_to_reference():
+  q_idx, valid, qs, ks, live = _cases()["packed"]
+  q, k, v = _qkv(jnp.bfloat16)
+  o_ref = attention.reference(q.astype(jnp.float32), k.astype(jnp.float32),
+                              v.astype(jnp.float32), q_idx, valid, qs, ks)
+  o_blk = attention.blockwise(q, k, v, q_idx, valid, qs, ks, block_q=16, block_kv=8)
+  assert o_blk.dtype == jnp.bfloat16
+  w = np.broadcast_to(np.asarray(live)[:, None, None, :, None], o_ref.shape)
+  err = np.abs(np.asarray(o_blk, np.float32) - np.asarray(o_ref))[w]
+  assert err.max() < 3e-2 and err.mean() < 5e-3
+
+
+def test_blockwise_cached_queries():
+  # Decode-style queries at arbitrary per-row positions against a longer cache.
+  s = 53
+  q, k, v = _qkv(s=s)
+  pos = jnp.asarray(np.stack([np.arange(10, 10 + T), np.arange(T) + 16]))
+  valid = jnp.arange(s)[None] < jnp.asarray([[47], [53]])
+  o_ref = attention.reference(q, k, v, pos, valid)
+  o_blk = attention.blockwise(q, k, v, pos, valid, block_q=8, block_kv=16)
+  np.testing.assert_allclose(o_blk, o_ref, atol=2e-6)
+
+
+def test_cudnn_call_layout_matches_reference():
+  # The cuDNN wrapper's transposes, GQA grouping and lengths, run through XLA on CPU.
+  q_idx, valid, _, _, live = _cases()["padded"]
+  q, k, v = _qkv()
+  o_ref = attention.reference(q, k, v, q_idx, valid)
+  o = attention.cudnn(q, k, v, valid.sum(-1), implementation="xla")
+  w = np.broadcast_to(np.asarray(live)[:, None, None, :, None], o_ref.shape)
+  np.testing.assert_allclose(np.asarray(o)[w], np.asarray(o_ref)[w], atol=2e-6)
+
+
+def test_resolve():
+  r = attention.resolve
+  assert r("reference", cached=False, packed=False, t=9, s=9) == "reference"
+  assert r("cudnn", cached=True, packed=False, t=1, s=64) == "blockwise"
+  assert r("cudnn", cached=False, packed=True, t=64, s=64) == "blockwise"
+  assert r("auto", cached=False, packed=False, t=64, s=64) == (
+      "cudnn" if jax.default_backend() == "gpu" else "reference")
+  assert r("auto", cached=True, packed=False, t=4096, s=4096) == "blockwise"
+  with pytest.raises(ValueError, match="attention='flash'"):
+    r("flash", cached=False, packed=False, t=1, s=1)
+  with pytest.raises(models.ConfigError, match="attention"):
+    models.get_preset("tiny", attention="flash")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,atol", [(jnp.bfloat16, 3e-2), (jnp.float16, 5e-3)])
+def test_cudnn_equals_reference_on_gpu(dtype, atol):
+  # cuDNN's fused kernel takes half-precision inputs only; the reference runs in float32.
+  q_idx, valid, _, _, live = _cases()["padded"]
+  q, k, v = _qkv(dtype)
+  with jax.default_matmul_precision("highest"):
+    ref = lambda q, k, v: attention.reference(q.astype(jnp.float32), k.astype(jnp.float32),
+                                              v.astype(jnp.float32), q_idx, valid)
+    fused = lambda q, k, v: attention.cudnn(q, k, v, valid.sum(-1))
+    w = np.broadcast_to(np.asarray(live)[:, None, None, :, None], q.shape)
+    np.testing.assert_allclose(np.asarray(fused(q, k, v), np.float32)[w],
+                               np.asarray(ref(q, k, v), np.float32)[w], atol=atol)
+    g_ref = jax.grad(_loss(ref, live), argnums=(0, 1, 2))(q, k, v)
+    g_cud = jax.grad(_loss(fused, live), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(g_cud, g_ref):
+      np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                 atol=10 * atol)
+
+
+def test_model_blockwise_and_packed_equal_reference():
+  cfg = models.Qwen3Config(vocab_size=61, hidden_size=24, intermediate_size=37, num_layers=2,
+                           num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e4)
+  params = models.init_params(cfg, jax.random.key(0))
+  rng = np.random.default_rng(1)
+  a, b = rng.integers(0, 61, 11), rng.integers(0, 61, 17)
+  # Two sequences packed in one row of 32 (positions restart, 4 padding tokens).
+  tokens = np.zeros((1, 32), np.int32)
+  tokens[0, :11], tokens[0, 11:28] = a, b
+  seg = np.r_[np.ones(11), np.full(17, 2), np.zeros(4)].astype(np.int32)[None]
+  pos = np.r_[np.arange(11), np.arange(17), np.zeros(4)].astype(np.int32)[None]
+  for impl in ("reference", "blockwise"):
+    c = cfg.replace(attention=impl, attention_block=8)
+    packed, _ = qwen3.forward(c, params, jnp.asarray(tokens), jnp.asarray(pos),
+                              segment_ids_BxT=jnp.asarray(seg))
+    for x, span in ((a, slice(0, 11)), (b, slice(11, 28))):
+      alone = models.logits(cfg.replace(attention="reference"), params, jnp.asarray(x)[None],
+                            jnp.ones((1, len(x)), bool))
+      np.testing.assert_allclose(packed[0, span], alone[0], atol=2e-5)
+
+
+def test_cache_writes_in_place_and_drop_past_the_end():
+  # Rows write T contiguous positions; a row whose write runs past the last slot keeps its
+  # earlier slots (dynamic_update_slice would otherwise clamp and overwrite them).
+  s, t = 10, 4
+  cache = jnp.arange(2 * 1 * s * 1, dtype=jnp.float32).reshape(2, 1, s, 1)
+  new = -jnp.arange(1, 2 * t + 1, dtype=jnp.float32).reshape(2, 1, t, 1)
+  out = qwen3._write_rows(cache, new, jnp.asarray([3, 8]))
+  want = np.array(cache)
+  want[0, 0, 3:7, 0] = [-1, -2, -3, -4]
+  want[1, 0, 8:10, 0] = [-5, -6]  # Positions 10 and 11 are dropped.
+  np.testing.assert_array_equal(out, want)
+  stopped = qwen3._write_rows(cache, new[:, :, :1], jnp.asarray([s, s]))  # Slot s: nowhere.
+  np.testing.assert_array_equal(stopped, cache)

@@ -1,0 +1,128 @@
+"""Packing and chunked scoring: packed losses and gradients equal the padded batch's."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from mgrpo_jax import models, sharding
+from mgrpo_jax.rl import losses, packing
+from mgrpo_jax.rl import train_step as ts
+
+CFG = models.Qwen3Config(vocab_size=61, hidden_size=24, intermediate_size=37, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e4)
+
+
+def _batch(b=8, t=29, seed=0):
+  """Rows of different lengths: prompt, generated tokens, a tool reply, more generation."""
+  rng = np.random.RandomState(seed)
+  tokens = rng.randint(1, CFG.vocab_size, (b, t)).astype(np.int32)
+  mask = np.zeros((b, t), np.float32)
+  for i in range(b):
+    end = rng.randint(9, t + 1)
+    mask[i, 3:end] = 1
+    mask[i, 6:8] = 0  # Tool output inside the episode.
+    tokens[i, end:] = 0  # Right padding.
+  mask[1] = 0  # A row with nothing to learn from.
+  old = np.where(mask > 0, -rng.uniform(0.1, 3, (b, t)), 0).astype(np.float32)
+  return {"tokens": tokens, "loss_mask": mask, "old_logp": old,
+          "adv": rng.randn(b).astype(np.float32)}
+
+
+def test_pack_layout():
+  batch = _batch()
+  p = packing.pack(batch, max_tokens_per_micro=64, agg="seq-mean-token-mean", min_len=8)
+  m, r, l = p["tokens"].shape
+  assert r * l <= 64 and l == 32
+  # Every row with loss tokens is packed once, whole up to its last loss token.
+  lengths = packing._lengths(batch["loss_mask"])
+  assert lengths[1] == 0
+  seqs = []
+  for row_tok, row_seg, row_pos in zip(p["tokens"].reshape(-1, l), p["segment_ids"].reshape(-1, l),
+                                       p["positions"].reshape(-1, l)):
+    for s in range(1, row_seg.max() + 1):
+      idx = np.flatnonzero(row_seg == s)
+      assert np.array_equal(idx, np.arange(idx[0], idx[-1] + 1))  # Contiguous.
+      np.testing.assert_array_equal(row_pos[idx], np.arange(len(idx)))
+      seqs.append(tuple(row_tok[idx]))
+  want = [tuple(batch["tokens"][i, :n]) for i, n in enumerate(lengths) if n]
+  assert sorted(seqs) == sorted(want)
+  assert p["loss_mask"].sum() == batch["loss_mask"][:, 1:].sum()
+  assert float(p["denominator"]) == 7.0  # Sequences with >= 1 loss token.
+  tm = packing.pack(batch, max_tokens_per_micro=64, agg="token-mean", min_len=8)
+  assert float(tm["denominator"]) == batch["loss_mask"][:, 1:].sum()
+  with pytest.raises(ValueError, match="max_tokens_per_micro=16"):
+    packing.pack(batch, max_tokens_per_micro=16, agg="token-mean")
+
+
+def test_pack_rows_multiple():
+  p = packing.pack(_batch(), max_tokens_per_micro=64, agg="token-mean", min_len=8,
+                   rows_multiple=4)
+  assert p["tokens"].shape[1] % 4 == 0
+
+
+def _state(tx, seed=0):
+  return ts.init_state(models.init_params(CFG, jax.random.key(seed)), tx, jax.random.key(1))
+
+
+def _flat(params):
+  return np.concatenate([np.ravel(x) for x in jax.tree.leaves(nnx.to_pure_dict(params))])
+
+
+@pytest.mark.parametrize("kind,agg", [("clipped", "seq-mean-token-mean"),
+                                      ("clipped", "token-mean"),
+                                      ("reinforce", "seq-mean-token-sum")])
+@pytest.mark.parametrize("attn", ["reference", "blockwise"])
+def test_packed_step_equals_padded(kind, agg, attn):
+  tx = optax.sgd(1.0)  # The update is then the gradient: equal updates <=> equal grads.
+  cfg = CFG.replace(attention=attn, attention_block=8)
+  loss_cfg = ts.LossConfig(kind=kind, agg=agg, temperature=0.9)
+  batch = _batch()
+  s_pad, m_pad = ts.make_train_step(CFG, loss_cfg, tx, logits_chunk=50)(_state(tx), batch)
+  # Budgets of one and of several micro-batches.
+  for budget in (256, 64):
+    s_pk, m_pk = ts.make_train_step(cfg, loss_cfg, tx, max_tokens_per_micro=budget,
+                                    logits_chunk=40)(_state(tx), batch)
+    assert abs(float(m_pad["loss"])) > 1e-3
+    np.testing.assert_allclose(float(m_pk["loss"]), float(m_pad["loss"]), rtol=1e-5)
+    np.testing.assert_allclose(float(m_pk["tokens"]), float(m_pad["tokens"]))
+    np.testing.assert_allclose(float(m_pk["entropy"]), float(m_pad["entropy"]), rtol=1e-5)
+    np.testing.assert_allclose(_flat(s_pk.params), _flat(s_pad.params), atol=2e-6)
+
+
+def test_packed_step_on_a_mesh():
+  mesh = sharding.make_mesh(dict(data=4, fsdp=2, tensor=1))
+  tx = optax.sgd(1.0)
+  state = _state(tx)
+  st_sh = ts.state_shardings(state, mesh)
+  batch = _batch()
+  ref, m_ref = ts.make_train_step(CFG, ts.LossConfig(), tx, max_tokens_per_micro=64)(
+      _state(tx), batch)
+  step = ts.make_train_step(CFG, ts.LossConfig(), tx, mesh=mesh, state_sharding=st_sh,
+                            max_tokens_per_micro=64)
+  out, m = step(jax.device_put(state, st_sh), batch)
+  np.testing.assert_allclose(float(m["loss"]), float(m_ref["loss"]), rtol=1e-5)
+  np.testing.assert_allclose(_flat(out.params), _flat(ref.params), atol=2e-6)
+
+
+def test_chunked_logprobs_equal_full():
+  rng = np.random.default_rng(0)
+  h = jnp.asarray(rng.normal(size=(3, 7, 16)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(16, 53)) * 0.3, jnp.float32)
+  y = jnp.asarray(rng.integers(0, 53, (3, 7)))
+  c = jnp.asarray(rng.normal(size=(3, 7)), jnp.float32)
+
+  def full(h, w):
+    logits = jnp.einsum("btd,dv->btv", h, w) / 0.7
+    return losses.token_logprobs(logits, y), losses.entropy(logits)
+
+  for chunk in (1, 5, 21, 4096):
+    chunked = lambda h, w: losses.chunked_logprobs(h, w, y, temperature=0.7, chunk=chunk)
+    for a, b in zip(chunked(h, w), full(h, w)):
+      np.testing.assert_allclose(a, b, atol=1e-5)
+    g_full = jax.grad(lambda h, w: jnp.sum(full(h, w)[0] * c), argnums=(0, 1))(h, w)
+    g_chunk = jax.jit(jax.grad(lambda h, w: jnp.sum(chunked(h, w)[0] * c), argnums=(0, 1)))(h, w)
+    for a, b in zip(g_chunk, g_full):
+      np.testing.assert_allclose(a, b, atol=1e-5)
