@@ -47,7 +47,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mgrpo_jax import decoupled  # noqa: E402
+from mgrpo_jax import delegation  # noqa: E402
 from mgrpo_jax import tokenizer as tk  # noqa: E402
 from mgrpo_jax.agents import experts, rollout  # noqa: E402
 from mgrpo_jax.envs import search, world  # noqa: E402
@@ -76,7 +76,7 @@ class TimedService:
     return out
 
 
-class TimedExchangeSubAgent(decoupled.ExchangeSubAgent):
+class TimedExchangeSubAgent(delegation.ExchangeSubAgent):
   """The main side's `ExchangeSubAgent`, timing each wave's round trip."""
 
   def __init__(self, *args, **kwargs):
@@ -125,7 +125,7 @@ def run(args) -> dict:
 
     def sub_side():
       try:
-        served["outcome"] = decoupled.serve_step(sub_ex, service, step, timeout_s=120)
+        served["outcome"] = delegation.serve_step(sub_ex, service, step, timeout_s=120)
       except Exception as e:  # Surfaced below.
         errors.append(e)
 
@@ -140,7 +140,7 @@ def run(args) -> dict:
     eps = rollout.rollout_main(main_policy, main_side, qs, num_rollouts=args.rollouts,
                                tokenizer=TOK, limits=limits, key=key, step=step)
     outcome = hierarchy.main_outcomes(eps, [q.answer for q in qs], len(qs), args.rollouts)
-    decoupled.publish_outcome(main_ex, step, outcome, main_side.waves)
+    delegation.publish_outcome(main_ex, step, outcome, main_side.waves)
     thread.join(timeout=300)
     wall = time.perf_counter() - start
     if errors or thread.is_alive():

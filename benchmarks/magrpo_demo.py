@@ -20,7 +20,7 @@ from absl import app, flags
 
 from configs import magrpo as magrpo_config
 from mgrpo_jax import metrics as metrics_lib
-from mgrpo_jax.magrpo import train as magrpo_train
+from mgrpo_jax.magrpo import program as magrpo_program
 
 _OUT = flags.DEFINE_string("out", "benchmarks/results/magrpo-demo-cpu.json", "JSON output.")
 _SEEDS = flags.DEFINE_integer("seeds", 3, "Seeds of the MAGRPO runs.")
@@ -40,7 +40,7 @@ def _run(arg: str, num_steps, workdir: str) -> dict:
   if num_steps is not None:
     c.num_steps = num_steps
   t0 = time.perf_counter()
-  magrpo_train.train_and_evaluate(c, workdir)
+  magrpo_program.train_and_evaluate(c, workdir)
   wall = time.perf_counter() - t0
   evals = [r for r in metrics_lib.read_metrics(workdir) if "eval/accuracy" in r]
   first, last = evals[0], evals[-1]

@@ -24,7 +24,7 @@ from absl import app, flags, logging
 
 from configs import mgrpo as mgrpo_config
 from configs import sft as sft_config
-from mgrpo_jax import evaluate, sft, train
+from mgrpo_jax import colocated, evaluate, sft
 
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/mgrpo_demo", "Runs go to subfolders (replaced).")
 _OUT = flags.DEFINE_string("out", "benchmarks/results/mgrpo-demo-cpu-world.json",
@@ -85,7 +85,7 @@ def rl_run(arg: str, init: str) -> dict:
   name = arg.replace("runlocal,", "").replace(",", "-").replace("=", "")
   workdir = _fresh(os.path.join(_WORKDIR.value, name))
   t0 = time.perf_counter()
-  train.train_and_evaluate(c, workdir)
+  colocated.train_and_evaluate(c, workdir)
   wall = time.perf_counter() - t0
   rows = _read_metrics(workdir)
   steps = [r for r in rows if "time/step_s" in r]

@@ -37,7 +37,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.policy = args["policy"]  # "model", or "expert": evaluate the scripted experts.
   c.expert_think = True  # Scripted experts write a short <think> before each action.
   # "byte", "byte+names" (+ the world's names as words), "byte+world" (+ its phrases too; see
-  # train.tokenizer_words) or a local HF tokenizer directory.
+  # research_env.tokenizer_words) or a local HF tokenizer directory.
   c.tokenizer = "byte"
   preset = args["model"] or ("tiny_wide" if args["runlocal"] and not args["smoke"] else "tiny")
   c.main_model = common.model(preset)

@@ -5,7 +5,7 @@
 
 from absl import app, flags, logging
 
-from mgrpo_jax import demo
+from mgrpo_jax import hf_demo
 
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/hf_demo", "Where the checkpoint is written.")
 _PRESET = flags.DEFINE_string("preset", "tiny", "Model preset for the random checkpoint.")
@@ -15,7 +15,7 @@ _NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 48, "Tokens to generate per
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
-  demo.run(_WORKDIR.value, preset=_PRESET.value, max_new_tokens=_NEW_TOKENS.value)
+  hf_demo.run(_WORKDIR.value, preset=_PRESET.value, max_new_tokens=_NEW_TOKENS.value)
 
 
 if __name__ == "__main__":

@@ -8,16 +8,16 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from mgrpo_jax import sft, train
-from mgrpo_jax.magrpo import train as magrpo_train
+from mgrpo_jax import colocated, sft
+from mgrpo_jax.magrpo import program as magrpo_program
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file[:args].",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (resumed if it holds a run).")
 flags.mark_flags_as_required(["config", "workdir"])
 
-PROGRAMS = {"mgrpo": train.train_and_evaluate, "sft": sft.train_sft,
-            "magrpo": magrpo_train.train_and_evaluate}
+PROGRAMS = {"mgrpo": colocated.train_and_evaluate, "sft": sft.train_sft,
+            "magrpo": magrpo_program.train_and_evaluate}
 
 
 def main(argv):

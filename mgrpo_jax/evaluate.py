@@ -1,4 +1,7 @@
-"""Held-out evaluation of a run's latest checkpoint, a config's models, or the experts."""
+"""Held-out evaluation of a run's latest checkpoint, a config's models, or the experts.
+
+  python launch/evaluate.py --config=configs/mgrpo.py:runlocal,policy=expert --workdir=/tmp/e
+"""
 
 import json
 import os
@@ -7,14 +10,13 @@ import jax
 import ml_collections
 
 from mgrpo_jax import checkpoint as ckpt_lib
-from mgrpo_jax import decoupled, sharding
-from mgrpo_jax import train as train_lib
-from mgrpo_jax.magrpo import train as magrpo_train
+from mgrpo_jax import delegation, mgrpo_step, plumbing, research_env, sharding
+from mgrpo_jax.magrpo import step as magrpo_step
 
 
 def _restore_pair(agents: dict, run, workdir: str) -> int:
   """Loads each role from `<run>/<role>/checkpoints` at the newest step all of them have."""
-  ckpts = {role: ckpt_lib.Checkpointer(decoupled.checkpoint_location(run, role),
+  ckpts = {role: ckpt_lib.Checkpointer(delegation.checkpoint_location(run, role),
                                        cache_dir=os.path.join(workdir, "checkpoints", role))
            for role in agents}
   try:
@@ -33,6 +35,28 @@ def _restore_pair(agents: dict, run, workdir: str) -> int:
   return step
 
 
+def _restore_latest(workdir: str, agents: dict) -> int:
+  with ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints")) as ckpt:
+    return plumbing.restore_agents(ckpt, agents)
+
+
+def _write(workdir: str, result: dict) -> dict:
+  with open(os.path.join(workdir, "eval.json"), "w") as f:
+    json.dump(result, f, indent=2)
+  return result
+
+
+def _run_magrpo(c: ml_collections.ConfigDict, workdir: str) -> dict:
+  """MAGRPO: the latest checkpoint in `workdir` (else the config's weights)."""
+  run = magrpo_step.setup(c)
+  step = _restore_latest(workdir, run.agents)
+  m = magrpo_step.evaluate(c, run, step=step)
+  return _write(workdir, {
+      "accuracy": m["eval/accuracy"], "step": step, "task": c.task.name, "variant": c.variant,
+      "pipeline": c.pipeline, "num_examples": min(c.num_eval, len(run.task.test)),
+      **{k.removeprefix("eval/"): v for k, v in m.items()}})
+
+
 def run(c: ml_collections.ConfigDict, workdir: str, *, run_location=None) -> dict:
   """Evaluates and writes `workdir/eval.json` (accuracy, format rate, turns, delegations).
 
@@ -42,30 +66,27 @@ def run(c: ml_collections.ConfigDict, workdir: str, *, run_location=None) -> dic
   in this process either way. MAGRPO configs (`program="magrpo"`) evaluate their agents
   on the task's held-out examples.
   """
+  os.makedirs(workdir, exist_ok=True)
   if c.get("program") == "magrpo":
     if run_location:
       raise ValueError("--run is for decoupled M-GRPO runs; MAGRPO evaluates --workdir.")
-    return magrpo_train.evaluate_workdir(c, workdir)
-  os.makedirs(workdir, exist_ok=True)
-  env = train_lib.build_env(c)
+    return _run_magrpo(c, workdir)
+  w = mgrpo_step.resolve_wiring(c)
+  env = research_env.build_env(c)
   agents, step = {}, 0
   if c.policy != "expert":
     mesh = sharding.make_mesh(dict(c.mesh))
-    agents = train_lib.build_agents(c, env, mesh, jax.random.key(c.seed))
+    agents = mgrpo_step.build_agents(c, w, env, mesh, jax.random.key(c.seed))
     if run_location is not None:
       step = _restore_pair(agents, run_location, workdir)
     else:
-      ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"))
-      step = train_lib.restore_agents(ckpt, agents)
-      ckpt.close()
+      step = _restore_latest(workdir, agents)
   elif run_location is not None:
     raise ValueError("config.policy='expert' evaluates the scripted experts; drop --run.")
-  metrics = train_lib.evaluate(c, env, agents, step=step)
+  metrics = mgrpo_step.evaluate(c, w, env, agents, step=step)
   result = {"accuracy": metrics["eval/accuracy"], "step": step, "policy": c.policy,
             "variant": c.variant, "num_questions": min(c.num_eval_questions, len(env.test)),
             **{k.removeprefix("eval/"): v for k, v in metrics.items()}}
   if run_location is not None:
     result["run"] = run_location if isinstance(run_location, str) else json.dumps(run_location)
-  with open(os.path.join(workdir, "eval.json"), "w") as f:
-    json.dump(result, f, indent=2)
-  return result
+  return _write(workdir, result)

@@ -145,7 +145,7 @@ def run_tests(program: str, tests: Sequence[str], *, timeout_per_test_s: float =
     timeout_s = timeout_per_test_s * (len(tests) + 1) + 1.0
   spec = {"program": program, "tests": list(tests), "per_test_s": timeout_per_test_s,
           "stop_after": stop_after_timeouts}
-  result, report = _execute(sandbox_child._HARNESS, timeout_s=timeout_s, memory_mb=memory_mb,
+  result, report = _execute(sandbox_child.HARNESS, timeout_s=timeout_s, memory_mb=memory_mb,
                             stdin=None, files={"tests.json": json.dumps(spec)},
                             max_output_bytes=max_output_bytes, max_procs=16, disk_mb=64,
                             python=python, isolation=isolation, want_report=True)
@@ -185,7 +185,7 @@ def _execute(code, *, timeout_s, memory_mb, stdin, files, max_output_bytes, max_
     config = {"staging": staging, "python": python, "uid": uid, "memory_mb": memory_mb,
               "cpu_s": cpu_limit, "max_procs": max_procs, "disk_mb": disk_mb,
               "isolation": isolation, "closed": _closed_dirs(python)}
-    data, killed_for, truncated, wall_s = sandbox_launch._launch(
+    data, killed_for, truncated, wall_s = sandbox_launch.launch(
         config, stdin, timeout_s, max_output_bytes, want_report)
     for line in data["status"].decode(errors="replace").splitlines():
       report.update(json.loads(line))

@@ -2,7 +2,7 @@
 
 `sandbox_launch` starts this file as a script (`python -I -S sandbox_child.py CONFIG`): the
 bootstrap unshares namespaces, builds the private filesystem, forks init and the program, drops
-privileges and execs. `_HARNESS` (the `run_tests` driver) and `_GUARD` (the audit hook) are
+privileges and execs. `HARNESS` (the `run_tests` driver) and `_GUARD` (the audit hook) are
 sources run by the sandboxed interpreter. Only the standard library may be imported here: with
 `-I -S` neither this package nor site-packages is on the path.
 """
@@ -29,7 +29,7 @@ _CAP_DAC_READ_SEARCH = 2
 
 # The harness that `run_tests` runs as main.py; results go to fd 3, not stdout, so the
 # program's prints cannot be mistaken for them.
-_HARNESS = r'''
+HARNESS = r'''
 import json, os, signal, traceback
 
 class _Timeout(BaseException):

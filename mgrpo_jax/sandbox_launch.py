@@ -18,7 +18,7 @@ from mgrpo_jax import sandbox_child
 _EXIT_GRACE_S = 0.5  # After exit, how long to drain pipes still held by stragglers.
 
 
-def _launch(config, stdin, timeout_s, max_output_bytes, want_report):
+def launch(config, stdin, timeout_s, max_output_bytes, want_report):
   """Starts the bootstrap and collects its streams; every process is dead on return."""
   status_r, status_w = os.pipe()
   tests_r, tests_w = os.pipe() if want_report else (None, None)

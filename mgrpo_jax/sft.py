@@ -3,13 +3,13 @@
 The experts act through the real rollout engine and tools, so the traces are token sequences
 exactly like the RL rollouts: the loss covers only the tokens the agent "generated". The loss
 is the token-mean negative log-likelihood, i.e. the REINFORCE objective with advantage 1,
-so SFT reuses the RL train step. The final weights are written as HF checkpoints under
-`workdir/hf/<agent>`, which an RL config starts from with `init=<workdir>`.
+so SFT reuses the RL train step (`plumbing.nll_objective`, shared with MAGRPO's warm
+start). The final weights are written as HF checkpoints under `workdir/hf/<agent>`, which an
+RL config starts from with `init=<workdir>`.
 """
 
 import dataclasses
 import os
-import time
 
 import jax
 import ml_collections
@@ -17,29 +17,23 @@ import numpy as np
 from absl import logging
 
 from mgrpo_jax import checkpoint as ckpt_lib
-from mgrpo_jax import metrics as metrics_lib
-from mgrpo_jax import sharding
-from mgrpo_jax import train as train_lib
+from mgrpo_jax import loop, mgrpo_step, plumbing, research_env, sharding
 from mgrpo_jax.envs import search
-from mgrpo_jax.rl import hierarchy
+from mgrpo_jax.rl import batch as batch_lib
+from mgrpo_jax.rl import rewards
 
 
-def expert_episodes(c, env, *, seed: int) -> dict[str, list]:
-  """Expert traces on the training questions, per agent role (format-valid ones only)."""
+def expert_episodes(c, w: mgrpo_step.Wiring, env, *, seed: int) -> dict[str, list]:
+  """Expert traces on the training questions, per agent (format-valid ones only)."""
   sft = c.sft
-  expert_cfg = c.copy_and_resolve_references()
-  expert_cfg.policy = "expert"
-  policies = train_lib.make_policies(expert_cfg, env, {}, c.sampling, version=0,
-                                     expert_noise=sft.expert_noise, seed=seed)
+  policies = mgrpo_step.expert_policies(c, w, env, noise=sft.expert_noise, seed=seed)
   questions = [env.train[i % len(env.train)] for i in range(sft.num_questions)]
-  eps, sub_eps = train_lib.run_rollouts(c, env, policies, questions, num_rollouts=1,
-                                        key=jax.random.key(seed), step=0)
+  eps, sub_eps = mgrpo_step.run_rollouts(c, w, env, policies, questions, num_rollouts=1,
+                                         key=jax.random.key(seed), step=0)
   keep = lambda es: [e for e in es if e.format_ok and (not sft.only_correct or _correct(e))]
-  if c.variant == "single":
-    return {"single": keep(eps)}
-  out = {"main": keep(eps), "sub": keep(sub_eps)}
-  if c.variant == "shared":
-    out = {"main": out["main"] + out["sub"]}
+  out = {name: [] for name in w.agents}
+  for role, role_eps in zip(w.roles, (eps, sub_eps)):
+    out[w.agent_of[role]] += keep(role_eps)  # 'shared': one agent learns both roles.
   return out
 
 
@@ -79,7 +73,6 @@ def corpus_rows(env) -> list[TextRow]:
 def _correct(ep) -> bool:
   if ep.role == "sub":
     return True  # A sub-agent trace is judged by the main episode it served.
-  from mgrpo_jax.rl import rewards
   return bool(rewards.exact_match(ep.final or "", ep.task.answer))
 
 
@@ -107,13 +100,13 @@ def _weights(mask_BxT: np.ndarray, rows, row_weights, context_weight: float) -> 
 
 def train_sft(c: ml_collections.ConfigDict, workdir: str) -> dict:
   """Runs the warm start; resumes from `workdir` when it holds a checkpoint."""
-  train_lib.validate_config(c)
+  w = mgrpo_step.resolve_wiring(c)
   os.makedirs(workdir, exist_ok=True)
   sft = c.sft
   mesh = sharding.make_mesh(dict(c.mesh))
-  train_lib.check_batch_divides_mesh(sft.batch_size, mesh, "config.sft.batch_size")
-  env = train_lib.build_env(c)
-  data = expert_episodes(c, env, seed=c.seed)
+  plumbing.check_batch_divides_mesh(sft.batch_size, mesh, "config.sft.batch_size")
+  env = research_env.build_env(c)
+  data = expert_episodes(c, w, env, seed=c.seed)
   corpus = corpus_rows(env) if sft.corpus_weight else []
   # Per agent, the other roles' traces (built once: the list is as long as the data).
   others = {name: [e for other, eps in data.items() if other != name for e in eps]
@@ -122,51 +115,38 @@ def train_sft(c: ml_collections.ConfigDict, workdir: str) -> dict:
     lens = [len(e.tokens) for e in eps]
     logging.info("SFT data %s: %d episodes, %d-%d tokens.", name, len(eps), min(lens), max(lens))
   sft_cfg = c.copy_and_resolve_references()
-  for lc in (sft_cfg.main_loss, sft_cfg.sub_loss):
-    lc.kind, lc.agg = "reinforce", "token-mean"  # NLL = REINFORCE with advantage 1.
-  for oc in (sft_cfg.main_optim, sft_cfg.sub_optim):
-    oc.learning_rate, oc.weight_decay = sft.learning_rate, sft.weight_decay
+  for role in ("main", "sub"):
+    sft_cfg[f"{role}_loss"], sft_cfg[f"{role}_optim"] = plumbing.nll_objective(
+        c[f"{role}_loss"], c[f"{role}_optim"], learning_rate=sft.learning_rate,
+        weight_decay=sft.weight_decay)
   sft_cfg.sampling.temperature = 1.0
-  agents = train_lib.build_agents(sft_cfg, env, mesh, jax.random.key(c.seed))
+  agents = mgrpo_step.build_agents(sft_cfg, w, env, mesh, jax.random.key(c.seed))
   ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=1)
-  start = train_lib.restore_agents(ckpt, agents)
-  writer = metrics_lib.MetricsWriter(workdir)
-  writer.truncate_after(start - 1)
-  progress = metrics_lib.Progress(sft.num_steps, initial=start, desc="sft")
-  m = {}
-  for step in range(start, sft.num_steps + 1):
-    # As in RL: evaluate before a step's update (step 0 = the untrained model), and once
-    # more at the end on its own line, so a resumed run rewrites exactly the same lines.
-    m = {}
-    if step % sft.eval_every == 0 or step == sft.num_steps:
-      m.update(train_lib.evaluate(c, env, agents, step=step))
-    if step == sft.num_steps:
-      writer.write(step, m)
-      break
-    t0 = time.perf_counter()
-    for name, agent in agents.items():
-      rng = np.random.default_rng([c.seed, step, len(name)])
-      rows, weights = _pick(data[name], sft.batch_size, rng), [None] * sft.batch_size
-      for extra_rows, w in ((others[name], sft.other_roles_weight), (corpus, sft.corpus_weight)):
-        if w and extra_rows:
-          extra = _pick(extra_rows, sft.batch_size // 2, rng)
-          rows, weights = rows + extra, weights + [w] * len(extra)
-      batch = hierarchy.make_batch(rows, np.ones(len(rows), np.float32),
-                                   length=hierarchy.batch_length(rows, c.limits.max_len),
-                                   pad_id=env.tokenizer.pad_id)
-      if sft.context_weight or sft.other_roles_weight or sft.corpus_weight:
-        batch["loss_mask"] = _weights(batch["loss_mask"], rows, weights, sft.context_weight)
-      agent.state, metrics = agent.step_fn(agent.state, batch)
-      metrics = jax.device_get(metrics)
-      m[f"sft/{name}/nll"] = float(metrics["loss"])
-      m[f"sft/{name}/grad_norm"] = float(metrics["grad_norm"])
-    m["time/step_s"] = time.perf_counter() - t0
-    writer.write(step, m)
-    progress.update(1, {k: v for k, v in m.items() if k.endswith("/nll") or k == "eval/accuracy"})
-    train_lib.save_after_step(ckpt, agents, step, every=sft.checkpoint_every, last=sft.num_steps)
-  ckpt.wait()
-  ckpt.close()
-  writer.close()
-  progress.close()
-  train_lib._save_final_hf(workdir, agents, env.tokenizer)
-  return m
+  start = plumbing.restore_agents(ckpt, agents)
+
+  def batch_of(name: str, step: int) -> batch_lib.Batch:
+    rng = np.random.default_rng([c.seed, step, len(name)])
+    rows, weights = _pick(data[name], sft.batch_size, rng), [None] * sft.batch_size
+    for extra_rows, weight in ((others[name], sft.other_roles_weight),
+                               (corpus, sft.corpus_weight)):
+      if weight and extra_rows:
+        extra = _pick(extra_rows, sft.batch_size // 2, rng)
+        rows, weights = rows + extra, weights + [weight] * len(extra)
+    batch = batch_lib.make_batch(rows, np.ones(len(rows), np.float32), max_len=c.limits.max_len,
+                                 pad_id=env.tokenizer.pad_id, minimum=mgrpo_step.MIN_LENGTH)
+    if sft.context_weight or sft.other_roles_weight or sft.corpus_weight:
+      batch = batch.replace(loss_mask=_weights(batch.loss_mask, rows, weights,
+                                               sft.context_weight))
+    return batch
+
+  def update(step: int) -> dict:
+    out = plumbing.update_agents(agents, {n: batch_of(n, step) for n in agents}, step)
+    return {f"sft/{n}/{k}": out[f"{n}/{m}"] for n in agents
+            for k, m in (("nll", "loss"), ("grad_norm", "grad_norm"))}
+
+  schedule = loop.Schedule(sft.num_steps, sft.eval_every, sft.checkpoint_every)
+  return loop.train_loop(
+      workdir, agents, ckpt, schedule, start=start, update=update,
+      evaluate=lambda step: mgrpo_step.evaluate(c, w, env, agents, step=step),
+      tokenizer=env.tokenizer, desc="sft",
+      show=[f"sft/{n}/nll" for n in agents] + ["eval/accuracy"])

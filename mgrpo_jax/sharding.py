@@ -85,7 +85,7 @@ def param_spec(path: str, shape: Sequence[int], mesh: Mesh) -> P:
   raise ShardingError(f"No sharding rule matches parameter {path!r}; add one to PARAM_RULES.")
 
 
-def _path_str(path) -> str:
+def path_str(path) -> str:
   keys = [getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path]
   return "/".join(str(k) for k in keys if str(k) != "value")
 
@@ -93,7 +93,7 @@ def _path_str(path) -> str:
 def param_shardings(abstract_params: nnx.State, mesh: Mesh):
   """A pytree of `NamedSharding` matching `abstract_params` (arrays or ShapeDtypeStructs)."""
   def one(path, leaf):
-    return NamedSharding(mesh, param_spec(_path_str(path), leaf.shape, mesh))
+    return NamedSharding(mesh, param_spec(path_str(path), leaf.shape, mesh))
   return jax.tree_util.tree_map_with_path(one, abstract_params)
 
 

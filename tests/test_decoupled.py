@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from mgrpo_jax import decoupled
+from mgrpo_jax import delegation
 from mgrpo_jax import tokenizer as tk
 from mgrpo_jax.agents import experts, rollout
 from mgrpo_jax.envs import search, world
@@ -49,13 +49,13 @@ def test_decoupled_step_equals_colocated(env, tmp_path):
   remote_sub = _sub_service(index, key)
   served = {}
   thread = threading.Thread(target=lambda: served.setdefault(
-      "outcome", decoupled.serve_step(exchange, remote_sub, step, timeout_s=60)))
+      "outcome", delegation.serve_step(exchange, remote_sub, step, timeout_s=60)))
   thread.start()
-  main_side = decoupled.ExchangeSubAgent(exchange, step=step, timeout_s=60)
+  main_side = delegation.ExchangeSubAgent(exchange, step=step, timeout_s=60)
   got = rollout.rollout_main(_main_policy(), main_side, qs, num_rollouts=k, tokenizer=TOK,
                              limits=LIMITS, key=key, step=step)
   outcome = _outcome(got, qs, k)
-  decoupled.publish_outcome(exchange, step, outcome, main_side.waves)
+  delegation.publish_outcome(exchange, step, outcome, main_side.waves)
   thread.join(timeout=60)
   assert not thread.is_alive()
 
@@ -75,8 +75,8 @@ def test_loopback_is_the_colocated_service_through_the_exchange(env):
   colocated_sub = _sub_service(index, key)
   want = rollout.rollout_main(_main_policy(), colocated_sub, qs, num_rollouts=k, tokenizer=TOK,
                               limits=LIMITS, key=key, step=step)
-  exchange = decoupled.memory_exchange()
-  loop = decoupled.LoopbackSubAgent(exchange, _sub_service(index, key), step=step)
+  exchange = delegation.memory_exchange()
+  loop = delegation.LoopbackSubAgent(exchange, _sub_service(index, key), step=step)
   got = rollout.rollout_main(_main_policy(), loop, qs, num_rollouts=k, tokenizer=TOK,
                              limits=LIMITS, key=key, step=step)
   assert [e.tokens for e in got] == [e.tokens for e in want]
@@ -91,26 +91,26 @@ def test_loopback_is_the_colocated_service_through_the_exchange(env):
     assert getattr(relayed, name).dtype == getattr(outcome, name).dtype
   assert exchange.wait_mark("rollouts_done", step, timeout_s=0) == {"waves": loop.waves}
   # Each loopback has its own store, so a long run keeps one step's records at most.
-  assert decoupled.memory_exchange().list("request") == []
+  assert delegation.memory_exchange().list("request") == []
 
 
 def test_evaluation_and_training_records_of_a_step_do_not_collide(env, tmp_path):
   """Evaluation delegations carry the same (step, q, k, call) as training ones."""
   qs, index = env
   exchange = Exchange(f"file://{tmp_path}/exchange")
-  for svc_step, q in ((3, qs[0]), (decoupled.EVAL_STEP_BASE + 3, qs[1])):
+  for svc_step, q in ((3, qs[0]), (delegation.EVAL_STEP_BASE + 3, qs[1])):
     sub = _sub_service(index, jax.random.key(0))
-    thread = threading.Thread(target=decoupled.serve_step, args=(exchange, sub, svc_step),
+    thread = threading.Thread(target=delegation.serve_step, args=(exchange, sub, svc_step),
                               kwargs=dict(timeout_s=60, read_outcome=False))
     thread.start()
-    main_side = decoupled.ExchangeSubAgent(exchange, step=svc_step, timeout_s=60)
+    main_side = delegation.ExchangeSubAgent(exchange, step=svc_step, timeout_s=60)
     # The rollouts' own step is 3 for both, as in the programs' evaluation.
     rollout.rollout_main(_main_policy(), main_side, [q], num_rollouts=1, tokenizer=TOK,
                          limits=LIMITS, key=jax.random.key(0), step=3)
     exchange.mark("rollouts_done", svc_step, {"waves": main_side.waves})
     thread.join(timeout=60)
     assert sub.episodes
-  assert {k[0] for k in exchange.list("request")} == {3, decoupled.EVAL_STEP_BASE + 3}
+  assert {k[0] for k in exchange.list("request")} == {3, delegation.EVAL_STEP_BASE + 3}
 
 
 def test_restarted_sub_agent_rewrites_identical_results(env, tmp_path):
@@ -120,15 +120,15 @@ def test_restarted_sub_agent_rewrites_identical_results(env, tmp_path):
   exchange = Exchange(f"file://{tmp_path}/exchange")
 
   def serve(service):
-    return decoupled.serve_step(exchange, service, step, timeout_s=60)
+    return delegation.serve_step(exchange, service, step, timeout_s=60)
 
   first = _sub_service(index, key)
   thread = threading.Thread(target=serve, args=(first,))
   thread.start()
-  main_side = decoupled.ExchangeSubAgent(exchange, step=step, timeout_s=60)
+  main_side = delegation.ExchangeSubAgent(exchange, step=step, timeout_s=60)
   eps = rollout.rollout_main(_main_policy(), main_side, qs[:3], num_rollouts=2, tokenizer=TOK,
                              limits=LIMITS, key=key, step=step)
-  decoupled.publish_outcome(exchange, step, _outcome(eps, qs[:3], 2), main_side.waves)
+  delegation.publish_outcome(exchange, step, _outcome(eps, qs[:3], 2), main_side.waves)
   thread.join(timeout=60)
   before = exchange.stats()["records_written"]
   again = _sub_service(index, key)  # A fresh process restarting the step.
@@ -141,21 +141,21 @@ def test_missing_main_agent_times_out_with_a_message(env, tmp_path):
   _, index = env
   exchange = Exchange(f"file://{tmp_path}/exchange")
   with pytest.raises(TimeoutError, match="wave 0 of step 7"):
-    decoupled.serve_step(exchange, _sub_service(index, jax.random.key(0)), 7, timeout_s=0.3)
+    delegation.serve_step(exchange, _sub_service(index, jax.random.key(0)), 7, timeout_s=0.3)
 
 
 def test_role_programs_match_the_colocated_run(tmp_path):
   """Both programs (threads here) over a file:// exchange: the colocated run's metrics."""
   from configs import mgrpo
   from mgrpo_jax import decoupled as dc
-  from mgrpo_jax import metrics, train
+  from mgrpo_jax import colocated, metrics
 
   def cfg():
     c = mgrpo.get_config("smoke")
     c.num_steps = 2
     return c
 
-  train.train_and_evaluate(cfg(), str(tmp_path / "colocated"))
+  colocated.train_and_evaluate(cfg(), str(tmp_path / "colocated"))
   url = f"file://{tmp_path}/exchange"
   errors = []
 
@@ -184,8 +184,8 @@ def test_stale_results_are_refused(tmp_path):
   exchange = Exchange(f"file://{tmp_path}/exchange")
   req = rollout.DelegationRequest(5, 0, 0, 0, "Who founded X?")
   exchange.put("result", (5, 0, 0, 0), {"text": "Y", "policy_version": 2, "format_ok": True})
-  fresh = decoupled.ExchangeSubAgent(exchange, step=5, timeout_s=1, version=5, max_staleness=3)
+  fresh = delegation.ExchangeSubAgent(exchange, step=5, timeout_s=1, version=5, max_staleness=3)
   assert fresh.delegate([req])[0].text == "Y"
-  strict = decoupled.ExchangeSubAgent(exchange, step=5, timeout_s=1, version=5, max_staleness=2)
-  with pytest.raises(decoupled.StaleResultError, match="version 2"):
+  strict = delegation.ExchangeSubAgent(exchange, step=5, timeout_s=1, version=5, max_staleness=2)
+  with pytest.raises(delegation.StaleResultError, match="version 2"):
     strict.delegate([req])

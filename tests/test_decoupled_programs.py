@@ -22,7 +22,7 @@ import uuid
 
 import pytest
 
-from mgrpo_jax import checkpoint, decoupled, metrics
+from mgrpo_jax import checkpoint, delegation, metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/mgrpo.py:smoke"  # num_steps=2: steps 0 and 1 train, 0..2 evaluate.
@@ -124,7 +124,7 @@ def _steps_in_file(workdir):
 def _assert_exactly_once(pair):
   for role in ("main", "sub"):  # Each step's metrics line exactly once, in order.
     assert _steps_in_file(pair.workdir(role)) == STEPS, role
-  ex = decoupled.open_exchange(pair.run)
+  ex = delegation.open_exchange(pair.run)
   requests, results = ex.list("request"), ex.list("result")
   assert len(set(requests)) == len(requests) and len(set(results)) == len(results)
   assert set(requests) == set(results)  # Every request answered, no stray result.
@@ -231,14 +231,14 @@ def test_pair_over_s3(env, s3_endpoint, tmp_path, monkeypatch):
     assert _steps_in_file(pair.workdir(role)) == [0, 1]
   monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
   monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-  ex = decoupled.open_exchange(json.dumps(spec))
+  ex = delegation.open_exchange(json.dumps(spec))
   assert ex.marks("rollouts_done")[:1] == [0]
   assert ex.array_steps("main_reward") == [0]
   assert set(ex.list("request")) == set(ex.list("result"))
   # Orbax cannot write to s3 itself: the checkpoints were copied there from each
   # program's cache, commit marker last.
   for role in ("main", "sub"):
-    ckpt = checkpoint.Checkpointer(decoupled.checkpoint_location(json.dumps(spec), role),
+    ckpt = checkpoint.Checkpointer(delegation.checkpoint_location(json.dumps(spec), role),
                                    cache_dir=str(tmp_path / "probe"))
     assert ckpt.all_steps() == [1]
     ckpt.close()

@@ -11,7 +11,8 @@ import pytest
 from flax import nnx
 
 from configs import mgrpo, sft as sft_config
-from mgrpo_jax import evaluate, metrics, sft, sharding, train
+from mgrpo_jax import (colocated, delegation, evaluate, metrics, mgrpo_step, plumbing,
+                       research_env, sft, sharding)
 from mgrpo_jax.envs import search
 from mgrpo_jax.envs import world as world_lib
 
@@ -33,7 +34,7 @@ def _lines(workdir):
 @pytest.mark.parametrize("variant", mgrpo.VARIANTS)
 def test_two_steps_of_each_variant(variant, tmp_path):
   c = _config(f"smoke,variant={variant}")
-  train.train_and_evaluate(c, str(tmp_path))
+  colocated.train_and_evaluate(c, str(tmp_path))
   lines = metrics.read_metrics(str(tmp_path))
   assert [m["step"] for m in lines] == [0, 1, 2]
   assert all("eval/accuracy" in m for m in lines)  # eval_every=1, step 0 included.
@@ -46,15 +47,12 @@ def test_two_steps_of_each_variant(variant, tmp_path):
   assert os.listdir(tmp_path / "tb")
 
 
-def _expert_rollouts(c, env, agents):
+def _expert_rollouts(c, w, env):
   """Valid main and sub episodes from the experts, so every update has real signal."""
-  expert_cfg = c.copy_and_resolve_references()
-  expert_cfg.policy = "expert"
-  policies = train.make_policies(expert_cfg, env, agents, c.sampling, version=0,
-                                 expert_noise=0.5, seed=3)
+  policies = mgrpo_step.expert_policies(c, w, env, noise=0.5, seed=3)
   questions = env.train[:c.num_queries]
-  return train.run_rollouts(c, env, policies, questions, num_rollouts=c.num_rollouts,
-                            key=jax.random.key(0), step=0)
+  return mgrpo_step.run_rollouts(c, w, env, policies, questions, num_rollouts=c.num_rollouts,
+                                 key=jax.random.key(0), step=0)
 
 
 def _flat(state):
@@ -66,60 +64,69 @@ def test_wiring_decides_who_learns(variant):
   c = _config(f"smoke,variant={variant}")
   c.limits.max_new_tokens = 160
   c.limits.max_turns = 6
-  env = train.build_env(c)
+  w = mgrpo_step.resolve_wiring(c)
+  env = research_env.build_env(c)
   mesh = sharding.make_mesh(dict(c.mesh))
-  agents = train.build_agents(c, env, mesh, jax.random.key(0))
+  agents = mgrpo_step.build_agents(c, w, env, mesh, jax.random.key(0))
   before = {n: _flat(a.state) for n, a in agents.items()}
-  eps, sub_eps = _expert_rollouts(c, env, agents)
+  eps, sub_eps = _expert_rollouts(c, w, env)
   assert sub_eps, "the experts delegate, so the sub-agent path is exercised"
-  batches, m = train._batches(c, env, eps, sub_eps, jax.random.key(1))
-  assert batches["sub"]["tokens"].shape[0] == c.num_queries * c.num_rollouts * c.align_d
+  batches, m = mgrpo_step.batches(c, w, env, eps, sub_eps, jax.random.key(1))
+  assert batches["sub"].tokens.shape[0] == c.num_queries * c.num_rollouts * c.align_d
   assert 0 <= m["align/duplicate_rate"] <= 1
-  out = train._update(c, agents, batches, step=0)
+  out = mgrpo_step.update(w, agents, batches, step=0)
   changed = {n: bool(np.any(_flat(a.state) != before[n])) for n, a in agents.items()}
   if variant == "mgrpo":
     assert changed == {"main": True, "sub": True} and "sub/loss" in out
   elif variant == "frozen_sub":
     assert changed == {"main": True, "sub": False} and "sub/loss" not in out
   else:  # One set of weights trained on both roles' rows.
-    assert changed == {"main": True} and out["main/tokens"] > batches["main"]["loss_mask"].sum()
+    assert changed == {"main": True} and out["main/tokens"] > batches["main"].loss_mask.sum()
 
 
-def test_colocated_delegations_and_outcome_cross_an_in_memory_exchange():
-  """The colocated trainer's default service is the decoupled exchange code, loss-free."""
+def test_colocated_step_equals_the_decoupled_protocol_over_an_in_memory_exchange():
+  """The colocated program calls its sub-agent in process; behind the decoupled programs'
+  exchange code (a `memory://` loopback), delegations, R_M and every batch are the same."""
   c = _config("smoke,policy=expert")
   c.limits.update(max_turns=6, max_new_tokens=160)
-  env = train.build_env(c)
+  w = mgrpo_step.resolve_wiring(c)
+  env = research_env.build_env(c)
   questions, key, step = env.train[:c.num_queries], jax.random.key(0), 3
 
   def rollouts(service_for):
-    policies = train.make_policies(c, env, {}, c.sampling, version=step, expert_noise=0.5,
-                                   seed=3)
+    policies = mgrpo_step.expert_policies(c, w, env, noise=0.5, seed=3)
     service = service_for(policies["sub"])
-    eps, sub_eps = train.run_rollouts(c, env, policies, questions, num_rollouts=c.num_rollouts,
-                                      key=key, step=step, service=service)
+    eps, sub_eps = mgrpo_step.run_rollouts(c, w, env, policies, questions,
+                                           num_rollouts=c.num_rollouts, key=key, step=step,
+                                           service=service)
     return eps, sub_eps, service
 
-  eps_a, sub_a, _ = rollouts(lambda p: train.colocated_sub_agent(c, env, p, key))
-  eps_b, sub_b, loop = rollouts(lambda p: train.loopback_sub_agent(c, env, p, key, step))
+  eps_a, sub_a, _ = rollouts(lambda p: None)  # The colocated program's default service.
+  eps_b, sub_b, loop = rollouts(lambda p: delegation.LoopbackSubAgent(
+      delegation.memory_exchange(), mgrpo_step.colocated_sub_agent(c, env, p, key), step=step))
   assert sub_b, "the experts delegate, so requests and results cross the exchange"
   assert [e.tokens for e in eps_b] == [e.tokens for e in eps_a]
   assert [e.tokens for e in sub_b] == [e.tokens for e in sub_a]
   assert len(loop.exchange.list("result")) == len(sub_b)
-  batches_a, m_a = train._batches(c, env, eps_a, sub_a, jax.random.key(1))
-  batches_b, m_b = train._batches(c, env, eps_b, sub_b, jax.random.key(1), loop)
+  batches_a, m_a = mgrpo_step.batches(c, w, env, eps_a, sub_a, jax.random.key(1))
+  # The loopback's sub side trains on R_M as it comes back over the exchange.
+  main_b, outcome, m_b = mgrpo_step.main_side(c, w, env, eps_b)
+  sub_batch_b, sub_m = mgrpo_step.sub_side(c, env, sub_b, loop.relay_outcome(outcome),
+                                           jax.random.key(1))
+  m_b.update(sub_m)
+  batches_b = {"main": main_b, "sub": sub_batch_b}
   assert loop.exchange.array_steps("main_reward") == [step]  # R_M went through it.
   assert m_a == m_b and m_b["main/delegations"] > 0
   for role in ("main", "sub"):
-    for name, x in batches_a[role].items():
-      np.testing.assert_array_equal(batches_b[role][name], x)
+    for x, y in zip(jax.tree.leaves(batches_a[role]), jax.tree.leaves(batches_b[role])):
+      np.testing.assert_array_equal(y, x)
 
 
 def test_resume_is_bit_identical(tmp_path):
   straight, resumed = str(tmp_path / "a"), str(tmp_path / "b")
-  train.train_and_evaluate(_config(num_steps=4, eval_every=4), straight)
-  train.train_and_evaluate(_config(num_steps=2, eval_every=4), resumed)
-  train.train_and_evaluate(_config(num_steps=4, eval_every=4), resumed)
+  colocated.train_and_evaluate(_config(num_steps=4, eval_every=4), straight)
+  colocated.train_and_evaluate(_config(num_steps=2, eval_every=4), resumed)
+  colocated.train_and_evaluate(_config(num_steps=4, eval_every=4), resumed)
   assert _lines(straight) == _lines(resumed)
   assert [m["step"] for m in _lines(resumed)] == [0, 1, 2, 3, 4]
   ckpt_a = sorted(os.listdir(os.path.join(straight, "hf", "main")))
@@ -165,7 +172,7 @@ def test_sft_loss_weights_own_context_and_other_roles():
 def test_sft_corpus_rows_are_the_pages_as_visit_shows_them():
   c = sft_config.get_config("smoke")
   c.tokenizer = "byte+names"
-  env = train.build_env(c)
+  env = research_env.build_env(c)
   rows = sft.corpus_rows(env)
   assert len(rows) == len(env.index.documents)
   for row, doc in zip(rows, env.index.documents):
@@ -183,29 +190,34 @@ def test_sft_corpus_rows_are_the_pages_as_visit_shows_them():
 def test_byte_world_tokenizer_adds_phrases_roles_and_prompts():
   c = sft_config.get_config("smoke")
   c.tokenizer = "byte+world"
-  env = train.build_env(c)
+  env = research_env.build_env(c)
   words = env.tokenizer.words
   assert len(set(words)) == len(words)
   c_names = sft_config.get_config("smoke")
   c_names.tokenizer = "byte+names"
-  assert set(train.build_env(c_names).tokenizer.words) < set(words) and " counts as " in words
+  names = research_env.build_env(c_names).tokenizer.words
+  assert set(names) < set(words) and " counts as " in words
   tok = env.tokenizer
   word_id = lambda w: words.index(w) + tok.vocab_size - len(words)
   ids = tok.encode("<|im_start|>user\nQuestion: In which country is ")
   assert ids[1:] == [word_id("user\n"), word_id("Question: "), word_id("In which country is ")]
   assert tok.decode(ids) == "<|im_start|>user\nQuestion: In which country is "
-  assert train.tokenizer_words("byte", world_lib.generate_world(world_lib.WorldConfig())) == ()
+  the_world = world_lib.generate_world(world_lib.WorldConfig())
+  assert research_env.tokenizer_words("byte", the_world) == ()
 
 
 def test_warm_start_from_another_tokenizer_is_refused(tmp_path):
   c = _config(tokenizer="byte+names")
   mesh = sharding.make_mesh(dict(c.mesh))
-  env = train.build_env(c)
-  train._save_final_hf(str(tmp_path), train.build_agents(c, env, mesh, jax.random.key(0)),
-                       env.tokenizer)
+  env = research_env.build_env(c)
+  w = mgrpo_step.resolve_wiring(c)
+  plumbing.save_final_hf(str(tmp_path), mgrpo_step.build_agents(c, w, env, mesh,
+                                                                jax.random.key(0)),
+                         env.tokenizer)
   words_file = tmp_path / "hf" / "main" / "byte_tokenizer_words.json"
   assert json.loads(words_file.read_text())["words"] == list(env.tokenizer.words)
-  start = lambda cfg: train.build_agents(cfg, train.build_env(cfg), mesh, jax.random.key(0))
+  start = lambda cfg: mgrpo_step.build_agents(cfg, w, research_env.build_env(cfg), mesh,
+                                              jax.random.key(0))
   start(_config(f"smoke,init={tmp_path}", tokenizer="byte+names"))  # the same tokenizer: fine
   with pytest.raises(ValueError, match=r"has \d+ token ids but the tokenizer has \d+"):
     start(_config(f"smoke,init={tmp_path}", tokenizer="byte+world"))  # more ids
@@ -228,12 +240,12 @@ def test_evaluate_writes_eval_json_for_experts(tmp_path):
 def test_bad_config_value_names_the_field(tmp_path):
   c = _config()
   c.main_loss.agg = "mean"
-  with pytest.raises(train.ConfigValueError, match=r"config\.main_loss\.agg"):
-    train.train_and_evaluate(c, str(tmp_path))
+  with pytest.raises(plumbing.ConfigValueError, match=r"config\.main_loss\.agg"):
+    colocated.train_and_evaluate(c, str(tmp_path))
   c = _config()
   c.limits.max_len = 0
-  with pytest.raises(train.ConfigValueError, match=r"config\.limits\.max_len"):
-    train.train_and_evaluate(c, str(tmp_path))
+  with pytest.raises(plumbing.ConfigValueError, match=r"config\.limits\.max_len"):
+    colocated.train_and_evaluate(c, str(tmp_path))
   with pytest.raises(ValueError, match="variant"):
     mgrpo.get_config("variant=bogus")
 

@@ -47,9 +47,9 @@ Rng = random.Random | np.random.Generator
 
 # The world's templates are the single source of truth: patterns are built from them, so a
 # template added to world.py is parsed here too (tests iterate every attribute).
-_MAKES = sorted({m[1] for m in world_lib._MEDIA.values()})  # wrote, recorded, directed
-_ISSUES = sorted({m[3] for m in world_lib._MEDIA.values()})  # published, released, ...
-_MEDIA = sorted(world_lib._MEDIA)
+_MAKES = sorted({m[1] for m in world_lib.MEDIA.values()})  # wrote, recorded, directed
+_ISSUES = sorted({m[3] for m in world_lib.MEDIA.values()})  # published, released, ...
+_MEDIA = sorted(world_lib.MEDIA)
 _SLOTS = {
   "made": "(?:" + "|".join(_MAKES) + ")", "issued": "(?:" + "|".join(_ISSUES) + ")",
   "a_medium": "(?:a|an) (?:" + "|".join(_MEDIA) + ")",
@@ -71,8 +71,8 @@ def _compile(template: str) -> tuple[re.Pattern, int]:
   return re.compile("".join(parts)), literal
 
 
-_QUESTIONS = [(attr, _compile(t)[0]) for attr, t in world_lib._ASK.items()]
-_FACT_PATTERNS = [(attr, *_compile(t)) for attr, ts in world_lib._FACTS.items() for t in ts]
+_QUESTIONS = [(attr, _compile(t)[0]) for attr, t in world_lib.ASK.items()]
+_FACT_PATTERNS = [(attr, *_compile(t)) for attr, ts in world_lib.FACTS.items() for t in ts]
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 _HIT_LINE = re.compile(r"\[(?P<doc_id>[^\]\s]+)\] (?P<title>.+?): ")
 _VISIT_HEAD = re.compile(r"\[(?P<doc_id>[^\]\s]+)\] (?P<title>[^\n]+)\n(?P<text>.*)", re.S)

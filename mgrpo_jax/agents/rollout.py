@@ -394,18 +394,3 @@ def rollout_single(policy: TurnPolicy, questions: Sequence[Any], *, num_rollouts
     return [_call_tool(tools, turn) for _, turn in pending]
 
   return run_episodes(policy, episodes, tool_fn, tokenizer=tokenizer, limits=limits, key=key)
-
-
-def to_batch(episodes: Sequence[Episode], *, length: int, pad_id: int) -> dict[str, np.ndarray]:
-  """Right-padded training arrays [B, length] (see rl.train_step for the layout)."""
-  b = len(episodes)
-  tokens = np.full((b, length), pad_id, np.int32)
-  mask = np.zeros((b, length), np.float32)
-  logp = np.zeros((b, length), np.float32)
-  for i, ep in enumerate(episodes):
-    n = len(ep.tokens)
-    if n > length:
-      raise ValueError(f"Episode {i} (q={ep.q}, k={ep.k}, call={ep.call}) has {n} tokens; "
-                       f"the batch length is {length}.")
-    tokens[i, :n], mask[i, :n], logp[i, :n] = ep.tokens, ep.loss_mask, ep.logprobs
-  return {"tokens": tokens, "loss_mask": mask, "old_logp": logp}

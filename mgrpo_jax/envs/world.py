@@ -45,14 +45,14 @@ _TITLE_NOUNS = ("Letters", "Tides", "Lanterns", "Harvest", "Echoes", "Winter", "
                 "Machines", "Orchard", "Voyage", "Silence", "Mirrors")  # fmt: skip
 _POPULATIONS = ("village", "town", "city", "metropolis")
 # medium -> (maker noun, verb of making, issuer noun, verb of issuing).
-_MEDIA = {
+MEDIA = {
   "book": ("author", "wrote", "publisher", "published"),
   "album": ("performer", "recorded", "label", "released"),
   "film": ("director", "directed", "distributor", "distributed"),
 }
 
 # Sentence templates. Every fact template names the entity and holds the value verbatim.
-_FACTS: Mapping[str, tuple[str, ...]] = {
+FACTS: Mapping[str, tuple[str, ...]] = {
   "birth_year": ("{name} was born in the year {value}.",
                  "Records give {value} as the birth year of {name}."),
   "birthplace": ("{name} was born in {value}.", "The birthplace of {name} is {value}."),
@@ -79,8 +79,8 @@ _DISTRACTORS = (
   "Little is recorded about any link between {name} and {other}.",
   "Visitors who ask about {name} often ask about {other} as well.",
 )
-# Questions: `_ASK` asks for the final attribute of a noun phrase; `_NP` wraps a phrase in a link.
-_ASK: Mapping[str, str] = {
+# Questions: `ASK` asks for the final attribute of a noun phrase; `_NP` wraps a phrase in a link.
+ASK: Mapping[str, str] = {
   "birth_year": "In what year was {np} born?", "birthplace": "Where was {np} born?",
   "occupation": "What was the occupation of {np}?", "employer": "Which organisation employed {np}?",
   "founded": "In what year was {np} founded?", "founder": "Who founded {np}?",
@@ -222,7 +222,7 @@ def _works(rng, namer, n, people, orgs):
   for _ in range(n):
     creator = rng.choice(people)
     works.append({"name": f"The {namer.word(2)} {rng.choice(_TITLE_NOUNS)}", "kind": "work",
-                  "medium": rng.choice(tuple(_MEDIA)), "creator": creator["name"],
+                  "medium": rng.choice(tuple(MEDIA)), "creator": creator["name"],
                   "year": str(int(creator["birth_year"]) + rng.randint(20, 60)),
                   "publisher": rng.choice(orgs)["name"]})  # fmt: skip
   return works
@@ -233,7 +233,7 @@ def _article(word: str) -> str:
 
 
 def _medium_words(medium: str) -> dict[str, str]:
-  maker, made, issuer, issued = _MEDIA[medium]
+  maker, made, issuer, issued = MEDIA[medium]
   return {"maker": maker, "made": made, "issuer": issuer, "issued": issued}
 
 
@@ -241,7 +241,7 @@ def _fact(rng: random.Random, record: dict, attr: str) -> str:
   value = record[attr]
   words = _medium_words(record["medium"]) if record["kind"] == "work" else {}
   medium = _article(record["medium"]) if record["kind"] == "work" else ""
-  return rng.choice(_FACTS[attr]).format(
+  return rng.choice(FACTS[attr]).format(
     name=record["name"], value=value, a_value=_article(value), a_medium=medium, **words)
 
 
@@ -307,10 +307,10 @@ def vocabulary(world: World, *, phrases: bool = False) -> tuple[str, ...]:
   """
   words = {e.name for e in world.entities} | {d.doc_id for d in world.documents}
   words |= {v for e in world.entities for v in e.attributes.values()}
-  templates = list(_ASK.values())
+  templates = list(ASK.values())
   if phrases:
-    templates += [t for ts in _FACTS.values() for t in ts] + list(_DISTRACTORS)
-    templates += list(_NP.values()) + [w for ws in _MEDIA.values() for w in ws]
+    templates += [t for ts in FACTS.values() for t in ts] + list(_DISTRACTORS)
+    templates += list(_NP.values()) + [w for ws in MEDIA.values() for w in ws]
   words |= {part for template in templates for part in re.split(r"\{\w+\}", template)
             if len(part.strip()) > 1}
   return tuple(sorted(words))
@@ -348,10 +348,10 @@ def _question(path: tuple[Entity, ...], attrs: tuple[str, ...]) -> Question:
   for entity, attr in zip(path, attrs):
     words = _words(entity)
     hops.append(Hop(entity.name, attr, entity.attributes[attr], entity.doc_id,
-                    _ASK[attr].format(np=entity.name, **words)))  # fmt: skip
+                    ASK[attr].format(np=entity.name, **words)))  # fmt: skip
     if len(hops) < len(attrs):
       phrase = _NP[attr].format(np=phrase, **words)
-  text = _ASK[attrs[-1]].format(np=phrase, **_words(path[-1]))
+  text = ASK[attrs[-1]].format(np=phrase, **_words(path[-1]))
   qid = "q" + hashlib.sha1(text.encode()).hexdigest()[:10]
   return Question(qid, text, hops[-1].answer, tuple(hops), tuple(h.doc_id for h in hops),
                   DIFFICULTY.get(len(hops), "hard"))  # fmt: skip

@@ -1,1 +1,1 @@
-"""MAGRPO (PAPERS.md 2): cooperative tasks, the rollout tree of joint actions, the trainer."""
+"""MAGRPO (PAPERS.md 2): cooperative tasks, the joint rollout tree, the step and the program."""

@@ -23,7 +23,7 @@ class Completion:
   """One agent's sample: the prompt it saw, what it generated, and the behaviour log-probs.
 
   As a training row (`tokens`, `loss_mask`, `logprobs` over prompt + completion) it is what
-  `rl.hierarchy.make_batch` takes: the loss covers every generated token, the stop included.
+  `rl.batch.make_batch` takes: the loss covers every generated token, the stop included.
   """
 
   prompt: list[int]

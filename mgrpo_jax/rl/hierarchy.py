@@ -1,12 +1,13 @@
-"""From episodes to training batches: rewards, alignment and hierarchical advantages.
+"""From episode records to M-GRPO's rewards and aligned rows (PAPERS.md 1.2-1.4).
 
 The glue between the rollout engine's episode records and the pure maths of
-`rewards`, `alignment` and `advantages` (PAPERS.md 1.2-1.4):
+`rewards` and `alignment`:
 
-  R_M[Q, K]      main reward of each rollout             -> A_M = group_advantages(R_M)
+  R_M[Q, K]      main reward of each rollout
   R_S per call   sub reward, using R_M's correctness      (ragged: d[q, k] calls)
   align(d, D)    fixed [Q, K, D] rows into each rollout's own calls
-  A_S            group_advantages(R_S[aligned], valid) per query over its K*D rows
+
+The advantages A_M and A_S, and the batches, are the M-GRPO step's (`mgrpo_step`).
 """
 
 import dataclasses
@@ -16,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mgrpo_jax.rl import advantages, alignment, rewards
+from mgrpo_jax.rl import alignment, rewards
 
 
 @dataclasses.dataclass
@@ -62,12 +63,11 @@ def sub_rewards(sub_episodes: Sequence[Any], outcome: MainOutcome, *, beta=(0.1,
 
 @dataclasses.dataclass
 class AlignedSub:
-  """Sub-agent rows [Q, K, D] ready for a batch: episode per row (None = invalid)."""
+  """Sub-agent rows [Q, K, D]: episode per row (None = invalid) and its R_S."""
 
   episodes: list  # Flat Q*K*D, (q, k, d) order.
   rewards_QxKxD: np.ndarray
   valid_QxKxD: np.ndarray
-  advantages_QxKxD: np.ndarray
   stats: dict
   counts_QxK: np.ndarray  # Sub-agent calls per main rollout (d in PAPERS.md 1.4).
   index_QxKxD: np.ndarray  # Which of the source rollout's calls fills each row.
@@ -75,9 +75,8 @@ class AlignedSub:
 
 
 def align_sub(sub_episodes: Sequence[Any], sub_rewards_N: np.ndarray, q: int, k: int, d: int,
-              key: jax.Array, *, on_empty: str = "mask", scale: str = "std",
-              eps: float = 1e-6) -> AlignedSub:
-  """Trajectory alignment and the per-query group advantages of the sub-agent."""
+              key: jax.Array, *, on_empty: str = "mask") -> AlignedSub:
+  """Trajectory alignment: each rollout's D rows drawn from its own calls (PAPERS.md 1.4)."""
   calls = [[[] for _ in range(k)] for _ in range(q)]
   for ep, r in zip(sub_episodes, sub_rewards_N):
     calls[ep.q][ep.k].append((ep.call, ep, float(r)))
@@ -102,33 +101,5 @@ def align_sub(sub_episodes: Sequence[Any], sub_rewards_N: np.ndarray, q: int, k:
           rew[qi, ki, di] = r
         else:
           eps_rows.append(None)
-  adv = np.asarray(advantages.group_advantages(jnp.asarray(rew), valid=jnp.asarray(valid),
-                                               scale=scale, eps=eps))
   stats = {f"align/{k_}": v for k_, v in alignment.alignment_stats(counts, d).items()}
-  return AlignedSub(eps_rows, rew, valid, adv, stats, counts, index, np.asarray(src_k))
-
-
-def batch_length(episodes: Sequence[Any], max_len: int, minimum: int = 128) -> int:
-  """A padded length for a batch: the next power of two, so few shapes are compiled."""
-  longest = max([len(e.tokens) for e in episodes if e is not None] + [1])
-  return min(max_len, max(minimum, 1 << (longest - 1).bit_length()))
-
-
-def make_batch(episodes: Sequence[Any], adv_B: np.ndarray, *, length: int,
-               pad_id: int) -> dict[str, np.ndarray]:
-  """The train-step batch (see rl.train_step); `None` rows are fully masked padding."""
-  b = len(episodes)
-  tokens = np.full((b, length), pad_id, np.int32)
-  mask = np.zeros((b, length), np.float32)
-  old = np.zeros((b, length), np.float32)
-  for i, ep in enumerate(episodes):
-    if ep is None:
-      continue
-    n = len(ep.tokens)
-    if n > length:
-      where = (f"Episode (q={ep.q}, k={ep.k}, call={ep.call})" if hasattr(ep, "call")
-               else f"Row {i}")
-      raise ValueError(f"{where} has {n} tokens; the batch length is {length}.")
-    tokens[i, :n], mask[i, :n], old[i, :n] = ep.tokens, ep.loss_mask, ep.logprobs
-  adv = np.where(np.asarray([e is not None for e in episodes]), adv_B, 0.0)
-  return {"tokens": tokens, "loss_mask": mask, "old_logp": old, "adv": adv.astype(np.float32)}
+  return AlignedSub(eps_rows, rew, valid, stats, counts, index, np.asarray(src_k))

@@ -82,12 +82,12 @@ def test_parse_subquestion_rejects_other_text(text):
   assert ex.parse_subquestion(text) is None
 
 
-@pytest.mark.parametrize("attr", sorted(wd._ASK))
+@pytest.mark.parametrize("attr", sorted(wd.ASK))
 def test_parse_subquestion_covers_every_world_template(attr):
   # Every attribute's template, with every medium's verbs for the work attributes.
-  for medium in sorted(wd._MEDIA):
+  for medium in sorted(wd.MEDIA):
     for name in ("Ana Ruiz", "The Kora Tides", "Lisvo", "Who Where Born"):
-      text = wd._ASK[attr].format(np=name, **wd._medium_words(medium))
+      text = wd.ASK[attr].format(np=name, **wd._medium_words(medium))
       assert ex.parse_subquestion(text) == (name, attr), text
 
 
@@ -95,10 +95,10 @@ _NAMES = st.lists(st.from_regex(r"[A-Z][a-z]{1,9}", fullmatch=True), min_size=1,
 
 
 @settings(max_examples=25, deadline=None)
-@given(words=_NAMES, attr=st.sampled_from(sorted(wd._ASK)))
+@given(words=_NAMES, attr=st.sampled_from(sorted(wd.ASK)))
 def test_parse_subquestion_takes_any_name(words, attr):
   name = " ".join(words)
-  text = wd._ASK[attr].format(np=name, **wd._medium_words("book"))
+  text = wd.ASK[attr].format(np=name, **wd._medium_words("book"))
   assert ex.parse_subquestion(text) == (name, attr)
 
 
@@ -256,7 +256,7 @@ def test_sub_expert_copies_the_value_from_the_page(setting):
   world, index, _ = setting
   tools, sub, rng = local_tools(index), ex.SubExpert(), random.Random(0)
   work = next(e for e in world.entities if e.kind == "work")
-  task = wd._ASK["creator"].format(np=work.name, **wd._medium_words(work.attributes["medium"]))
+  task = wd.ASK["creator"].format(np=work.name, **wd._medium_words(work.attributes["medium"]))
   search = tools["search"](work.name)
   visit = pr.parse_turn(sub.turn(task, [search], rng), "sub")
   assert (visit.action, visit.argument) == ("visit", work.doc_id)

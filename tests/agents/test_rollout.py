@@ -10,6 +10,7 @@ from mgrpo_jax import models, sampling
 from mgrpo_jax import tokenizer as tk
 from mgrpo_jax.agents import experts, protocol, rollout
 from mgrpo_jax.envs import search, world
+from mgrpo_jax.rl import batch as batch_lib
 from mgrpo_jax.rl import rewards
 
 TOK = tk.ByteTokenizer()
@@ -84,9 +85,10 @@ def test_random_llm_rollouts_complete_with_consistent_records(env, tiny, check_s
   for e in eps:
     assert e.done
     check_sequence(e)
-  batch = rollout.to_batch(eps, length=1024, pad_id=TOK.pad_id)
-  assert batch["tokens"].shape == (6, 1024)
-  assert batch["loss_mask"].sum() == sum(e.num_generated for e in eps)
+  batch = batch_lib.make_batch(eps, np.ones(len(eps), np.float32), max_len=1024,
+                               pad_id=TOK.pad_id, minimum=1024)
+  assert batch.tokens.shape == (6, 1024)
+  assert batch.loss_mask.sum() == sum(e.num_generated for e in eps)
 
 
 def _drive_llm_policy(policy, prompts, key):

@@ -7,7 +7,8 @@ import pytest
 from mgrpo_jax import models
 from mgrpo_jax import tokenizer as tk
 from mgrpo_jax.magrpo import rollout, tasks
-from mgrpo_jax.rl import hierarchy, joint, losses
+from mgrpo_jax.rl import batch as batch_lib
+from mgrpo_jax.rl import joint, losses
 
 
 class _Scripted:
@@ -94,24 +95,26 @@ def test_batch_scores_every_generated_token_with_the_samplers_logprobs(tok):
   pol = rollout.Policy(cfg, params, tok, max_new_tokens=12, max_len=64, temperature=0.8)
   prompts = [tok.encode("ab"), tok.encode("hello there")]
   rows = pol.complete(prompts, jax.random.key(1))
-  batch = hierarchy.make_batch(rows, np.array([1.0, -1.0], np.float32), length=32,
-                             pad_id=tok.pad_id)
+  batch = batch_lib.make_batch(rows, np.array([1.0, -1.0], np.float32), max_len=32,
+                               pad_id=tok.pad_id, minimum=32)
   for i, r in enumerate(rows):
     n_p, n = len(r.prompt), len(r.tokens)
-    assert batch["loss_mask"][i].sum() == len(r.generated) and batch["loss_mask"][i, n_p:n].all()
-  logits = models.logits(cfg, params, batch["tokens"], np.ones_like(batch["tokens"]))
-  logp = np.asarray(losses.token_logprobs(logits[:, :-1] / 0.8, batch["tokens"][:, 1:]))
-  m = batch["loss_mask"][:, 1:] > 0
-  np.testing.assert_allclose(logp[m], batch["old_logp"][:, 1:][m], atol=1e-4)
+    assert batch.loss_mask[i].sum() == len(r.generated) and batch.loss_mask[i, n_p:n].all()
+  logits = models.logits(cfg, params, batch.tokens, np.ones_like(batch.tokens))
+  logp = np.asarray(losses.token_logprobs(logits[:, :-1] / 0.8, batch.tokens[:, 1:]))
+  m = batch.loss_mask[:, 1:] > 0
+  np.testing.assert_allclose(logp[m], batch.old_logp[:, 1:][m], atol=1e-4)
 
 
 def test_padding_rows_are_masked():
   rows = [rollout.Completion([1, 2], [3, 4], [-1.0, -2.0], "x", "stop"), None]
-  b = hierarchy.make_batch(rows, np.array([2.0, 5.0], np.float32), length=8, pad_id=0)
-  assert b["loss_mask"][1].sum() == 0 and b["adv"][1] == 0 and b["adv"][0] == 2.0
-  np.testing.assert_array_equal(b["loss_mask"][0], [0, 0, 1, 1, 0, 0, 0, 0])
+  b = batch_lib.make_batch(rows, np.array([2.0, 5.0], np.float32), max_len=8, pad_id=0,
+                           minimum=8)
+  assert b.loss_mask[1].sum() == 0 and b.adv[1] == 0 and b.adv[0] == 2.0
+  np.testing.assert_array_equal(b.loss_mask[0], [0, 0, 1, 1, 0, 0, 0, 0])
   with pytest.raises(ValueError, match="Row 0 has 4 tokens; the batch length is 3"):
-    hierarchy.make_batch(rows, np.zeros(2, np.float32), length=3, pad_id=0)
+    batch_lib.make_batch(rows, np.zeros(2, np.float32), max_len=8, pad_id=0, minimum=1,
+                         length=3)
 
 
 def test_sequential_pipeline_shows_each_agent_the_earlier_agents_sample(tok):

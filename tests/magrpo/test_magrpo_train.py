@@ -8,8 +8,9 @@ import pytest
 
 from configs import magrpo as magrpo_config
 from mgrpo_jax import metrics as metrics_lib
-from mgrpo_jax import train as train_lib
-from mgrpo_jax.magrpo import train as magrpo_train
+from mgrpo_jax import plumbing
+from mgrpo_jax.magrpo import program as magrpo_program
+from mgrpo_jax.magrpo import step as magrpo_step
 
 _VOLATILE = ("time/",)
 
@@ -30,8 +31,8 @@ def _stable(records):
 
 def test_two_turn_cross_run_then_resume_is_bit_identical(tmp_path):
   straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
-  magrpo_train.train_and_evaluate(_config(3), straight)
-  magrpo_train.train_and_evaluate(_config(2), split)
+  magrpo_program.train_and_evaluate(_config(3), straight)
+  magrpo_program.train_and_evaluate(_config(2), split)
   recs = metrics_lib.read_metrics(split)
   assert [r["step"] for r in recs] == [0, 1, 2]
   assert all("eval/accuracy" in r for r in recs)
@@ -39,15 +40,15 @@ def test_two_turn_cross_run_then_resume_is_bit_identical(tmp_path):
   # Two turns of a cross tree with G=2, N=2: 4 joint actions, then 16.
   assert {"train/reward_t0", "train/reward_t1", "a/loss", "b/loss", "warm/a/nll"} <= set(first)
   assert os.path.exists(os.path.join(split, "hf", "a", "config.json"))
-  magrpo_train.train_and_evaluate(_config(3), split)  # Resumes at step 2.
+  magrpo_program.train_and_evaluate(_config(3), split)  # Resumes at step 2.
   assert _stable(metrics_lib.read_metrics(split)) == _stable(metrics_lib.read_metrics(straight))
   with open(os.path.join(split, "config.json")) as f:
     assert json.load(f)["task"]["name"] == "pick"
   # Stopped right after the warm start (only its step-0 checkpoint exists): the resumed run
   # does not repeat it and rewrites step 0's record whole, warm-start metrics included.
   zero = str(tmp_path / "zero")
-  magrpo_train.train_and_evaluate(_config(0), zero)
-  magrpo_train.train_and_evaluate(_config(1), zero)
+  magrpo_program.train_and_evaluate(_config(0), zero)
+  magrpo_program.train_and_evaluate(_config(1), zero)
   assert _stable(metrics_lib.read_metrics(zero))[0] == _stable(metrics_lib.read_metrics(straight))[0]
 
 
@@ -61,8 +62,8 @@ def test_two_turn_cross_run_then_resume_is_bit_identical(tmp_path):
 def test_bad_config_values_are_named(field, value, match):
   c = _config(2)
   c[field] = value
-  with pytest.raises(train_lib.ConfigValueError, match=match.replace("(", "\\(")):
-    magrpo_train.validate_config(c)
+  with pytest.raises(plumbing.ConfigValueError, match=match.replace("(", "\\(")):
+    magrpo_step.validate_config(c)
 
 
 @pytest.mark.parametrize("field,value,match", [
@@ -74,8 +75,8 @@ def test_bad_nested_config_values_are_named(field, value, match):
   c = _config(2)
   group, name = field.split(".")
   c[group][name] = value
-  with pytest.raises(train_lib.ConfigValueError, match=match):
-    magrpo_train.validate_config(c)
+  with pytest.raises(plumbing.ConfigValueError, match=match):
+    magrpo_step.validate_config(c)
 
 
 def test_unknown_task_is_named():
@@ -92,7 +93,7 @@ def test_code_collaboration_runs_end_to_end_in_the_sandbox(tmp_path):
   path.write_text("".join(json.dumps(p) + "\n" for p in problems))
   c = magrpo_config.get_config(f"smoke,task=code,path={path},variant=single")
   c.num_steps, c.max_new_tokens, c.task.test_fraction = 1, 16, 0.5
-  magrpo_train.train_and_evaluate(c, str(tmp_path / "run"))
+  magrpo_program.train_and_evaluate(c, str(tmp_path / "run"))
   recs = metrics_lib.read_metrics(str(tmp_path / "run"))
   # Random weights write no code: every level fails, but the sandboxed scoring ran.
   assert recs[0]["eval/structure"] == 0.0 and recs[0]["train/reward"] == 0.0
@@ -104,7 +105,7 @@ def test_evaluate_binary_reads_the_runs_latest_checkpoint(tmp_path):
   c = magrpo_config.get_config("smoke")
   c.num_steps, c.warm_start.num_steps = 1, 0
   workdir = str(tmp_path / "run")
-  magrpo_train.train_and_evaluate(c, workdir)
+  magrpo_program.train_and_evaluate(c, workdir)
   result = evaluate.run(c, workdir)
   final = metrics_lib.read_metrics(workdir)[-1]
   assert result["step"] == 1 and result["accuracy"] == final["eval/accuracy"]
@@ -125,7 +126,7 @@ def test_agents_start_from_a_real_hf_checkpoint_and_tokenizer(tmp_path):
   assert c.tokenizer == str(ckpt)
   c.num_steps = 1
   workdir = str(tmp_path / "run")
-  magrpo_train.train_and_evaluate(c, workdir)
+  magrpo_program.train_and_evaluate(c, workdir)
   out_cfg, out_params = models.load_hf(os.path.join(workdir, "hf", "b"))
   assert out_cfg.vocab_size == tok.vocab_size
   _, start = models.load_hf(str(ckpt))

@@ -6,6 +6,8 @@ import jax
 import numpy as np
 import pytest
 
+from mgrpo_jax import mgrpo_step
+from mgrpo_jax.rl import batch as batch_lib
 from mgrpo_jax.rl import hierarchy
 
 
@@ -61,22 +63,27 @@ def test_align_sub_rows_come_from_their_own_rollout_and_advantages_are_per_query
   assert len({id(e) for e in eps[0, 0]}) == 2
   # Rollout (1, 0) had 1 call: it fills both rows (duplicated).
   assert eps[1, 0, 0] is eps[1, 0, 1]
-  # Per-query statistics over valid rows only; invalid rows get 0.
+  # A_S (the M-GRPO step's sub side): per-query statistics over valid rows only; invalid
+  # rows get 0.
+  adv = mgrpo_step.sub_advantages(out, scale="std", eps=1e-6)
   for q in range(2):
     v = out.valid_QxKxD[q].astype(bool)
     r = out.rewards_QxKxD[q][v]
     want = (r - r.mean()) / (r.std(ddof=1) + 1e-6)
-    np.testing.assert_allclose(out.advantages_QxKxD[q][v], want, rtol=1e-5, atol=1e-6)
-    assert np.all(out.advantages_QxKxD[q][~v] == 0)
+    np.testing.assert_allclose(adv[q][v], want, rtol=1e-5, atol=1e-6)
+    assert np.all(adv[q][~v] == 0)
   assert out.stats["align/empty_rate"] == pytest.approx(0.25)
 
 
 def test_make_batch_masks_invalid_rows_and_checks_length():
   eps = [Ep(0, 0), None]
-  b = hierarchy.make_batch(eps, np.array([2.0, 5.0]), length=4, pad_id=9)
-  np.testing.assert_array_equal(b["tokens"], [[1, 2, 3, 9], [9, 9, 9, 9]])
-  np.testing.assert_array_equal(b["loss_mask"], [[0, 1, 1, 0], [0, 0, 0, 0]])
-  np.testing.assert_allclose(b["adv"], [2.0, 0.0])
+  b = batch_lib.make_batch(eps, np.array([2.0, 5.0]), max_len=4, pad_id=9, minimum=1)
+  np.testing.assert_array_equal(b.tokens, [[1, 2, 3, 9], [9, 9, 9, 9]])
+  np.testing.assert_array_equal(b.loss_mask, [[0, 1, 1, 0], [0, 0, 0, 0]])
+  np.testing.assert_allclose(b.adv, [2.0, 0.0])
   with pytest.raises(ValueError, match="q=0, k=0"):
-    hierarchy.make_batch(eps, np.ones(2), length=2, pad_id=0)
-  assert hierarchy.batch_length([Ep(0, 0, tokens=tuple(range(130)))], 1024) == 256
+    batch_lib.make_batch(eps, np.ones(2), max_len=2, pad_id=0, minimum=1)
+  assert batch_lib.bucket_length([Ep(0, 0, tokens=tuple(range(130)))], 1024, minimum=128) == 256
+  # Padded to a row multiple (mesh shards, micro-batches) with masked rows.
+  b = batch_lib.make_batch(eps[:1], np.array([2.0]), max_len=64, pad_id=0, minimum=8, multiple=4)
+  assert b.tokens.shape == (4, 8) and b.loss_mask[1:].sum() == 0 and list(b.adv) == [2, 0, 0, 0]

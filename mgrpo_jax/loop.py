@@ -1,0 +1,67 @@
+"""The one training loop: evaluate, update, write metrics, checkpoint, resume, final export.
+
+Every program (colocated M-GRPO, the decoupled main and sub programs, SFT, MAGRPO) runs it
+with its own `evaluate(step)` and `update(step)`. Step s evaluates before its update (step
+0 = the starting weights) and the last step evaluates once more on its own line, so a
+resumed run rewrites exactly the lines an uninterrupted one writes.
+"""
+
+import dataclasses
+import time
+from typing import Callable
+
+from mgrpo_jax import checkpoint as ckpt_lib
+from mgrpo_jax import metrics as metrics_lib
+from mgrpo_jax import plumbing
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """How many steps, and how often to evaluate and to checkpoint."""
+
+  num_steps: int
+  eval_every: int
+  checkpoint_every: int
+
+  def evaluates(self, step: int) -> bool:
+    return step % self.eval_every == 0 or step == self.num_steps
+
+  def saves_after(self, step: int) -> bool:
+    return (step + 1) % self.checkpoint_every == 0 or step + 1 == self.num_steps
+
+
+def train_loop(workdir: str, agents: dict, ckpt: ckpt_lib.Checkpointer, schedule: Schedule, *,
+               start: int, evaluate: Callable[[int], dict], update: Callable[[int], dict],
+               tokenizer=None, desc: str = "", show=(), first: dict | None = None) -> dict:
+  """Runs steps `start ... schedule.num_steps` and returns the last update's metrics.
+
+  `evaluate(step)` and `update(step)` return metrics to write (`update` also changes the
+  agents' states); `first` is merged into the first line this call writes (MAGRPO's warm
+  start). `show` names the metrics on the progress bar. After the loop the checkpoints are
+  committed and the agents' final weights exported under `workdir/hf`.
+  """
+  writer = metrics_lib.MetricsWriter(workdir)
+  writer.truncate_after(start - 1)  # A restart rewrites the lines after its checkpoint.
+  progress = metrics_lib.Progress(schedule.num_steps, initial=start, desc=desc)
+  last, first = {}, dict(first or {})
+  for step in range(start, schedule.num_steps + 1):
+    m, first = first, {}
+    if schedule.evaluates(step):
+      m.update(evaluate(step))
+    if step == schedule.num_steps:
+      writer.write(step, m)
+      break
+    t0 = time.perf_counter()
+    m.update(update(step))
+    m["time/step_s"] = time.perf_counter() - t0
+    writer.write(step, m)
+    last = m
+    progress.update(1, {k: m[k] for k in show if k in m})
+    if schedule.saves_after(step):
+      ckpt.save(step + 1, {n: a.state for n, a in agents.items()}, {"step": step + 1})
+  ckpt.wait()
+  ckpt.close()
+  writer.close()
+  progress.close()
+  plumbing.save_final_hf(workdir, agents, tokenizer)
+  return last

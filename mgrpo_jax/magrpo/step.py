@@ -1,0 +1,151 @@
+"""One MAGRPO step (PAPERS.md 2): the joint rollout tree, joint rewards, per-agent batches.
+
+Each agent is its own model with its own optimizer (float32 master weights) and jitted
+update; rollouts, joint rewards, tree returns and advantages are shared. The objective is
+the paper's REINFORCE form by default (`loss.kind="reinforce"`), the clipped surrogate as
+an option; both come from `rl.train_step`, so nothing here differentiates anything.
+"""
+
+import dataclasses
+
+import jax
+import ml_collections
+import numpy as np
+
+from mgrpo_jax import plumbing, sharding
+from mgrpo_jax import tokenizer as tk
+from mgrpo_jax.magrpo import rollout, tasks
+from mgrpo_jax.rl import batch as batch_lib
+from mgrpo_jax.rl import joint
+
+MIN_LENGTH = 32  # Shortest batch length: completions are short, so few shapes from 32 up.
+_CHOICES = {"joint_mode": joint.MODES, "adv_scale": ("std", "none"),
+            "loss.kind": ("clipped", "reinforce"), "loss.nonfinite": ("raise", "skip"),
+            "loss.agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
+            "task.name": tasks.TASKS, "variant": ("magrpo", "single"),
+            "pipeline": rollout.PIPELINES}
+_POSITIVE = ("num_prompts", "group", "num_turns", "eval_every", "num_eval",
+             "checkpoint_every", "max_new_tokens", "max_len", "optim.learning_rate")
+
+
+def validate_config(c: ml_collections.ConfigDict) -> None:
+  """Fails at start-up naming the field (see `plumbing.check_config`)."""
+  plumbing.check_config(c, _CHOICES, _POSITIVE)
+  error = plumbing.ConfigValueError
+  if len(c.turn_weights) != c.num_turns:
+    raise error(f"config.turn_weights={tuple(c.turn_weights)} needs one weight per turn "
+                f"(config.num_turns={c.num_turns}).")
+  if c.sampling.temperature <= 0:
+    raise error("config.sampling.temperature must be > 0 for training.")
+  if c.task.num_agents != 2 and c.task.name != "pick":
+    raise error(f"config.task.num_agents={c.task.num_agents}: task {c.task.name!r} has two "
+                "agents (only 'pick' takes N).")
+  if c.pipeline == "sequential" and c.joint_mode != "align":
+    raise error("config.pipeline='sequential' needs config.joint_mode='align'.")
+  if c.num_micro < 1:
+    raise error(f"config.num_micro={c.num_micro} must be >= 1.")
+  if c.loss.kl_coef:
+    raise error(f"config.loss.kl_coef={c.loss.kl_coef}: MAGRPO has no reference policy (the "
+                "paper uses no KL); set it to 0.")
+  if c.task.name == "pick" and not 2 <= c.task.num_agents <= 4:
+    raise error(f"config.task.num_agents={c.task.num_agents} must be in [2, 4] for 'pick' "
+                "(one listed word per agent).")
+  if c.task.name == "pick" and c.task.path:
+    raise error(f"config.task.path={c.task.path!r}: the 'pick' task is generated and reads "
+                "no file.")
+  for path in ("num_steps", "warm_start.num_steps"):  # 0 steps: evaluate only.
+    if plumbing.config_field(c, path) < 0:
+      raise error(f"config.{path}={plumbing.config_field(c, path)} must be >= 0.")
+
+
+@dataclasses.dataclass
+class Run:
+  """What a MAGRPO program holds: the task, tokenizer, mesh and one Agent per role."""
+
+  task: tasks.Task
+  tokenizer: tk.Tokenizer
+  mesh: jax.sharding.Mesh
+  agents: dict  # name -> plumbing.Agent, in the task's agent order.
+
+
+def build_agents(c, task, tokenizer, mesh, key, *, optim=None, loss=None) -> dict:
+  """One Agent per role, each with its own weights (`init` or the model config)."""
+  out = {}
+  for i, name in enumerate(task.agent_names):
+    out[name] = plumbing.build_agent(
+        name, c.model, optim or c.optim, loss or c.loss, tokenizer, mesh,
+        jax.random.fold_in(key, i), init_dir=c.init, num_micro=c.num_micro,
+        temperature=c.sampling.temperature)
+  return out
+
+
+def setup(c) -> Run:
+  """Checks the config; the task (one agent for `variant="single"`), tokenizer and agents."""
+  validate_config(c)
+  task = tasks.build_task(c.task, single=c.variant == "single")
+  tokenizer = tk.load_tokenizer(c.tokenizer)
+  mesh = sharding.make_mesh(dict(c.mesh))
+  # Agents from fold_in(root, 0); rollouts use step_key = fold_in(fold_in(root, 1), step).
+  agents = build_agents(c, task, tokenizer, mesh, jax.random.fold_in(jax.random.key(c.seed), 0))
+  return Run(task, tokenizer, mesh, agents)
+
+
+def policies(c, run: Run, sampling_cfg) -> list[rollout.Policy]:
+  return [rollout.Policy(a.model_config, a.state.params, run.tokenizer,
+                         max_new_tokens=c.max_new_tokens, max_len=c.max_len,
+                         temperature=sampling_cfg.temperature, top_p=sampling_cfg.top_p,
+                         top_k=sampling_cfg.top_k, chunk=sampling_cfg.chunk)
+          for a in run.agents.values()]
+
+
+def _mean_metrics(prefix: str, metrics: list[dict]) -> dict:
+  keys = sorted({k for m in metrics for k in m})
+  return {f"{prefix}/{k}": float(np.mean([m.get(k, 0.0) for m in metrics])) for k in keys}
+
+
+def turn_metrics(prefix: str, task, turns) -> dict:
+  """Mean joint reward per turn, the last turn's task metrics and success rate."""
+  m = {}
+  for t, turn in enumerate(turns):
+    m[f"{prefix}/reward_t{t}"] = float(turn.rewards_PxM.mean())
+  last = turns[-1]
+  m[f"{prefix}/reward"] = float(last.rewards_PxM.mean())
+  m[f"{prefix}/return"] = m[f"{prefix}/reward"] / task.max_reward
+  m.update(_mean_metrics(prefix, last.metrics))
+  m[f"{prefix}/accuracy"] = m.get(f"{prefix}/{task.success}", 0.0)
+  for i, name in enumerate(task.agent_names):
+    m[f"{prefix}/{name}/gen_tokens"] = float(np.mean([len(x.generated)
+                                                      for x in last.completions[i]]))
+  return m
+
+
+def evaluate(c, run: Run, *, step: int, examples=None) -> dict:
+  """Held-out joint reward and success (greedy, one joint action per node)."""
+  examples = run.task.test[:c.num_eval] if examples is None else examples
+  turns = rollout.joint_rollout(run.task, policies(c, run, c.eval_sampling), examples, group=1,
+                                mode="align", num_turns=c.num_turns, pipeline=c.pipeline,
+                                key=plumbing.eval_key(c, step))
+  return turn_metrics("eval", run.task, turns)
+
+
+def make_batch(c, run: Run, rows: list, adv: np.ndarray) -> batch_lib.Batch:
+  """A batch padded with masked rows so it splits over (data, fsdp) and micro-batches."""
+  return batch_lib.make_batch(rows, adv, max_len=c.max_len, pad_id=run.tokenizer.pad_id,
+                              minimum=MIN_LENGTH,
+                              multiple=batch_lib.row_multiple(run.mesh, c.num_micro))
+
+
+def batches(c, run: Run, turns) -> tuple[dict, dict]:
+  """Per-agent batches from one step's tree: returns, joint and per-agent advantages."""
+  index = joint.joint_indices(run.task.num_agents, c.group, c.joint_mode)
+  weights = joint.member_weights(index, c.group)
+  rets = joint.tree_returns([t.rewards_PxM for t in turns], num_joint=len(index), gamma=c.gamma)
+  adv_joint = [joint.joint_advantages(r, num_joint=len(index), scale=c.adv_scale, eps=c.adv_eps)
+               for r in rets]
+  out = {}
+  for i, name in enumerate(run.task.agent_names):
+    adv_i = [np.asarray(joint.agent_advantages(a, weights[i])) for a in adv_joint]
+    out[name] = make_batch(c, run, *rollout.turn_rows(turns, i, adv_i, c.turn_weights))
+  m = {"train/return_t0": float(np.mean(rets[0])),
+       "train/adv_abs": float(np.mean([np.abs(a).mean() for a in adv_joint]))}
+  return out, m

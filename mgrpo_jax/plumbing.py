@@ -1,0 +1,216 @@
+"""What every program does around its step: config checks, agents, checkpoints, keys, data order.
+
+Shared by M-GRPO (colocated and decoupled), SFT, MAGRPO and evaluation; the one training
+loop that runs them is `loop.py`. Keys: agents come from `fold_in(key(seed), 0)` (by the
+caller), a training step's rollouts from `step_key`, an evaluation's from `eval_key`, so a
+resumed run draws exactly what an uninterrupted one does.
+"""
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import logging
+
+from mgrpo_jax import checkpoint as ckpt_lib
+from mgrpo_jax import models
+from mgrpo_jax import tokenizer as tk
+from mgrpo_jax.rl import train_step as ts
+
+WORDS_FILE = "byte_tokenizer_words.json"  # Beside a saved model trained with ByteTokenizer words.
+
+
+class ConfigValueError(ValueError):
+  """A config field holds a value the programs cannot use; the message names the field."""
+
+
+def config_field(c: ml_collections.ConfigDict, path: str):
+  """`c.a.b` for path "a.b"."""
+  for part in path.split("."):
+    c = c[part]
+  return c
+
+
+def check_config(c: ml_collections.ConfigDict, choices: dict, positive=()) -> None:
+  """Fails at start-up, naming the field, instead of deep inside a step."""
+  for path, allowed in choices.items():
+    if config_field(c, path) not in allowed:
+      raise ConfigValueError(f"config.{path}={config_field(c, path)!r}; expected one of "
+                             f"{allowed}.")
+  for path in positive:
+    if not config_field(c, path) > 0:
+      raise ConfigValueError(f"config.{path}={config_field(c, path)!r} must be > 0.")
+
+
+def check_batch_divides_mesh(rows: int, mesh, field: str) -> None:
+  """Batches are split over (data, fsdp): the row count must divide evenly."""
+  shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  if rows % shards:
+    raise ConfigValueError(f"{field} gives batches of {rows} rows, which do not split over "
+                           f"data*fsdp={shards} devices of config.mesh; change one of them.")
+
+
+# ----------------------------------------------------------------------------- agents
+
+@dataclasses.dataclass
+class Agent:
+  """One trainable policy: its model, objective, optimizer and jitted update."""
+
+  name: str
+  model_config: models.Qwen3Config
+  loss_config: ts.LossConfig
+  state: ts.TrainState
+  step_fn: Any
+  nonfinite: str
+
+
+def loss_config(lc, temperature: float) -> ts.LossConfig:
+  """The train step's objective from a config's loss section."""
+  return ts.LossConfig(kind=lc.kind, eps_low=lc.eps_low, eps_high=lc.eps_high,
+                       dual_clip=lc.dual_clip or None, agg=lc.agg, kl_coef=lc.kl_coef,
+                       kl_estimator=lc.kl_estimator, temperature=temperature)
+
+
+def nll_objective(lc, oc, *, learning_rate: float, weight_decay: float):
+  """Loss and optimizer sections for supervised training (every warm start uses these).
+
+  The token-mean NLL is the REINFORCE objective with advantage 1, so SFT reuses the RL
+  train step; rows then carry advantage 1 and the behaviour log-probs are unused.
+  """
+  lc = ml_collections.ConfigDict(dict(lc.to_dict(), kind="reinforce", agg="token-mean"))
+  oc = ml_collections.ConfigDict(dict(oc.to_dict(), learning_rate=learning_rate,
+                                      weight_decay=weight_decay))
+  return lc, oc
+
+
+def _runtime(mc) -> dict:
+  """The model config's runtime fields (how it computes, not what it is)."""
+  return dict(remat=mc.remat, attention=mc.attention, attention_block=mc.attention_block)
+
+
+def _model_params(mc, tokenizer, key, mesh, init_dir: str, name: str):
+  """Parameters from a warm start's final weights, an HF checkpoint, or a random preset."""
+  path = os.path.join(init_dir, "hf", name) if init_dir else mc.hf_path
+  if path:
+    cfg, params = models.load_hf(path, mesh=mesh, dtype=jnp.dtype(mc.param_dtype),
+                                 compute_dtype=jnp.dtype(mc.compute_dtype))
+    _check_vocabulary(path, cfg.vocab_size, tokenizer)
+    return cfg.replace(**_runtime(mc)), params
+  vocab = tokenizer.vocab_size if mc.vocab_size == -1 else mc.vocab_size
+  cfg = models.get_preset(mc.preset, vocab_size=vocab, param_dtype=mc.param_dtype,
+                          compute_dtype=mc.compute_dtype, **_runtime(mc))
+  return cfg, models.init_params(cfg, key, mesh=mesh)
+
+
+def _check_vocabulary(path: str, vocab_size: int, tokenizer: tk.Tokenizer) -> None:
+  """Refuses a checkpoint made with another tokenizer (its ids would mean other strings)."""
+  if vocab_size < tokenizer.vocab_size:
+    raise ValueError(f"{path}: the checkpoint has {vocab_size} token ids but the tokenizer has "
+                     f"{tokenizer.vocab_size}; it was trained with another tokenizer (config."
+                     f"tokenizer or config.world changed?): rerun the warm start.")
+  words_file = os.path.join(path, WORDS_FILE)
+  if os.path.exists(words_file):
+    with open(words_file) as f:
+      saved = tuple(json.load(f)["words"])
+    if saved != tuple(getattr(tokenizer, "words", ())):
+      raise ValueError(f"{words_file}: the checkpoint was trained with other tokenizer words "
+                       f"than this run's tokenizer has (config.tokenizer or config.world "
+                       f"changed?): rerun the warm start.")
+
+
+def build_agent(name, mc, oc, lc, tokenizer, mesh, key, *, init_dir="", num_micro=1,
+                temperature=1.0) -> Agent:
+  """An agent with its state placed on `mesh` and its train step jitted once.
+
+  `mc`, `oc`, `lc`: the config's model, optimizer and loss sections; `init_dir`: a run
+  whose final weights (`<init_dir>/hf/<name>`) start this one.
+  """
+  cfg, params = _model_params(mc, tokenizer, jax.random.fold_in(key, 0), mesh, init_dir, name)
+  tx = ts.make_optimizer(learning_rate=oc.learning_rate, b1=oc.b1, b2=oc.b2, eps=oc.eps,
+                         weight_decay=oc.weight_decay, grad_clip=oc.grad_clip)
+  state = ts.init_state(params, tx, jax.random.fold_in(key, 1))
+  st_sh = ts.state_shardings(state, mesh)
+  state = jax.device_put(state, st_sh)
+  lcfg = loss_config(lc, temperature)
+  step_fn = ts.make_train_step(cfg, lcfg, tx, num_micro=num_micro, mesh=mesh,
+                               state_sharding=st_sh,
+                               max_tokens_per_micro=mc.max_tokens_per_micro or None,
+                               logits_chunk=mc.logits_chunk)
+  return Agent(name, cfg, lcfg, state, step_fn, lc.nonfinite)
+
+
+def update_agents(agents: dict, batches: dict, step: int) -> dict:
+  """Runs each named agent's update on its batch; returns `{agent}/{metric}` floats.
+
+  Raises `NonFiniteError` (naming the step) for a non-finite loss unless the agent's
+  policy is 'skip'.
+  """
+  out = {}
+  for name, batch in batches.items():
+    agent = agents[name]
+    agent.state, metrics = agent.step_fn(agent.state, batch)
+    metrics = jax.device_get(metrics)
+    ts.check_finite(metrics, step, agent=name, policy=agent.nonfinite)
+    out.update({f"{name}/{k}": float(v) for k, v in metrics.items()})
+  return out
+
+
+# ------------------------------------------------------------- checkpoints and export
+
+def restore_agents(ckpt: ckpt_lib.Checkpointer, agents: dict) -> int:
+  """Loads the latest checkpoint into `agents` (in place); returns its step, 0 if none."""
+  if ckpt.latest_step() is None:
+    return 0
+  states, meta = ckpt.restore(abstract_states={n: a.state for n, a in agents.items()})
+  for n, a in agents.items():
+    a.state = states[n]
+  logging.info("Restored %s at step %d.", ckpt.directory, int(meta["step"]))
+  return int(meta["step"])
+
+
+def write_config(workdir: str, c: ml_collections.ConfigDict) -> None:
+  """The run's config beside its metrics (written when a run starts fresh)."""
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(c.to_json_best_effort(indent=2))
+
+
+def save_final_hf(workdir: str, agents: dict, tokenizer: tk.Tokenizer | None = None) -> None:
+  """Final weights as HF checkpoints under workdir/hf/<agent> (an `init=` for later runs)."""
+  for name, agent in agents.items():
+    path = os.path.join(workdir, "hf", name)
+    models.save_hf(path, agent.model_config, jax.device_get(agent.state.params))
+    if getattr(tokenizer, "words", ()):
+      with open(os.path.join(path, WORDS_FILE), "w") as f:
+        json.dump({"words": list(tokenizer.words)}, f)
+
+
+# ---------------------------------------------------------------- keys and data order
+
+def step_key(c, step: int) -> jax.Array:
+  """The key of training step `step`'s rollouts (and of what they feed)."""
+  return jax.random.fold_in(jax.random.fold_in(jax.random.key(c.seed), 1), step)
+
+
+def eval_key(c, step: int) -> jax.Array:
+  """The key of the evaluation at `step` (its own stream: evaluating changes no training)."""
+  return jax.random.fold_in(jax.random.key(c.seed + 1), step)
+
+
+def examples_for_step(train: list, step: int, n: int, seed: int) -> list:
+  """Deterministic data order from (seed, step): a resumed run sees the same examples.
+
+  Each epoch is a fresh permutation of `train`; step `step` takes examples
+  `step * n ... (step + 1) * n - 1` of the concatenated epochs.
+  """
+  size = len(train)
+  idx = []
+  for i in range(step * n, (step + 1) * n):
+    epoch, pos = divmod(i, size)
+    perm = np.random.default_rng([seed, epoch]).permutation(size)
+    idx.append(perm[pos])
+  return [train[i] for i in idx]

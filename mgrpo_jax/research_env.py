@@ -1,0 +1,61 @@
+"""The deep-research task of M-GRPO and its warm start, built from a config.
+
+The offline world (`envs.world`), its train/test question split, the search/visit/python
+tools and the tokenizer, whose words may come from the world (`tokenizer_words`).
+"""
+
+import dataclasses
+
+import ml_collections
+
+from mgrpo_jax import tokenizer as tk
+from mgrpo_jax.agents import protocol
+from mgrpo_jax.envs import python_tool, search, world
+
+
+@dataclasses.dataclass
+class Env:
+  """The task: tokenizer, world, question splits and tools."""
+
+  tokenizer: tk.Tokenizer
+  train: list
+  test: list
+  index: search.SearchIndex
+  tools: dict
+
+
+def build_env(c: ml_collections.ConfigDict) -> Env:
+  """The offline research world with its train/test split and tools."""
+  w = c.world
+  wcfg = world.WorldConfig(seed=w.seed, num_people=w.num_people, num_orgs=w.num_orgs,
+                           num_places=w.num_places, num_works=w.num_works,
+                           num_countries=w.num_countries, num_rivers=w.num_rivers,
+                           distractors_per_doc=w.distractors_per_doc,
+                           name_similarity=w.name_similarity)
+  the_world = world.generate_world(wcfg)
+  questions = world.make_questions(the_world, num=w.num_questions,
+                                   hop_weights=tuple(w.hop_weights), seed=w.seed)
+  train, test = world.split_questions(questions, w.test_fraction, seed=w.seed)
+  index = search.SearchIndex(the_world.documents)
+  tools = dict(search.local_tools(index, k=w.search_k, max_chars=w.visit_chars),
+               python=python_tool.PythonTool())
+  tokenizer = tk.load_tokenizer(c.tokenizer, words=tokenizer_words(c.tokenizer, the_world))
+  return Env(tokenizer, train, test, index, tools)
+
+
+def tokenizer_words(spec: str, the_world: world.World) -> tuple[str, ...]:
+  """The plain-text words a byte tokenizer gives one id each (see `tk.load_tokenizer`).
+
+  "byte+names": the world's names, doc ids and question stems. "byte+world": those, the page
+  templates' phrases, the chat role lines and the protocol's prompt openings: what a
+  tokenizer trained on the world's traces would make single tokens.
+  """
+  if spec == "byte+world":
+    words = world.vocabulary(the_world, phrases=True) + tk.ROLE_WORDS + protocol.PROMPT_WORDS
+    return tuple(dict.fromkeys(words))
+  return world.vocabulary(the_world) if spec == "byte+names" else ()
+
+
+def eval_questions(c, env: Env) -> list:
+  """The held-out questions an evaluation answers."""
+  return env.test[:c.num_eval_questions]
