@@ -127,8 +127,10 @@ def run(code: str, *, timeout_s: float = 10.0, memory_mb: int = 512,
     files: extra files, relative path -> content, placed beside main.py in the working directory.
     max_output_bytes: cap on each of stdout and stderr; passing it kills the run.
     max_procs: RLIMIT_NPROC (processes and threads) for the program's uid.
-    disk_mb: size of the private /tmp and the largest file (RLIMIT_FSIZE).
-    max_files: files and directories the program may create in the private /tmp.
+    disk_mb: size of the private /tmp (the bytes a run may leave written) and the largest
+      file (RLIMIT_FSIZE).
+    max_files: files and directories the program may create in the private /tmp (without a
+      mount namespace there is no private /tmp, and only disk_mb's RLIMIT_FSIZE applies).
     python: interpreter for the program (default: this one).
     isolation: "auto" (the strongest available) or "guard" (no namespaces; setuid and rlimits
       still apply, the audit-hook guard stands in for the network namespace).
