@@ -213,7 +213,7 @@ def write_digests(root) -> None:
   text = hashlib.sha256(body.encode()).hexdigest() + "\n" + body
   tmp = root / f"{_DIGESTS}.{uuid.uuid4().hex}"
   tmp.write_text(text)
-  tmp.rename(root / _DIGESTS)  # Atomic on a local disk: the step is saved from here on.
+  tmp.replace(root / _DIGESTS)  # Atomic on a local disk: the step is saved from here on.
 
 
 def verify_digests(root) -> None:
