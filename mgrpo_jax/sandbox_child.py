@@ -3,8 +3,8 @@
 `sandbox_launch` starts this file as a script (`python -I -S sandbox_child.py CONFIG`): the
 bootstrap unshares namespaces, builds the private filesystem, forks init and the program, drops
 privileges and execs. `_HARNESS` (the `run_tests` driver) and `_RUNNER` (runs main.py, with the
-audit-hook guard where asked) are sources run by the sandboxed interpreter. Only the standard library may be imported here: with
-`-I -S` neither this package nor site-packages is on the path.
+audit-hook guard where asked) are sources run by the sandboxed interpreter. Only the standard
+library may be imported here: with `-I -S` neither this package nor site-packages is on the path.
 """
 
 import ctypes

@@ -1,4 +1,4 @@
-"""The sandbox is closed: its own /proc, any interpreter location, bounded files, honest verdicts."""
+"""A closed sandbox: its own /proc, any interpreter location, bounded files, true verdicts."""
 
 import os
 import subprocess
