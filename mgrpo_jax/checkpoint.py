@@ -17,6 +17,14 @@ atomic rename (local disks) or by writing `commit_success.txt` last (object stor
 `latest_step`/`restore` additionally require that marker, so a step directory left
 half-written by any writer is never resumed from.
 
+Verification: once orbax has committed a step, the sha256 of every file in it goes into
+`_DIGESTS` (itself headed by the sha256 of its body), written last by an atomic rename;
+a step counts as saved only with that file. `restore` checks every file against it
+before orbax reads anything; a mismatch falls back to the previous step with a warning
+that names the bad one (which is moved aside to `corrupt-<step>-<id>`), and when no step
+checks out the restore raises rather than let the run start over. Old steps are pruned
+here, after the new step's digests are written, so a crash never leaves no saved step.
+
 Where checkpoints can go: a local path or `file://` URL, and `gs://` (orbax writes
 there itself: tensorstore's GCS driver for the arrays, etils epath for the rest). Orbax
 0.12 cannot write arrays to any other kvstore (it builds `file` specs for every path
@@ -28,6 +36,8 @@ a crash is never seen as a checkpoint. The kvstore is then the truth: on start-u
 local steps it lacks are dropped, and a step missing locally is fetched before restore.
 """
 
+import concurrent.futures
+import hashlib
 import json
 import os
 import shutil
@@ -57,6 +67,7 @@ logging.get_absl_handler().addFilter(_QuietOrbax())
 
 _COMMIT_MARKER = "commit_success.txt"  # Written last by both orbax commit protocols.
 _METADATA = "_CHECKPOINT_METADATA"  # Orbax's, with the commit time: tells saves apart.
+_DIGESTS = "_DIGESTS"  # Ours, written last: the sha256 of every other file of the step.
 _ITEMS = ("states", "meta", "prng_impls")
 _CONTEXT = ts.Context()  # One per process: memory:// checkpoints are shared within it.
 
@@ -165,6 +176,66 @@ def _to_json(x):
   raise TypeError(f"Checkpoint meta holds a {type(x).__name__}, which is not JSON-serialisable.")
 
 
+class CorruptCheckpointError(ValueError):
+  """A saved step whose files do not match the digests written with it."""
+
+
+def _file_sha256(path: epath.Path) -> str:
+  h = hashlib.sha256()
+  with path.open("rb") as f:
+    while chunk := f.read(1 << 24):  # hashlib drops the GIL on big chunks: threads scale.
+      h.update(chunk)
+  return h.hexdigest()
+
+
+def _files_under(path: epath.Path):
+  for child in path.iterdir():  # epath has no recursive glob on gs://; steps are shallow.
+    if child.is_dir():
+      yield from _files_under(child)
+    else:
+      yield child
+
+
+def _step_digests(root: epath.Path) -> dict[str, str]:
+  """{path relative to root: sha256} of every file in a step directory but `_DIGESTS`."""
+  files = sorted(p for p in _files_under(root) if p.name != _DIGESTS
+                 and not p.name.startswith(f"{_DIGESTS}."))
+  with concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+    digests = list(pool.map(_file_sha256, files))
+  return {str(p.relative_to(root)): d for p, d in zip(files, digests)}
+
+
+def write_digests(root) -> None:
+  """Writes `root/_DIGESTS` for the files now in the step directory `root`."""
+  root = epath.Path(root)
+  body = json.dumps({"sha256": _step_digests(root)}, sort_keys=True, separators=(",", ":"))
+  # The header digest makes a flipped bit in this file itself as detectable as elsewhere.
+  text = hashlib.sha256(body.encode()).hexdigest() + "\n" + body
+  tmp = root / f"{_DIGESTS}.{uuid.uuid4().hex}"
+  tmp.write_text(text)
+  tmp.replace(root / _DIGESTS)  # Atomic on a local disk: the step is saved from here on.
+
+
+def verify_digests(root) -> None:
+  """Raises CorruptCheckpointError naming the first file of `root` that fails its digest."""
+  root = epath.Path(root)
+  try:
+    head, body = (root / _DIGESTS).read_text().split("\n", 1)
+  except (OSError, UnicodeDecodeError, ValueError) as e:
+    raise CorruptCheckpointError(f"{root}: unreadable {_DIGESTS} ({e!r}).") from e
+  if hashlib.sha256(body.encode()).hexdigest() != head:
+    raise CorruptCheckpointError(f"{root}/{_DIGESTS} does not match its own digest.")
+  expected = json.loads(body)["sha256"]
+  found = _step_digests(root)
+  for name in sorted(set(expected) | set(found)):
+    if name not in found:
+      raise CorruptCheckpointError(f"{root}/{name} is missing.")
+    if name not in expected:
+      raise CorruptCheckpointError(f"{root}/{name} is not one of the files saved.")
+    if found[name] != expected[name]:
+      raise CorruptCheckpointError(f"{root}/{name} does not match its sha256 digest.")
+
+
 class Checkpointer:
   """Saves and restores (states pytree, meta dict) pairs under `location`.
 
@@ -178,9 +249,15 @@ class Checkpointer:
 
   def __init__(self, location, *, cache_dir=None, max_to_keep: int | None = 3,
                save_interval_steps: int = 1, async_save: bool = True):
+    if max_to_keep is not None and max_to_keep < 1:
+      # 0 would delete each step as soon as it is saved, and a relaunch would start over.
+      raise ValueError(f"max_to_keep={max_to_keep!r}: must be >= 1 (or None to keep every "
+                       "step).")
+    if save_interval_steps < 1:
+      raise ValueError(f"save_interval_steps={save_interval_steps!r}: must be >= 1.")
     directory, self._mirror_spec = resolve_location(location)
     self.location, self.max_to_keep = location, max_to_keep
-    self._mirror, self._upload_thread, self._upload_error = None, None, None
+    self._mirror, self._finalize_thread, self._finalize_error = None, None, None
     if self._mirror_spec is not None:
       if cache_dir is None:
         raise ValueError(f"Checkpoints at {location!r} are copied from a local directory; "
@@ -194,8 +271,10 @@ class Checkpointer:
       logging.info("Checkpoints go to %s by way of the local cache %s (orbax cannot write "
                    "arrays to that kvstore itself).", json.dumps(self._mirror_spec), directory)
     self.directory = epath.Path(directory)
+    # Pruning is ours (`_prune`): orbax would drop the last verified step before the new
+    # one's digests are written.
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=max_to_keep, save_interval_steps=save_interval_steps, create=True,
+        max_to_keep=None, save_interval_steps=save_interval_steps, create=True,
         enable_async_checkpointing=async_save)
     if self._mirror is not None:
       self._drop_cached_steps_not_in_mirror()
@@ -208,7 +287,7 @@ class Checkpointer:
     here, before anything is written, so a bad value fails loudly at the call site.
     """
     meta = json.loads(json.dumps(dict(meta or {}), default=_to_json))
-    self._join_upload()  # Copies go out in step order; a failed one raises here.
+    self._join_finalize()  # Steps are finished in order; a failed one raises here.
     self._drop_uncommitted(int(step))
     if not force and not self._manager.should_save(int(step)):
       return False
@@ -218,14 +297,15 @@ class Checkpointer:
     saved = self._manager.save(int(step), args=args, force=force)
     if saved:
       logging.info("Checkpoint of step %d started in %s.", step, self.directory)
-      if self._mirror is not None:
-        self._upload_thread = threading.Thread(target=self._upload, args=(int(step),),
-                                               daemon=True)
-        self._upload_thread.start()
+      self._finalize_thread = threading.Thread(target=self._finalize, args=(int(step),),
+                                             daemon=True)
+      self._finalize_thread.start()
     return saved
 
   def _committed(self, step: int) -> bool:
-    return (self.directory / str(step) / _COMMIT_MARKER).exists()
+    """Saved whole: orbax committed it and its digests are written (they come last)."""
+    path = self.directory / str(step)
+    return (path / _COMMIT_MARKER).exists() and (path / _DIGESTS).exists()
 
   def _drop_uncommitted(self, step: int):
     """Deletes a crashed run's half-written `step` directory before saving over it.
@@ -260,22 +340,58 @@ class Checkpointer:
     return steps[-1] if steps else None
 
   def restore(self, step: int | None = None, *, abstract_states=None):
-    """Returns (states, meta) of `step` (default: the latest committed step).
+    """Returns (states, meta) of `step` (default: the latest step that checks out).
 
     `abstract_states` is a pytree like the saved one, of `jax.ShapeDtypeStruct`s or
     concrete arrays: each restored array takes that leaf's dtype and sharding (so a
     run may resume onto a different mesh). Without it, the tree comes back as
     orbax's nested dicts with typed keys left as raw uint32 key data: for
     inspection, not for resuming.
+
+    Every file is checked against its digest first. A given `step` that fails raises
+    CorruptCheckpointError; by default a failing step is skipped with a warning (and
+    moved aside) for the one before it, and when none is left the error is raised:
+    a run with checkpoints never silently starts over.
     """
-    if step is None:
-      step = self.latest_step()
-      if step is None:
-        raise FileNotFoundError(f"No committed checkpoint in {self._where()}.")
-    elif step not in self.all_steps():
+    steps = self.all_steps()
+    if step is not None and step not in steps:
       raise FileNotFoundError(f"Step {step} in {self._where()} is missing or uncommitted.")
+    if not steps:
+      raise FileNotFoundError(f"No committed checkpoint in {self._where()}.")
+    bad = []
+    for candidate in [step] if step is not None else steps[::-1]:
+      try:
+        self._verify(candidate)
+      except CorruptCheckpointError as e:
+        if step is not None:
+          raise
+        logging.warning("Checkpoint step %d in %s is corrupt and is NOT restored: %s",
+                        candidate, self._where(), e)
+        bad.append((candidate, e))
+        continue
+      out = self._restore_verified(candidate, abstract_states)
+      self._set_aside([b for b, _ in bad])
+      return out
+    raise CorruptCheckpointError(
+        f"No usable checkpoint in {self._where()}: steps {[b for b, _ in bad]} all fail "
+        "their digests, so the run stops instead of starting over. Move the directory "
+        "aside to start afresh.") from bad[0][1]
+
+  def _verify(self, step: int) -> None:
     if self._mirror is not None and not self._cached(step):
       self._download(step)
+      verify_digests(self.directory / str(step))
+      return
+    try:
+      verify_digests(self.directory / str(step))
+    except CorruptCheckpointError:
+      if self._mirror is None:
+        raise
+      # The cached copy went bad; the kvstore's may still be good.
+      self._download(step)
+      verify_digests(self.directory / str(step))
+
+  def _restore_verified(self, step: int, abstract_states):
     self._manager.reload()  # The step may come from another writer since we started.
     target = None if abstract_states is None else _restore_target(abstract_states)
     states_args = (ocp.args.StandardRestore() if target is None
@@ -288,10 +404,24 @@ class Checkpointer:
     logging.info("Restored step %d from %s.", step, self._where())
     return states, dict(out.meta or {})
 
+  def _set_aside(self, steps: list[int]) -> None:
+    """Moves corrupt steps out of the way (kept for inspection); the run saves them anew."""
+    if not steps or jax.process_index() != 0:
+      return
+    for step in steps:
+      if self._mirror is not None:
+        self._delete_mirror_step(step, keep_files=True)
+      path = self.directory / str(step)
+      if path.exists():
+        dest = self.directory / f"corrupt-{step}-{uuid.uuid4().hex[:8]}"
+        path.rename(dest)
+        logging.warning("Moved corrupt checkpoint step %d to %s.", step, dest)
+    self._manager.reload()
+
   def wait(self):
     """Blocks until every started save is committed at the checkpoint location."""
     self._manager.wait_until_finished()
-    self._join_upload()
+    self._join_finalize()
 
   def close(self):
     """Waits for pending saves and releases orbax's background resources."""
@@ -334,37 +464,59 @@ class Checkpointer:
                         self._where())
         path.rmtree()
 
-  def _upload(self, step: int):
+  def _finalize(self, step: int):
+    """After orbax commits `step`: its digests, then pruning, then the kvstore copy."""
     try:
       self._manager.wait_until_finished()  # Orbax has committed the step locally.
-      root = os.path.join(self.directory, str(step))
-      files = sorted(os.path.relpath(os.path.join(d, f), root)
-                     for d, _, fs in os.walk(root) for f in fs)
-      prefix = f"{step}/"
-      # Leftovers of a copy that a crash cut short (it has no marker, so nobody read it).
-      self._mirror.delete_range(exchange_lib.prefix_range(prefix)).result()
-      rest = [f for f in files if f != _COMMIT_MARKER]
-      for future in [self._mirror.write(prefix + f, _read(root, f)) for f in rest]:
-        future.result()
-      self._mirror.write(prefix + _COMMIT_MARKER, _read(root, _COMMIT_MARKER)).result()
-      steps = self._mirror_steps()
-      for old in steps[:-self.max_to_keep] if self.max_to_keep else []:
-        # The marker goes first, so no reader takes a half-deleted step for a checkpoint.
-        marker = f"{old}/{_COMMIT_MARKER}"
-        self._mirror.delete_range(ts.KvStore.KeyRange(inclusive_min=marker,
-                                                    exclusive_max=marker + "\0")).result()
-        self._mirror.delete_range(exchange_lib.prefix_range(f"{old}/")).result()
-      logging.info("Checkpoint of step %d copied to %s.", step, self._where())
+      if jax.process_index() == 0:
+        write_digests(self.directory / str(step))
+        if self._mirror is not None:
+          self._upload(step)
+        self._prune()
     except Exception as e:  # Raised by the next save or wait, on the caller's thread.
-      self._upload_error = e
+      self._finalize_error = e
 
-  def _join_upload(self):
-    if self._upload_thread is not None:
-      self._upload_thread.join()
-      self._upload_thread = None
-    if self._upload_error is not None:
-      error, self._upload_error = self._upload_error, None
-      raise RuntimeError(f"Copying a checkpoint to {self._where()} failed.") from error
+  def _prune(self):
+    if self.max_to_keep is None:
+      return
+    local = sorted(int(p.name) for p in self.directory.iterdir()
+                   if p.name.isdigit() and self._committed(int(p.name)))
+    for old in local[:-self.max_to_keep]:
+      # The digests go first, so no reader takes a half-deleted step for a checkpoint.
+      (self.directory / str(old) / _DIGESTS).unlink()
+      (self.directory / str(old)).rmtree()
+    if self._mirror is not None:
+      for old in self._mirror_steps()[:-self.max_to_keep]:
+        self._delete_mirror_step(old)
+
+  def _delete_mirror_step(self, step: int, *, keep_files: bool = False):
+    # The marker goes first, so no reader takes a half-deleted step for a checkpoint.
+    marker = f"{step}/{_COMMIT_MARKER}"
+    self._mirror.delete_range(ts.KvStore.KeyRange(inclusive_min=marker,
+                                                exclusive_max=marker + "\0")).result()
+    if not keep_files:
+      self._mirror.delete_range(exchange_lib.prefix_range(f"{step}/")).result()
+
+  def _upload(self, step: int):
+    root = os.path.join(self.directory, str(step))
+    files = sorted(os.path.relpath(os.path.join(d, f), root)
+                   for d, _, fs in os.walk(root) for f in fs)
+    prefix = f"{step}/"
+    # Leftovers of a copy that a crash cut short (it has no marker, so nobody read it).
+    self._mirror.delete_range(exchange_lib.prefix_range(prefix)).result()
+    rest = [f for f in files if f != _COMMIT_MARKER]
+    for future in [self._mirror.write(prefix + f, _read(root, f)) for f in rest]:
+      future.result()
+    self._mirror.write(prefix + _COMMIT_MARKER, _read(root, _COMMIT_MARKER)).result()
+    logging.info("Checkpoint of step %d copied to %s.", step, self._where())
+
+  def _join_finalize(self):
+    if self._finalize_thread is not None:
+      self._finalize_thread.join()
+      self._finalize_thread = None
+    if self._finalize_error is not None:
+      error, self._finalize_error = self._finalize_error, None
+      raise RuntimeError(f"Finishing a checkpoint in {self._where()} failed.") from error
 
   def _download(self, step: int):
     """Fetches `step` into the cache, then puts it in place with a local rename."""

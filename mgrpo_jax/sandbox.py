@@ -8,15 +8,22 @@ Layout of a run (Linux):
 
   caller ──Popen──> bootstrap (sandbox_child.py as a script, caller's uid, new session)
                       unshare(mount, net, pid namespaces; a user namespace too when not root)
-                      mount: a private size-limited tmpfs on /tmp, /var/tmp and /dev/shm holding
-                             the program (cwd = /tmp); closed dirs hidden; the rest read-only
-                      └─fork─> init (pid 1 of the new pid namespace; reaps, reports exit code)
+                      mount: a private size- and file-count-limited tmpfs on /tmp, /var/tmp and
+                             /dev/shm holding the program (cwd = /tmp), with the interpreter's own
+                             directories under /tmp (a venv there) bound back read-only; closed
+                             dirs hidden; the rest read-only
+                      └─fork─> init (pid 1 of the new pid namespace; mounts its own /proc;
+                                 reaps, reports exit code)
                                  └─fork─> program: rlimits, drop privileges, exec `python -I`
+                                          running main.py under `sandbox_child._RUNNER`
 
 Mechanisms (each is tried; those in force are listed in `result.isolation`):
   netns   an empty network namespace (loopback down): every connect fails, DNS too.
   mntns   a private mount namespace, giving:
-    tmpfs   /tmp (also /var/tmp, /dev/shm) is the program's own, size-limited, gone afterwards;
+    tmpfs   /tmp (also /var/tmp, /dev/shm) is the program's own, gone afterwards, limited
+            to disk_mb bytes and max_files files and directories;
+    procfs  /proc is a fresh procfs of the pid namespace: the host's processes are not there
+            (or "noproc": an empty /proc, where procfs cannot be mounted);
     rofs    every other mount is read-only (except /proc, /sys, /dev, left to permissions);
     hidden  a directory that other users cannot enter (e.g. a 0700 /root) is covered by an
             empty tmpfs, but for the entries the interpreter needs (/root/.pyenv).
@@ -31,6 +38,10 @@ Mechanisms (each is tried; those in force are listed in `result.isolation`):
   guard   without a network namespace (or with isolation="guard"), an audit hook in the child
           refuses non-Unix sockets, DNS, subprocesses and ctypes. Best effort only: audit hooks
           are not a security boundary.
+The verdict is the sandbox's own: the exit code and resource use come from init over a pipe
+the program does not hold, and "memory" from the runner catching MemoryError (reported on a
+pipe of its own, never read from the program's output, so printing "MemoryError" forges
+nothing; a program can at most claim that failure for itself).
 Always: RLIMIT_AS (memory_mb), RLIMIT_CPU, RLIMIT_FSIZE, RLIMIT_NPROC, no core dumps, no new
 privileges, a minimal environment, `python -I`, a wall-clock limit that kills the process
 group (and every process of the uid), and capped output. The threat model is careless or
@@ -50,7 +61,6 @@ import json
 import math
 import os
 import random
-import re
 import shutil
 import signal
 import stat
@@ -70,7 +80,6 @@ OUTCOMES = ("pass", "fail", "error", "timeout", "skipped")  # Per test in `run_t
 UID_BASE = 1_700_000_000  # Sandbox uids are UID_BASE + slot; far from any real account.
 _SLOTS = 1024
 _next_slot = itertools.count(random.randrange(_SLOTS))  # Processes start apart, then rotate.
-_MEMORY_ERROR = re.compile(r"^[\w.]*MemoryError\b", re.M)
 
 
 class SandboxError(RuntimeError):
@@ -106,7 +115,8 @@ class SuiteResult:
 def run(code: str, *, timeout_s: float = 10.0, memory_mb: int = 512,
         stdin: str | bytes | None = None, files: Mapping[str, str | bytes] | None = None,
         max_output_bytes: int = 64 * 1024, max_procs: int = 16, disk_mb: int = 64,
-        python: str | None = None, isolation: str = "auto") -> SandboxResult:
+        max_files: int = 4096, python: str | None = None,
+        isolation: str = "auto") -> SandboxResult:
   """Runs `code` as `python -I main.py` in a fresh sandbox and waits for it.
 
   Args:
@@ -117,7 +127,10 @@ def run(code: str, *, timeout_s: float = 10.0, memory_mb: int = 512,
     files: extra files, relative path -> content, placed beside main.py in the working directory.
     max_output_bytes: cap on each of stdout and stderr; passing it kills the run.
     max_procs: RLIMIT_NPROC (processes and threads) for the program's uid.
-    disk_mb: size of the private /tmp and the largest file (RLIMIT_FSIZE).
+    disk_mb: size of the private /tmp (the bytes a run may leave written) and the largest
+      file (RLIMIT_FSIZE).
+    max_files: files and directories the program may create in the private /tmp (without a
+      mount namespace there is no private /tmp, and only disk_mb's RLIMIT_FSIZE applies).
     python: interpreter for the program (default: this one).
     isolation: "auto" (the strongest available) or "guard" (no namespaces; setuid and rlimits
       still apply, the audit-hook guard stands in for the network namespace).
@@ -126,7 +139,7 @@ def run(code: str, *, timeout_s: float = 10.0, memory_mb: int = 512,
   """
   return _execute(code, timeout_s=timeout_s, memory_mb=memory_mb, stdin=stdin, files=files,
                   max_output_bytes=max_output_bytes, max_procs=max_procs, disk_mb=disk_mb,
-                  python=python, isolation=isolation)[0]
+                  max_files=max_files, python=python, isolation=isolation)[0]
 
 
 def run_tests(program: str, tests: Sequence[str], *, timeout_per_test_s: float = 10.0,
@@ -171,11 +184,12 @@ def run_tests(program: str, tests: Sequence[str], *, timeout_per_test_s: float =
 
 
 def _execute(code, *, timeout_s, memory_mb, stdin, files, max_output_bytes, max_procs, disk_mb,
-             python, isolation, want_report=False):
+             python, isolation, want_report=False, max_files=4096):
   """Runs one sandbox; returns (SandboxResult, what the program wrote to fd 3)."""
   if isolation not in ("auto", "guard"):
     raise ValueError(f"isolation must be 'auto' or 'guard', got {isolation!r}")
   python = os.path.abspath(python or sys.executable)
+  tmp_keep = _tmp_paths(python)
   slot_fd, uid = _acquire_uid() if os.geteuid() == 0 else (None, None)
   staging = tempfile.mkdtemp(prefix="mgrpo_sandbox_")
   cpu_limit = math.ceil(timeout_s) + 1
@@ -184,7 +198,8 @@ def _execute(code, *, timeout_s, memory_mb, stdin, files, max_output_bytes, max_
     _stage(staging, {"main.py": code, **(files or {})}, uid)
     config = {"staging": staging, "python": python, "uid": uid, "memory_mb": memory_mb,
               "cpu_s": cpu_limit, "max_procs": max_procs, "disk_mb": disk_mb,
-              "isolation": isolation, "closed": _closed_dirs(python)}
+              "max_files": max_files + _count_files(files) + 8,  # Ours: main.py, dirs.
+              "isolation": isolation, "closed": _closed_dirs(python), "tmp_keep": tmp_keep}
     data, killed_for, truncated, wall_s = sandbox_launch.launch(
         config, stdin, timeout_s, max_output_bytes, want_report)
     for line in data["status"].decode(errors="replace").splitlines():
@@ -198,10 +213,12 @@ def _execute(code, *, timeout_s, memory_mb, stdin, files, max_output_bytes, max_
     raise SandboxError(f"sandbox setup failed: {report['error']}")
   stderr = data["stderr"].decode(errors="replace")
   rc = report.get("returncode")
-  status = killed_for or _classify(rc, stderr, report, cpu_limit, memory_mb)
+  memory_error = data["verdict"].startswith(b"MemoryError")
+  status = killed_for or _classify(rc, memory_error, report, cpu_limit, memory_mb)
+  isolation = tuple(report.get("isolation", ())) + ((report["proc"],) if "proc" in report else ())
   result = SandboxResult(status == "ok", status, None if killed_for else rc,
                          data["stdout"].decode(errors="replace"), stderr, wall_s,
-                         report.get("cpu_s"), truncated, tuple(report.get("isolation", ())))
+                         report.get("cpu_s"), truncated, isolation)
   return result, data.get("tests", b"").decode(errors="replace")
 
 
@@ -220,8 +237,12 @@ def _clean_up(uid, report):
     _wait_gone(report.get("init_pid"))  # Its exit waits for the whole namespace.
 
 
-def _classify(rc, stderr, report, cpu_limit, memory_mb):
-  """Maps the program's exit to a status, for runs the sandbox did not cut short."""
+def _classify(rc, memory_error, report, cpu_limit, memory_mb):
+  """Maps the program's exit to a status, for runs the sandbox did not cut short.
+
+  Only what the sandbox saw counts (exit code, resource use, the runner's verdict), never
+  the program's output.
+  """
   near_memory = report.get("maxrss_kb", 0) >= 0.9 * memory_mb * 1024
   if rc is None:
     return "killed"  # The status report never came: init was killed.
@@ -231,10 +252,7 @@ def _classify(rc, stderr, report, cpu_limit, memory_mb):
     if -rc == signal.SIGXCPU or (report.get("cpu_s") or 0) >= cpu_limit - 0.5:
       return "timeout"
     return "memory" if near_memory else "killed"
-  last_lines = "\n".join(stderr.strip().splitlines()[-1:])
-  if _MEMORY_ERROR.search(last_lines):
-    return "memory"
-  return "error"
+  return "memory" if memory_error else "error"
 
 
 def _acquire_uid():
@@ -358,3 +376,32 @@ def _closed_dirs(python):
       keep.setdefault(top, set()).add(parts[closed[0]])
       deeper |= len(closed) > 1
   return {top: sorted(names) for top, names in keep.items()}, deeper
+
+
+def _count_files(files) -> int:
+  return len(files or {}) + sum(rel.count("/") for rel in (files or {}))
+
+
+_TMP_ROOTS = ("/tmp", "/var/tmp", "/dev/shm")  # Each is covered by the private tmpfs.
+
+
+def _tmp_paths(python):
+  """The interpreter's directories under /tmp, which the sandbox binds back read-only.
+
+  Raises SandboxError for one under /var/tmp or /dev/shm, which are not bound back.
+  """
+  paths = {python, os.path.realpath(python)}
+  paths |= {os.path.dirname(os.path.dirname(p)) for p in set(paths)}  # <prefix>/bin/python.
+  if os.path.realpath(python) == os.path.realpath(sys.executable):
+    paths |= {sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix}
+  under = lambda p, root: p == root or p.startswith(root + "/")
+  for path in sorted(paths):
+    for root in _TMP_ROOTS[1:]:
+      if under(path, root):
+        raise SandboxError(
+            f"The sandbox cannot run the interpreter {python}: {path} lies under {root}, "
+            "which the sandbox replaces by its private tmpfs. Create the virtualenv elsewhere "
+            "(under /tmp or $HOME works) or pass python= an interpreter outside it.")
+  kept = sorted(p for p in paths if under(p, "/tmp") and p != "/tmp" and os.path.exists(p))
+  # Only the outermost: a bind of /tmp/venv brings /tmp/venv/bin with it.
+  return [p for p in kept if not any(q != p and under(p, q) for q in kept)]

@@ -2,9 +2,9 @@
 
 `sandbox_launch` starts this file as a script (`python -I -S sandbox_child.py CONFIG`): the
 bootstrap unshares namespaces, builds the private filesystem, forks init and the program, drops
-privileges and execs. `HARNESS` (the `run_tests` driver) and `_GUARD` (the audit hook) are
-sources run by the sandboxed interpreter. Only the standard library may be imported here: with
-`-I -S` neither this package nor site-packages is on the path.
+privileges and execs. `HARNESS` (the `run_tests` driver) and `_RUNNER` (runs main.py, with the
+audit-hook guard where asked) are sources run by the sandboxed interpreter. Only the standard
+library may be imported here: with `-I -S` neither this package nor site-packages is on the path.
 """
 
 import ctypes
@@ -115,9 +115,12 @@ def _describe(e):
 
 def _bootstrap(config):
   """Sets up namespaces and the filesystem, then forks init; exits once init is gone."""
-  fd = fcntl.fcntl(config["status_fd"], fcntl.F_DUPFD_CLOEXEC, 10)
-  os.close(config["status_fd"])
-  config["status_fd"] = fd
+  for name in ("tests_fd", "verdict_fd", "status_fd"):  # Out of the way of fds 3 and 4.
+    if config.get(name) is not None:
+      high = fcntl.fcntl(config[name], fcntl.F_DUPFD_CLOEXEC, 10)
+      os.close(config[name])
+      config[name] = high
+  fd = config["status_fd"]
   try:
     libc = _Libc()
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # Die with the caller's thread.
@@ -193,12 +196,22 @@ def _private_filesystem(libc, config, files):
   libc.mount(None, "/", None, _MS_REC | _MS_PRIVATE)  # Nothing below may reach the host.
   uid = config["uid"]
   owner = f",uid={uid},gid={uid}" if uid is not None else ""
+  # The interpreter's own directories under /tmp (a venv there) are held open across the
+  # new tmpfs, then bound back read-only at the same paths.
+  keep = [(path, os.open(path, os.O_PATH | os.O_CLOEXEC)) for path in config["tmp_keep"]]
+  # nr_inodes caps the files (and directories) a run may create, size their bytes.
   libc.mount("tmpfs", "/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC,
-             f"size={config['disk_mb']}m,mode=0700{owner}")
+             f"size={config['disk_mb']}m,nr_inodes={config['max_files']},mode=0700{owner}")
   got = ["tmpfs"]
-  if config["closed"][0]:
-    _hide_closed_dirs(libc, config["closed"][0])
-    got.append("hidden")
+  for path, fd in keep:
+    _bind_back(libc, path, fd)
+  closed = config["closed"][0]
+  if closed:
+    # Closed dirs under /tmp are gone with it: the parents of kept paths are remade 0755.
+    _hide_closed_dirs(libc, {top: names for top, names in closed.items()
+                             if not _under(top, "/tmp")})
+    if not any(_under(top, path) for top in closed for path, _ in keep):
+      got.append("hidden")
   if _remount_readonly(libc):
     got.append("rofs")
   for rel, content in files.items():
@@ -207,13 +220,43 @@ def _private_filesystem(libc, config, files):
     with open(path, "wb") as f:
       f.write(content)
   if uid is not None:
+    ours = {p for path, _ in keep for p in _parents(path, "/tmp")}  # Root's, read-only.
     for root, dirs, names in os.walk("/tmp"):
+      dirs[:] = [d for d in dirs if os.path.join(root, d) not in ours]
       for name in [os.path.join(root, n) for n in dirs + names]:
         os.chown(name, uid, uid)
   for target in ("/var/tmp", "/dev/shm"):  # Other world-writable places: the same tmpfs.
     if os.path.isdir(target):
       libc.mount("/tmp", target, None, _MS_BIND)
   return got
+
+
+def _under(path, root):
+  return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _bind_back(libc, path, fd):
+  """Mounts the directory or file open as `fd` (an O_PATH fd) read-only at `path`."""
+  parent = os.path.dirname(path)
+  os.makedirs(parent, mode=0o755, exist_ok=True)
+  for d in _parents(parent, "/tmp"):
+    os.chmod(d, 0o755)  # Traversable by the sandbox uid, whatever the original modes.
+  if os.path.isdir(f"/proc/self/fd/{fd}"):
+    os.mkdir(path)
+  else:
+    open(path, "w").close()
+  libc.mount(f"/proc/self/fd/{fd}", path, None, _MS_BIND | _MS_REC)
+  flags = _mount_flags(os.statvfs(path).f_flag)
+  libc.mount(None, path, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | flags)
+  os.close(fd)
+
+
+def _parents(path, root):
+  out = []
+  while _under(path, root) and path != root.rstrip("/"):
+    out.append(path)
+    path = os.path.dirname(path)
+  return out
 
 
 def _hide_closed_dirs(libc, closed):
@@ -275,6 +318,8 @@ def _init(libc, config, cwd, mechanisms):
   fd = config["status_fd"]
   try:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if "mntns" in mechanisms:
+      _report(fd, proc=_private_proc(libc, "pidns" in mechanisms))
     child = os.fork()
     if child == 0:
       _exec_program(libc, config, cwd, mechanisms)
@@ -285,6 +330,24 @@ def _init(libc, config, cwd, mechanisms):
     _report(fd, returncode=os.waitstatus_to_exitcode(status))
   finally:
     os._exit(0)
+
+
+def _private_proc(libc, own_pids):
+  """Replaces the host's /proc: a fresh procfs of our pid namespace, else an empty one.
+
+  Returns the mechanism in force: "procfs" (only this run's processes are listed) or
+  "noproc" (nothing is). A procfs mount can be refused in a user namespace when the host's
+  /proc has parts masked (containers); the empty read-only tmpfs then stands in.
+  """
+  flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
+  if own_pids:
+    try:
+      libc.mount("proc", "/proc", "proc", flags)
+      return "procfs"
+    except OSError:
+      pass
+  libc.mount("tmpfs", "/proc", "tmpfs", flags | _MS_RDONLY, "size=4k,mode=0555")
+  return "noproc"
 
 
 def _exec_program(libc, config, cwd, mechanisms):
@@ -304,8 +367,9 @@ def _exec_program(libc, config, cwd, mechanisms):
       resource.setrlimit(kind, (value, hard))
     if config["tests_fd"] is not None:
       os.dup2(config["tests_fd"], 3)
-    first_free = 4 if config["tests_fd"] is not None else 3
-    os.closerange(first_free, fd)  # The status fd is close-on-exec: kept for errors until exec.
+    verdict = 4 if config["tests_fd"] is not None else 3
+    os.dup2(config["verdict_fd"], verdict)
+    os.closerange(verdict + 1, fd)  # The status fd is close-on-exec: kept for errors until exec.
     os.closerange(fd + 1, 1 << 16)
     _drop_privileges(libc, config, "read_search" in mechanisms)
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": cwd, "TMPDIR": cwd,
@@ -315,9 +379,8 @@ def _exec_program(libc, config, cwd, mechanisms):
            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
            "MALLOC_ARENA_MAX": "2"}
     python = config["python"]
-    argv = [python, "-I", "main.py"]
-    if "guard" in mechanisms:
-      argv = [python, "-I", "-c", _GUARD, "main.py"]
+    argv = [python, "-I", "-c", _RUNNER, str(verdict), str(int("guard" in mechanisms)),
+            "main.py"]
     os.execve(python, argv, env)
   except BaseException as e:  # pylint: disable=broad-except
     _report(fd, error=_describe(e))
@@ -365,9 +428,12 @@ def _drop_privileges(libc, config, keep):
   libc.prctl(_PR_SET_NO_NEW_PRIVS, 1)  # setuid binaries (su, sudo) stay unprivileged.
 
 
-# Stands in for the network namespace: refuses non-Unix sockets, new programs and ctypes.
-_GUARD = r'''
-import runpy, sys
+# Runs main.py. An uncaught MemoryError is reported on the verdict fd (argv[1]), so the
+# caller's verdict never comes from text the program printed. With argv[2] == "1", an audit
+# hook stands in for the network namespace: it refuses non-Unix sockets, new programs and
+# ctypes.
+_RUNNER = r'''
+import os, runpy, sys
 _NET = ("socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg")
 _BANNED = ("socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyaddr",
            "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
@@ -376,9 +442,25 @@ def _guard(event, args):
   if ((event == "socket.__new__" and args[1] != 1)  # 1 = AF_UNIX.
       or (event in _NET and args[0].family != 1) or event in _BANNED):
     raise PermissionError("sandbox: %s is disabled" % event)
-sys.addaudithook(_guard)
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
+_verdict = int(sys.argv[1])
+if sys.argv[2] == "1":
+  sys.addaudithook(_guard)
+sys.argv = [os.path.abspath(sys.argv[3])]
+try:
+  runpy.run_path(sys.argv[0], run_name="__main__")
+except SystemExit:
+  raise
+except BaseException as e:
+  if isinstance(e, MemoryError):
+    try:
+      os.write(_verdict, b"MemoryError\n")
+    except OSError:
+      pass
+  tb = e.__traceback__  # The traceback as `python main.py` prints it: from main.py down.
+  while tb is not None and tb.tb_frame.f_code.co_filename != sys.argv[0]:
+    tb = tb.tb_next
+  sys.excepthook(type(e), e.with_traceback(tb), tb)  # None for a SyntaxError: it has its place.
+  sys.exit(1)
 '''
 
 

@@ -22,20 +22,23 @@ def launch(config, stdin, timeout_s, max_output_bytes, want_report):
   """Starts the bootstrap and collects its streams; every process is dead on return."""
   status_r, status_w = os.pipe()
   tests_r, tests_w = os.pipe() if want_report else (None, None)
-  config = {**config, "status_fd": status_w, "tests_fd": tests_w}
+  # The runner's verdict (an uncaught MemoryError) comes apart from the program's output.
+  verdict_r, verdict_w = os.pipe()
+  config = {**config, "status_fd": status_w, "tests_fd": tests_w, "verdict_fd": verdict_w}
   proc = None
   try:
     with tempfile.TemporaryFile() as stdin_file:
       stdin_file.write(stdin.encode() if isinstance(stdin, str) else (stdin or b""))
       stdin_file.seek(0)
       start = time.monotonic()
-      proc = _popen(config, stdin_file, [fd for fd in (status_w, tests_w) if fd is not None])
-    for fd in (status_w, tests_w):  # Only the child may hold write ends, or EOF never comes.
+      proc = _popen(config, stdin_file,
+                    [fd for fd in (status_w, tests_w, verdict_w) if fd is not None])
+    for fd in (status_w, tests_w, verdict_w):  # Only the child may hold write ends.
       if fd is not None:
         os.close(fd)
-    status_w = tests_w = None
+    status_w = tests_w = verdict_w = None
     streams = {"stdout": proc.stdout.fileno(), "stderr": proc.stderr.fileno(),
-               "status": status_r}
+               "status": status_r, "verdict": verdict_r}
     if tests_r is not None:
       streams["tests"] = tests_r
     data, killed_for, truncated = _collect(proc, streams, start + timeout_s, max_output_bytes)
@@ -47,7 +50,7 @@ def launch(config, stdin, timeout_s, max_output_bytes, want_report):
       proc.wait()
       proc.stdout.close()
       proc.stderr.close()
-    for fd in (status_r, status_w, tests_r, tests_w):
+    for fd in (status_r, status_w, tests_r, tests_w, verdict_r, verdict_w):
       if fd is not None:
         os.close(fd)
 

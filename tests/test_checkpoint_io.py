@@ -170,6 +170,32 @@ def test_uncommitted_steps_are_ignored(tmp_path):
   np.testing.assert_array_equal(restored["x"], np.arange(5) + 1)
 
 
+def test_crash_before_the_digests_keeps_the_previous_step(tmp_path, monkeypatch):
+  """A step counts once its digests are written; pruning waits for that."""
+  tree = {"x": jnp.arange(3, dtype=jnp.float32)}
+  with checkpoint.Checkpointer(tmp_path, max_to_keep=1) as ckpt:
+    ckpt.save(1, tree, {"step": 1})
+    ckpt.wait()
+
+    def crash(root):
+      raise OSError(f"killed before the digests of {root}")
+    monkeypatch.setattr(checkpoint, "write_digests", crash)
+    ckpt.save(2, {"x": tree["x"] + 2}, {"step": 2})
+    with pytest.raises(RuntimeError, match="Finishing a checkpoint"):
+      ckpt.wait()
+  monkeypatch.undo()
+  assert (tmp_path / "2" / "commit_success.txt").exists()  # Orbax had committed it.
+  with checkpoint.Checkpointer(tmp_path, max_to_keep=1) as ckpt:
+    assert ckpt.all_steps() == [1]
+    _, meta = ckpt.restore(abstract_states=tree)
+    assert meta == {"step": 1}
+    assert ckpt.save(2, {"x": tree["x"] + 4}, {"step": 2})
+    ckpt.wait()
+    assert ckpt.all_steps() == [2]
+    restored, _ = ckpt.restore(abstract_states=tree)
+  np.testing.assert_array_equal(restored["x"], np.arange(3) + 4)
+
+
 def test_no_checkpoint(tmp_path):
   with checkpoint.Checkpointer(tmp_path / "empty") as ckpt:
     assert ckpt.latest_step() is None

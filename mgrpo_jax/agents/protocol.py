@@ -131,11 +131,18 @@ def _snippet(text: str) -> str:
 
 def strip_end_of_turn(text: str) -> str:
   """`text` without trailing whitespace and end-of-turn markers (any number, any order)."""
-  text = text.rstrip()
-  while text.endswith(END_OF_TURN):
+  # Walks an end index back and slices once: linear, where stripping a copy per marker was
+  # quadratic in the number of trailing markers (a 4 MB reply of them took 13 s).
+  end = len(text.rstrip())
+  while True:
     for marker in END_OF_TURN:
-      text = text.removesuffix(marker).rstrip()
-  return text
+      if text.endswith(marker, 0, end):
+        end -= len(marker)
+        while end and text[end - 1].isspace():
+          end -= 1
+        break
+    else:
+      return text[:end]
 
 
 def _lex(text: str) -> list[tuple[str, str]]:

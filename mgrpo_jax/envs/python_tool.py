@@ -5,7 +5,11 @@ from mgrpo_jax.envs.search import truncate
 
 
 class PythonTool:
-  """`tool(code) -> text`: what the program printed, or why it failed. Never raises."""
+  """`tool(code) -> text`: what the program printed, or why it failed.
+
+  Raises sandbox.SandboxError when the sandbox itself cannot run the program: that is a
+  broken machine, never the program's output (nor the model's fault).
+  """
 
   name = "python"
 
@@ -15,11 +19,8 @@ class PythonTool:
   def __call__(self, code) -> str:
     if not isinstance(code, str) or not code.strip():
       return "Error: empty program."
-    try:
-      res = sandbox.run(code, timeout_s=self.timeout_s, memory_mb=self.memory_mb,
-                        max_output_bytes=4 * self.max_chars)
-    except sandbox.SandboxError as e:  # The sandbox failed, not the program: say so.
-      return f"Error: the sandbox could not run the program ({e})."
+    res = sandbox.run(code, timeout_s=self.timeout_s, memory_mb=self.memory_mb,
+                      max_output_bytes=4 * self.max_chars)
     if res.ok:
       return truncate(res.stdout.strip() or "(no output)", self.max_chars)
     # The last lines of a traceback carry the exception: keep the tail within the budget.

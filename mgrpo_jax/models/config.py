@@ -10,6 +10,17 @@ import jax.numpy as jnp
 from mgrpo_jax.models.attention import IMPLEMENTATIONS
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# Upper bounds on sizes, checked before anything is allocated: far above every released
+# Qwen3, far below what a typo (or a hostile config.json) would have us build.
+_MAX = {"vocab_size": 1 << 21, "hidden_size": 1 << 16, "intermediate_size": 1 << 18,
+        "num_layers": 1024, "num_heads": 1024, "num_kv_heads": 1024, "head_dim": 4096,
+        "max_position_embeddings": 1 << 24}
+# Our field -> the config.json key it comes from, to name the key a user must fix.
+_HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size",
+            "intermediate_size": "intermediate_size", "num_layers": "num_hidden_layers",
+            "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
+            "head_dim": "head_dim", "max_position_embeddings": "max_position_embeddings"}
+_REQUIRED = object()
 
 
 class ConfigError(ValueError):
@@ -46,11 +57,15 @@ class Qwen3Config:
   attention_block: int = 512
 
   def __post_init__(self):
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                 "num_heads", "num_kv_heads", "head_dim"):
+    for name, limit in _MAX.items():
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ConfigError(f"Qwen3Config.{name} must be a positive int, got {value!r}.")
+      if value > limit:
+        raise ConfigError(f"Qwen3Config.{name}={value} is above the limit {limit}.")
+    if not isinstance(self.tie_embeddings, bool):
+      raise ConfigError(
+          f"Qwen3Config.tie_embeddings must be a bool, got {self.tie_embeddings!r}.")
     if self.num_heads % self.num_kv_heads:
       raise ConfigError(
           f"Qwen3Config.num_heads={self.num_heads} is not a multiple of "
@@ -93,43 +108,55 @@ class Qwen3Config:
 
   @classmethod
   def from_hf_dict(cls, hf: dict[str, Any], **overrides) -> "Qwen3Config":
-    """Builds a config from the fields of an HF Qwen3 `config.json`."""
-    model_type = hf.get("model_type")
+    """Builds a config from the fields of an HF Qwen3 `config.json`.
+
+    Typed strictly: a boolean must be JSON true/false (never the string "false"), a size a
+    JSON integer within `_MAX` (checked before anything is allocated), a dtype a name.
+    """
+    model_type = _hf_field(hf, "model_type", str, None)
     if model_type not in (None, "qwen3"):
       raise ConfigError(f"config.json model_type={model_type!r}; only 'qwen3' is supported.")
     required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads")
-    missing = [k for k in required if k not in hf]
+    missing = [k for k in required if hf.get(k) is None]
     if missing:
       raise ConfigError(f"config.json is missing required field(s): {', '.join(missing)}.")
+    sizes = {ours: _hf_field(hf, key, int, None) for ours, key in _HF_KEYS.items()}
+    for ours, value in sizes.items():
+      if value is not None and not 0 < value <= _MAX[ours]:
+        raise ConfigError(f"config.json {_HF_KEYS[ours]}={value} is outside [1, {_MAX[ours]}].")
     # transformers>=5 writes rope_parameters; the released Qwen3 files have rope_theta.
-    rope = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
+    rope = _hf_field(hf, "rope_parameters", dict, {})
+    scaling = _hf_field(hf, "rope_scaling", dict, {})
     rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
     if rope_type not in (None, "default"):
       raise ConfigError(f"config.json rope type {rope_type!r} is not supported (only default).")
-    rope_theta = hf.get("rope_theta", rope.get("rope_theta", 1_000_000.0))
-    heads = hf["num_attention_heads"]
-    dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    rope_theta = _hf_field(hf, "rope_theta", float, None)
+    if rope_theta is None:
+      rope_theta = _hf_field(rope, "rope_theta", float, 1_000_000.0)
+    heads = sizes["num_heads"]
+    dtype = _hf_field(hf, "dtype", str, None) or _hf_field(hf, "torch_dtype", str, "float32")
+    if dtype not in _DTYPES and "param_dtype" not in overrides:
+      raise ConfigError(f"config.json dtype {dtype!r}; expected one of {sorted(_DTYPES)}.")
     kwargs = dict(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"],
-        num_layers=hf["num_hidden_layers"],
+        vocab_size=sizes["vocab_size"],
+        hidden_size=sizes["hidden_size"],
+        intermediate_size=sizes["intermediate_size"],
+        num_layers=sizes["num_layers"],
         num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        num_kv_heads=sizes["num_kv_heads"] or heads,
+        head_dim=sizes["head_dim"] or sizes["hidden_size"] // heads,
         rope_theta=float(rope_theta),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 40_960)),
+        rms_norm_eps=float(_hf_field(hf, "rms_norm_eps", float, 1e-6)),
+        tie_embeddings=_hf_field(hf, "tie_word_embeddings", bool, False),
+        max_position_embeddings=sizes["max_position_embeddings"] or 40_960,
         param_dtype=dtype if dtype in _DTYPES else "float32",
     )
-    if hf.get("attention_bias"):
+    if _hf_field(hf, "attention_bias", bool, False):
       raise ConfigError("config.json attention_bias=true is not supported by Qwen3 here.")
-    if hf.get("hidden_act", "silu") != "silu":
+    if _hf_field(hf, "hidden_act", str, "silu") != "silu":
       raise ConfigError(f"config.json hidden_act={hf['hidden_act']!r}; Qwen3 uses 'silu'.")
-    if hf.get("use_sliding_window"):
+    if _hf_field(hf, "use_sliding_window", bool, False):
       raise ConfigError("config.json use_sliding_window=true is not supported.")
     kwargs.update(overrides)
     return cls(**kwargs)
@@ -180,6 +207,36 @@ class Qwen3Config:
         "max_window_layers": self.num_layers,
         "torch_dtype": self.param_dtype,
     }
+
+
+def _hf_field(hf: dict, key: str, kind: type, default=_REQUIRED):
+  """`hf[key]` if it is a JSON value of `kind` (null or absent: `default`), else an error."""
+  value = hf.get(key)
+  if value is None:
+    if default is _REQUIRED:
+      raise ConfigError(f"config.json is missing required field {key}.")
+    return default
+  names = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
+           dict: "an object"}
+  ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+  if kind is float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+  if not ok:
+    raise ConfigError(f"config.json {key}={json.dumps(value)} must be {names[kind]}.")
+  return value
+
+
+def check_vocab_size(model_vocab_size: int, tokenizer_vocab_size: int, where: str = "") -> None:
+  """Raises ConfigError when the model has fewer token ids than the tokenizer emits.
+
+  Ids past the embedding table would otherwise be gathered out of range (silently
+  clamped or NaN on device), surfacing later as a misleading non-finite loss.
+  """
+  if model_vocab_size < tokenizer_vocab_size:
+    raise ConfigError(
+        f"{where + ': ' if where else ''}the model's vocab_size={model_vocab_size} is smaller "
+        f"than the tokenizer's vocab_size={tokenizer_vocab_size}; set vocab_size >= "
+        f"{tokenizer_vocab_size} (or -1 for the tokenizer's).")
 
 
 def _preset(**kw) -> Qwen3Config:

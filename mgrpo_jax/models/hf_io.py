@@ -16,9 +16,10 @@ from jax.sharding import Mesh, NamedSharding
 from mgrpo_jax import sharding
 from mgrpo_jax.models import qwen3
 from mgrpo_jax.models.config import Qwen3Config
-from mgrpo_jax.models.safetensors_io import CheckpointError, SafetensorsFile, write
+from mgrpo_jax.models.safetensors_io import FLOAT_DTYPES, CheckpointError, SafetensorsFile, write
 
 INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
 # Buffers some exporters write that carry no parameters.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -75,7 +76,11 @@ def _hf_shape(spec: _Tensor, our_shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 class _Checkpoint:
-  """Name -> file lookup over a single or sharded safetensors checkpoint."""
+  """Name -> file lookup over a single or sharded safetensors checkpoint.
+
+  Only the files the index names (or `model.safetensors` without one) are read, and only
+  plain file names inside `path`: a stray *.safetensors beside them overrides nothing.
+  """
 
   def __init__(self, path: str):
     index = os.path.join(path, INDEX_FILE)
@@ -87,7 +92,13 @@ class _Checkpoint:
           weight_map = json.load(f)["weight_map"]
       except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise CheckpointError(f"{index}: not a valid safetensors index ({e}).") from e
+      if not isinstance(weight_map, dict) or not all(
+          isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise CheckpointError(f"{index}: weight_map must map tensor names to file names.")
       for fname in sorted(set(weight_map.values())):
+        if os.path.basename(fname) != fname or fname in (".", "..") or os.sep in fname:
+          raise CheckpointError(f"{index} names shard {fname!r}, which is not a file name "
+                                f"inside {path}.")
         fpath = os.path.join(path, fname)
         if not os.path.exists(fpath):
           raise CheckpointError(f"{index} names shard {fname}, which is missing from {path}.")
@@ -97,20 +108,26 @@ class _Checkpoint:
           raise CheckpointError(f"{index} maps {name!r} to {fname}, which lacks that tensor.")
         self.where[name] = fname
     else:
-      paths = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-      if not paths:
-        raise CheckpointError(f"No *.safetensors files (and no {INDEX_FILE}) in {path}.")
-      for fpath in paths:
-        fname = os.path.basename(fpath)
-        self.files[fname] = SafetensorsFile(fpath)
-        for name in self.files[fname].names():
-          self.where[name] = fname
+      others = sorted(os.path.basename(p)
+                      for p in glob.glob(os.path.join(path, "*.safetensors")))
+      if SINGLE_FILE not in others:
+        raise CheckpointError(f"No {SINGLE_FILE} (and no {INDEX_FILE}) in {path}"
+                              + (f"; {', '.join(others)} are read only through an index."
+                                 if others else "."))
+      if others != [SINGLE_FILE]:
+        logging.warning("%s: ignoring %s (not named by an index; only %s is read).", path,
+                        ", ".join(f for f in others if f != SINGLE_FILE), SINGLE_FILE)
+      self.files[SINGLE_FILE] = SafetensorsFile(os.path.join(path, SINGLE_FILE))
+      self.where = {name: SINGLE_FILE for name in self.files[SINGLE_FILE].names()}
 
   def shape(self, name):
     return self.files[self.where[name]].shape(name)
 
   def read(self, name) -> np.ndarray:
     return self.files[self.where[name]].read(name)
+
+  def dtype(self, name) -> str:
+    return self.files[self.where[name]].dtype(name)
 
   def describe(self, name) -> str:
     return f"{name!r} (in {self.where[name]})"
@@ -137,6 +154,9 @@ def _check_names(ckpt: _Checkpoint, specs, cfg: Qwen3Config, abstract: dict, pat
     problems.append(f"unexpected {len(unexpected)} tensor(s): {', '.join(unexpected[:8])}"
                     + (" ..." if len(unexpected) > 8 else ""))
   for name in sorted(set(expected) & present):
+    if ckpt.dtype(name) not in FLOAT_DTYPES:
+      problems.append(f"tensor {ckpt.describe(name)} has dtype {ckpt.dtype(name)}, but it is "
+                      f"a float weight ({'/'.join(FLOAT_DTYPES)})")
     if tuple(ckpt.shape(name)) != tuple(expected[name]):
       problems.append(f"tensor {ckpt.describe(name)} has shape {tuple(ckpt.shape(name))}, "
                       f"config.json implies {tuple(expected[name])}")
@@ -217,7 +237,7 @@ def save_hf(path: str, config: Qwen3Config, params: nnx.State, *,
   os.makedirs(path, exist_ok=True)
   # Files of an earlier save with other sharding would shadow this one for some loaders.
   stale = glob.glob(os.path.join(path, "model-*-of-*.safetensors"))
-  stale += [os.path.join(path, f) for f in ("model.safetensors", INDEX_FILE)]
+  stale += [os.path.join(path, f) for f in (SINGLE_FILE, INDEX_FILE)]
   for f in stale:
     if os.path.exists(f):
       os.remove(f)
@@ -239,7 +259,7 @@ def save_hf(path: str, config: Qwen3Config, params: nnx.State, *,
     size += arr.nbytes
   shards.append(current)
   if len(shards) == 1:
-    write(os.path.join(path, "model.safetensors"), shards[0])
+    write(os.path.join(path, SINGLE_FILE), shards[0])
   else:
     weight_map = {}
     for n, shard in enumerate(shards, 1):

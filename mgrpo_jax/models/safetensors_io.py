@@ -17,6 +17,8 @@ _TO_NUMPY = {
     "BOOL": np.bool_,
 }
 _FROM_NUMPY = {np.dtype(v): k for k, v in _TO_NUMPY.items()}
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+_MAX_HEADER_BYTES = 100 << 20  # The format's own limit.
 
 
 class CheckpointError(ValueError):
@@ -31,13 +33,30 @@ def read_header(path: str) -> tuple[dict, int]:
       if len(raw) != 8:
         raise CheckpointError(f"{path}: too short to be a safetensors file.")
       (n,) = struct.unpack("<Q", raw)
-      if n > os.path.getsize(path) - 8:
-        raise CheckpointError(f"{path}: header length {n} exceeds the file size.")
+      if n > min(os.path.getsize(path) - 8, _MAX_HEADER_BYTES):
+        raise CheckpointError(f"{path}: header length {n} exceeds the file size or "
+                              f"{_MAX_HEADER_BYTES} bytes.")
       header = json.loads(f.read(n))
   except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
     raise CheckpointError(f"{path}: cannot read safetensors header: {e}") from e
+  if not isinstance(header, dict):
+    raise CheckpointError(f"{path}: the safetensors header is not a JSON object.")
   header.pop("__metadata__", None)
+  for name, info in header.items():
+    _check_entry(path, name, info)
   return header, 8 + n
+
+
+def _check_entry(path: str, name: str, info) -> None:
+  """Each tensor entry typed strictly: a known dtype, a shape and two data offsets."""
+  is_int = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0
+  ok = (isinstance(info, dict) and info.get("dtype") in _TO_NUMPY
+        and isinstance(info.get("shape"), list) and all(map(is_int, info["shape"]))
+        and isinstance(info.get("data_offsets"), list) and len(info["data_offsets"]) == 2
+        and all(map(is_int, info["data_offsets"])))
+  if not ok:
+    raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry "
+                          f"{json.dumps(info)[:200]} (or an unsupported dtype).")
 
 
 class SafetensorsFile:
@@ -61,6 +80,10 @@ class SafetensorsFile:
 
   def shape(self, name: str) -> tuple[int, ...]:
     return tuple(self.header[name]["shape"])
+
+  def dtype(self, name: str) -> str:
+    """The safetensors dtype name, e.g. "BF16"."""
+    return self.header[name]["dtype"]
 
   def read(self, name: str) -> np.ndarray:
     info = self.header[name]

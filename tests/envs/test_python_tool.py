@@ -1,4 +1,4 @@
-"""The main agent's Python tool runs code in the sandbox and never raises."""
+"""The main agent's Python tool runs code in the sandbox; only a broken sandbox raises."""
 
 import pytest
 

@@ -219,7 +219,7 @@ def test_from_hf_json_errors_name_the_file(tmp_path):
   with pytest.raises(ConfigError, match=r"config\.json.*JSON object"):
     Qwen3Config.from_hf_json(str(path))
   path.write_text(json.dumps(dict(QWEN3_0P6B_CONFIG_JSON, num_hidden_layers="many")))
-  with pytest.raises(ConfigError, match=r"config\.json.*num_layers"):
+  with pytest.raises(ConfigError, match=r"config\.json.*num_hidden_layers"):
     Qwen3Config.from_hf_json(str(path))
 
 
