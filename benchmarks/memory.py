@@ -4,7 +4,7 @@ Each case lowers and compiles the jitted step that training runs, with abstract 
 (`jax.ShapeDtypeStruct`: nothing is allocated) and reads `compiled.memory_analysis()`:
 arguments, outputs, temporaries and their total per device. No GPU or weights needed.
 
-  python benchmarks/memory.py                      # every case -> benchmarks/results/memory-cpu.json
+  python benchmarks/memory.py               # every case -> benchmarks/results/memory-cpu.json
   python benchmarks/memory.py --cases=scaling --out=/tmp/m.json
   python benchmarks/memory.py --list
 

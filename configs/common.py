@@ -31,7 +31,11 @@ def limits() -> ml_collections.ConfigDict:
 
 def sampling() -> ml_collections.ConfigDict:
   """Rollout sampling (the trainer scores tokens at the same temperature)."""
-  return ml_collections.ConfigDict(dict(temperature=1.0, top_p=1.0, top_k=0, chunk=64))
+  return ml_collections.ConfigDict(dict(
+      temperature=1.0, top_p=1.0, top_k=0, chunk=64,
+      # Bytes of KV cache the sampler may hold at once (0: no limit); rows beyond it wait
+      # and run in later waves (sampling.generate), none dropped.
+      kv_cache_budget_bytes=0))
 
 
 def optimizer(lr: float = 1e-6) -> ml_collections.ConfigDict:

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from mgrpo_jax import checkpoint as ckpt_lib
+from mgrpo_jax import exchange
 from mgrpo_jax import delegation, loop, mgrpo_step, plumbing, research_env, sharding
 
 
@@ -56,51 +57,57 @@ def run_main_agent(c, workdir: str, run, *, timeout_s: float = 600.0) -> None:
   `run` is the run location shared with the sub-agent (kvstore URL, JSON spec or path);
   `workdir` is this program's own directory (metrics, logs, final HF weights).
   """
-  w, env, agents, ckpt, start = _setup(c, workdir, run, "main")
-  ex = delegation.open_exchange(run)
+  # One writer per role: a second "main" program on this run stops here, naming the
+  # live one, before it writes anything (its checkpoints included).
+  with exchange.acquire_lease(delegation.open_exchange(run), "main"):
+    w, env, agents, ckpt, start = _setup(c, workdir, run, "main")
+    ex = delegation.open_exchange(run)
 
-  def evaluate(step: int) -> dict:
-    svc = delegation.ExchangeSubAgent(ex, step=delegation.EVAL_STEP_BASE + step,
-                                      timeout_s=timeout_s)
-    m = mgrpo_step.evaluate(c, w, env, agents, step=step, service=svc)
-    ex.mark("rollouts_done", delegation.EVAL_STEP_BASE + step, {"waves": svc.waves})
-    return m
+    def evaluate(step: int) -> dict:
+      svc = delegation.ExchangeSubAgent(ex, step=delegation.EVAL_STEP_BASE + step,
+                                        timeout_s=timeout_s)
+      m = mgrpo_step.evaluate(c, w, env, agents, step=step, service=svc)
+      ex.mark("rollouts_done", delegation.EVAL_STEP_BASE + step, {"waves": svc.waves})
+      return m
 
-  def update(step: int) -> dict:
-    questions = plumbing.examples_for_step(env.train, step, c.num_queries, c.seed)
-    policies = mgrpo_step.make_policies(c, w, env, agents, c.sampling, version=step)
-    svc = delegation.ExchangeSubAgent(ex, step=step, timeout_s=timeout_s, version=step,
-                                      max_staleness=c.max_staleness)
-    eps, _ = mgrpo_step.run_rollouts(c, w, env, policies, questions, num_rollouts=c.num_rollouts,
-                                     key=plumbing.step_key(c, step), step=step, service=svc)
-    batch, outcome, m = mgrpo_step.main_side(c, w, env, eps)
-    delegation.publish_outcome(ex, step, outcome, svc.waves)
-    m.update(mgrpo_step.update(w, agents, {"main": batch}, step))
-    return m
+    def update(step: int) -> dict:
+      questions = plumbing.examples_for_step(env.train, step, c.num_queries, c.seed)
+      policies = mgrpo_step.make_policies(c, w, env, agents, c.sampling, version=step)
+      svc = delegation.ExchangeSubAgent(ex, step=step, timeout_s=timeout_s, version=step,
+                                        max_staleness=c.max_staleness)
+      eps, _ = mgrpo_step.run_rollouts(c, w, env, policies, questions, num_rollouts=c.num_rollouts,
+                                       key=plumbing.step_key(c, step), step=step, service=svc)
+      batch, outcome, m = mgrpo_step.main_side(c, w, env, eps)
+      delegation.publish_outcome(ex, step, outcome, svc.waves)
+      m.update(mgrpo_step.update(w, agents, {"main": batch}, step))
+      return m
 
-  _run(c, workdir, w, env, agents, ckpt, start, evaluate=evaluate, update=update, role="main")
+    _run(c, workdir, w, env, agents, ckpt, start, evaluate=evaluate, update=update, role="main")
 
 
 def run_sub_agent(c, workdir: str, run, *, timeout_s: float = 600.0) -> None:
   """The sub-agent's program: serves every wave of a step, then trains on its own episodes."""
-  w, env, agents, ckpt, start = _setup(c, workdir, run, "sub")
-  ex = delegation.open_exchange(run)
+  # One writer per role: a second "sub" program on this run stops here, naming the
+  # live one, before it writes anything (its checkpoints included).
+  with exchange.acquire_lease(delegation.open_exchange(run), "sub"):
+    w, env, agents, ckpt, start = _setup(c, workdir, run, "sub")
+    ex = delegation.open_exchange(run)
 
-  def evaluate(step: int) -> dict:
-    policy = mgrpo_step.make_policies(c, w, env, agents, c.eval_sampling, version=step)["sub"]
-    svc = mgrpo_step.colocated_sub_agent(c, env, policy, plumbing.eval_key(c, step))
-    delegation.serve_step(ex, svc, delegation.EVAL_STEP_BASE + step, timeout_s=timeout_s,
-                          read_outcome=False)
-    return {"eval/sub_format": float(np.mean([e.format_ok for e in svc.episodes]))
-            } if svc.episodes else {}
+    def evaluate(step: int) -> dict:
+      policy = mgrpo_step.make_policies(c, w, env, agents, c.eval_sampling, version=step)["sub"]
+      svc = mgrpo_step.colocated_sub_agent(c, env, policy, plumbing.eval_key(c, step))
+      delegation.serve_step(ex, svc, delegation.EVAL_STEP_BASE + step, timeout_s=timeout_s,
+                            read_outcome=False)
+      return {"eval/sub_format": float(np.mean([e.format_ok for e in svc.episodes]))
+              } if svc.episodes else {}
 
-  def update(step: int) -> dict:
-    key = plumbing.step_key(c, step)
-    policy = mgrpo_step.make_policies(c, w, env, agents, c.sampling, version=step)["sub"]
-    svc = mgrpo_step.colocated_sub_agent(c, env, policy, key)
-    outcome = delegation.serve_step(ex, svc, step, timeout_s=timeout_s)
-    batch, m = mgrpo_step.sub_side(c, env, svc.episodes, outcome, jax.random.fold_in(key, 2))
-    m.update(mgrpo_step.update(w, agents, {"sub": batch}, step))  # frozen_sub: no update.
-    return m
+    def update(step: int) -> dict:
+      key = plumbing.step_key(c, step)
+      policy = mgrpo_step.make_policies(c, w, env, agents, c.sampling, version=step)["sub"]
+      svc = mgrpo_step.colocated_sub_agent(c, env, policy, key)
+      outcome = delegation.serve_step(ex, svc, step, timeout_s=timeout_s)
+      batch, m = mgrpo_step.sub_side(c, env, svc.episodes, outcome, jax.random.fold_in(key, 2))
+      m.update(mgrpo_step.update(w, agents, {"sub": batch}, step))  # frozen_sub: no update.
+      return m
 
-  _run(c, workdir, w, env, agents, ckpt, start, evaluate=evaluate, update=update, role="sub")
+    _run(c, workdir, w, env, agents, ckpt, start, evaluate=evaluate, update=update, role="sub")

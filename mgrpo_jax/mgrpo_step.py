@@ -135,7 +135,8 @@ def make_policies(c, w: Wiring, env: Env, agents: dict, sampling_cfg, version: i
   if c.policy == "expert":
     return expert_policies(c, w, env)
   kw = dict(limits=limits(c), temperature=sampling_cfg.temperature, top_p=sampling_cfg.top_p,
-            top_k=sampling_cfg.top_k, version=version, chunk=sampling_cfg.chunk)
+            top_k=sampling_cfg.top_k, version=version, chunk=sampling_cfg.chunk,
+            kv_cache_budget_bytes=sampling_cfg.kv_cache_budget_bytes or None)
   return {role: rollout.LLMPolicy(agents[name].model_config, agents[name].state.params,
                                   env.tokenizer, role, **kw)
           for role, name in w.agent_of.items() if name in agents}

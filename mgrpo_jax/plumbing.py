@@ -102,6 +102,7 @@ def _model_params(mc, tokenizer, key, mesh, init_dir: str, name: str):
     _check_vocabulary(path, cfg.vocab_size, tokenizer)
     return cfg.replace(**_runtime(mc)), params
   vocab = tokenizer.vocab_size if mc.vocab_size == -1 else mc.vocab_size
+  models.check_vocab_size(vocab, tokenizer.vocab_size, f"config.{name}_model.vocab_size")
   cfg = models.get_preset(mc.preset, vocab_size=vocab, param_dtype=mc.param_dtype,
                           compute_dtype=mc.compute_dtype, **_runtime(mc))
   return cfg, models.init_params(cfg, key, mesh=mesh)
