@@ -19,7 +19,9 @@ def model(preset: str = "tiny") -> ml_collections.ConfigDict:
       # Update memory: > 0 packs the batch's episodes into rows under this many tokens per
       # micro-batch (rl/packing.py; num_micro is then unused); 0 keeps one padded batch.
       max_tokens_per_micro=0,
-      logits_chunk=4096,  # Tokens scored per chunk: [chunk, vocab] float32 logits at a time.
+      # MB of float32 logits scored at a time (tokens per chunk = this / (4 * vocab)): 2048 is
+      # ~3500 tokens of Qwen3's 151,936-word vocabulary; a tiny vocabulary is one chunk.
+      logits_chunk_mb=2048,
   ))
 
 

@@ -96,7 +96,7 @@ def _gpu(c, preset: str):
       # so its memory is the real model's.
       mc.vocab_size = models.get_preset(preset).vocab_size
     mc.update(param_dtype="float32", compute_dtype="bfloat16", remat=True, attention="auto",
-              max_tokens_per_micro=32_768, logits_chunk=4096)
+              max_tokens_per_micro=32_768, logits_chunk_mb=2048)
 
 
 def _cpu(c):

@@ -93,6 +93,13 @@ def _runtime(mc) -> dict:
   return dict(remat=mc.remat, attention=mc.attention, attention_block=mc.attention_block)
 
 
+def logits_chunk_tokens(megabytes: int, vocab_size: int) -> int:
+  """Tokens per log-prob chunk so that its float32 logits take about `megabytes`."""
+  if megabytes < 1:
+    raise ConfigValueError(f"config.*_model.logits_chunk_mb={megabytes} must be >= 1.")
+  return max(1, megabytes * 2**20 // (4 * vocab_size))
+
+
 def _model_params(mc, tokenizer, key, mesh, init_dir: str, name: str):
   """Parameters from a warm start's final weights, an HF checkpoint, or a random preset."""
   path = os.path.join(init_dir, "hf", name) if init_dir else mc.hf_path
@@ -141,7 +148,8 @@ def build_agent(name, mc, oc, lc, tokenizer, mesh, key, *, init_dir="", num_micr
   step_fn = ts.make_train_step(cfg, lcfg, tx, num_micro=num_micro, mesh=mesh,
                                state_sharding=st_sh,
                                max_tokens_per_micro=mc.max_tokens_per_micro or None,
-                               logits_chunk=mc.logits_chunk)
+                               logits_chunk=logits_chunk_tokens(mc.logits_chunk_mb,
+                                                                cfg.vocab_size))
   return Agent(name, cfg, lcfg, state, step_fn, lc.nonfinite)
 
 

@@ -68,6 +68,13 @@ def chunked_logprobs(hidden_BxTxD, head_DxV, targets_BxT, *, temperature: float 
   """
   b, t, d = hidden_BxTxD.shape
   c = min(t, max(1, chunk // b))
+  if c == t:
+    # One chunk holds the batch: score it directly (a rematerialised scan would only add a
+    # second head matmul in the backward pass).
+    logits_BxTxV = jnp.einsum("btd,dv->btv", hidden_BxTxD, head_DxV,
+                              preferred_element_type=jnp.float32) / temperature
+    return (token_logprobs(logits_BxTxV, targets_BxT),
+            entropy(jax.lax.stop_gradient(logits_BxTxV)))
   pad = -t % c
   h = jnp.pad(hidden_BxTxD, ((0, 0), (0, pad), (0, 0)))
   y = jnp.pad(targets_BxT.astype(jnp.int32), ((0, 0), (0, pad)))

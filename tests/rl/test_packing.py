@@ -127,3 +127,11 @@ def test_chunked_logprobs_equal_full():
     g_chunk = jax.jit(jax.grad(lambda h, w: jnp.sum(chunked(h, w)[0] * c), argnums=(0, 1)))(h, w)
     for a, b in zip(g_chunk, g_full):
       np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_logits_chunk_from_megabytes():
+  from mgrpo_jax import plumbing
+  assert plumbing.logits_chunk_tokens(2048, 151_936) == 3534  # 2 GiB of f32 Qwen3 logits.
+  assert plumbing.logits_chunk_tokens(1, 10**9) == 1
+  with pytest.raises(plumbing.ConfigValueError, match="logits_chunk_mb=0"):
+    plumbing.logits_chunk_tokens(0, 384)
