@@ -26,6 +26,7 @@ import numpy as np
 
 from mgrpo_jax import plumbing
 from mgrpo_jax.agents import experts, rollout
+from mgrpo_jax.models import attention
 from mgrpo_jax.research_env import Env, eval_questions
 from mgrpo_jax.rl import advantages, hierarchy
 from mgrpo_jax.rl import batch as batch_lib
@@ -71,6 +72,8 @@ _CHOICES = {
     "main_loss.nonfinite": ("raise", "skip"), "sub_loss.nonfinite": ("raise", "skip"),
     "main_loss.agg": _AGGS, "sub_loss.agg": _AGGS,
     "main_loss.kl_estimator": ("k1", "k2", "k3"), "sub_loss.kl_estimator": ("k1", "k2", "k3"),
+    "main_model.attention": attention.IMPLEMENTATIONS,
+    "sub_model.attention": attention.IMPLEMENTATIONS,
 }
 _POSITIVE = ("num_queries", "num_rollouts", "align_d", "num_steps", "eval_every",
              "num_eval_questions", "checkpoint_every", "num_micro", "limits.max_turns",
