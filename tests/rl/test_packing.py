@@ -131,7 +131,8 @@ def test_chunked_logprobs_equal_full():
 
 def test_logits_chunk_from_megabytes():
   from mgrpo_jax import plumbing
-  assert plumbing.logits_chunk_tokens(2048, 151_936) == 3534  # 2 GiB of f32 Qwen3 logits.
+  # 2 GiB of f32 logits over Qwen3's vocabulary: 2**31 // (4 * 151936) = 3533 tokens.
+  assert plumbing.logits_chunk_tokens(2048, 151_936) == 3533
   assert plumbing.logits_chunk_tokens(1, 10**9) == 1
   with pytest.raises(plumbing.ConfigValueError, match="logits_chunk_mb=0"):
     plumbing.logits_chunk_tokens(0, 384)
