@@ -27,6 +27,7 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict:
   plumbing.check_batch_divides_mesh(rows * c.align_d, mesh,
                                     "config.num_queries*num_rollouts*align_d")
   env = research_env.build_env(c)
+  mgrpo_step.check_task(c, w, env)
   agents = mgrpo_step.build_agents(c, w, env, mesh, jax.random.fold_in(jax.random.key(c.seed), 0))
   ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=c.max_to_keep)
   start = plumbing.restore_agents(ckpt, agents)

@@ -36,6 +36,7 @@ def _setup(c, workdir: str, run, role: str):
                                     "decoupled runs need 'mgrpo' or 'frozen_sub'.")
   mesh = sharding.make_mesh(dict(c.mesh))
   env = research_env.build_env(c)
+  mgrpo_step.check_task(c, w, env)
   agents = mgrpo_step.build_agents(c, w, env, mesh, jax.random.fold_in(jax.random.key(c.seed), 0),
                                    only=role)
   ckpt = ckpt_lib.Checkpointer(delegation.checkpoint_location(run, role),

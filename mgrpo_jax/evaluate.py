@@ -71,8 +71,9 @@ def run(c: ml_collections.ConfigDict, workdir: str, *, run_location=None) -> dic
     if run_location:
       raise ValueError("--run is for decoupled M-GRPO runs; MAGRPO evaluates --workdir.")
     return _run_magrpo(c, workdir)
-  w = mgrpo_step.resolve_wiring(c)
+  w = mgrpo_step.resolve_wiring(c, training=False)
   env = research_env.build_env(c)
+  mgrpo_step.check_task(c, w, env)
   agents, step = {}, 0
   if c.policy != "expert":
     mesh = sharding.make_mesh(dict(c.mesh))

@@ -24,9 +24,9 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from mgrpo_jax import config_checks as checks
 from mgrpo_jax import plumbing
-from mgrpo_jax.agents import experts, rollout
-from mgrpo_jax.models import attention
+from mgrpo_jax.agents import experts, protocol, rollout
 from mgrpo_jax.research_env import Env, eval_questions
 from mgrpo_jax.rl import advantages, hierarchy
 from mgrpo_jax.rl import batch as batch_lib
@@ -64,40 +64,73 @@ WIRINGS = {
                      merge=True),
     "single": Wiring(("single",), {"single": "single"}, trained=("single",), merge=False),
 }
-_LOSSES = ("clipped", "reinforce")
-_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
-_CHOICES = {
-    "variant": tuple(WIRINGS), "policy": ("model", "expert"), "adv_scale": ("std", "none"),
-    "align_on_empty": ("mask", "borrow"), "main_loss.kind": _LOSSES, "sub_loss.kind": _LOSSES,
-    "main_loss.nonfinite": ("raise", "skip"), "sub_loss.nonfinite": ("raise", "skip"),
-    "main_loss.agg": _AGGS, "sub_loss.agg": _AGGS,
-    "main_loss.kl_estimator": ("k1", "k2", "k3"), "sub_loss.kl_estimator": ("k1", "k2", "k3"),
-    "main_model.attention": attention.IMPLEMENTATIONS,
-    "sub_model.attention": attention.IMPLEMENTATIONS,
-}
-_POSITIVE = ("num_queries", "num_rollouts", "align_d", "num_steps", "eval_every",
-             "num_eval_questions", "checkpoint_every", "num_micro", "limits.max_turns",
-             "limits.max_new_tokens", "limits.max_len", "limits.max_delegations",
-             "main_optim.learning_rate", "sub_optim.learning_rate")
+
+
+def _fields(training: bool) -> tuple[dict, dict]:
+  """Every choice and numeric field of configs/mgrpo.py, with what it may hold."""
+  choices = {"variant": tuple(WIRINGS), "policy": ("model", "expert"),
+             "adv_scale": ("std", "none"), "align_on_empty": ("mask", "borrow")}
+  # A group of one rollout has every advantage 0: training needs K >= 2 (evaluation: any).
+  ranges = {"num_rollouts": checks.at_least(2 if training else 1),
+            "adv_eps": checks.POSITIVE, "max_to_keep": checks.at_least(1),
+            "max_staleness": checks.at_least(0), "seed": checks.at_least(0)}
+  ranges.update(dict.fromkeys(("num_queries", "align_d", "num_steps", "eval_every",
+                               "num_eval_questions", "checkpoint_every", "num_micro",
+                               "log_every"), checks.at_least(1)))
+  for role in ("main", "sub"):
+    for section in (checks.model_fields(f"{role}_model"), checks.loss_fields(f"{role}_loss")):
+      choices.update(section[0])
+      ranges.update(section[1])
+    ranges.update(checks.optimizer_ranges(f"{role}_optim"))
+  ranges.update(checks.limits_ranges(), **checks.world_ranges(), **checks.mesh_ranges(),
+                **checks.sampling_ranges("sampling", training=training),
+                **checks.sampling_ranges("eval_sampling", training=False))
+  return choices, ranges
+
+
 # Agent -> (its config sections' prefix, its key index under the agents' key).
 _SECTIONS = {"main": ("main", 0), "single": ("main", 0), "sub": ("sub", 1)}
 
 
-def resolve_wiring(c: ml_collections.ConfigDict) -> Wiring:
-  """Checks the config (naming a bad field) and resolves its variant into wiring."""
-  plumbing.check_config(c, _CHOICES, _POSITIVE)
-  if len(c.alpha) != 2 or len(c.beta) != 3:
-    raise plumbing.ConfigValueError(f"config.alpha needs 2 weights and config.beta 3, got "
-                                    f"{tuple(c.alpha)} and {tuple(c.beta)}.")
-  if c.sampling.temperature <= 0:
-    raise plumbing.ConfigValueError("config.sampling.temperature must be > 0 for training "
-                                    "rollouts (behaviour log-probs are taken at it).")
+def resolve_wiring(c: ml_collections.ConfigDict, *, training: bool = True) -> Wiring:
+  """Checks the config (naming a bad field) and resolves its variant into wiring.
+
+  `training=False` (evaluation) allows a single rollout and greedy sampling.
+  """
+  checks.check_config(c, *_fields(training))
+  checks.check_weights(c, "alpha", 2)
+  checks.check_weights(c, "beta", 3)
+  checks.check_weights(c, "world.hop_weights")
+  checks.check_mesh(c)
+  checks.check_turn_fits(c)
   w = WIRINGS[c.variant]
   rows = c.num_queries * c.num_rollouts
   if not w.has_sub and c.num_micro and rows % c.num_micro:
     raise plumbing.ConfigValueError(f"config.num_micro={c.num_micro} does not divide the batch "
                                     f"of num_queries*num_rollouts={rows}.")
   return w
+
+
+def check_task(c: ml_collections.ConfigDict, w: Wiring, env: Env) -> None:
+  """What the config asks of the built task: questions to train on, prompts that fit.
+
+  The lead role's longest first prompt plus one turn must fit `limits.max_len`; a
+  sub-agent's prompt is its template plus a subtask of at most one main turn.
+  """
+  if not env.train:
+    raise plumbing.ConfigValueError(
+        f"config.world.num_questions={c.world.num_questions} with "
+        f"config.world.test_fraction={c.world.test_fraction} leaves no training question.")
+  lim, skip = c.limits, 0 if c.world.system_prompt else 1
+  messages = protocol.single_messages if w.lead == "single" else protocol.main_messages
+  prompt = lambda m: len(env.tokenizer.apply_chat_template(m[skip:], add_generation_prompt=True))
+  longest = max(prompt(messages(q.text)) for q in env.train + env.test)
+  checks.check_prompt_fits(longest, f"the longest {w.lead} prompt",
+                           max_len=lim.max_len, max_new_tokens=lim.max_new_tokens)
+  if w.has_sub:
+    checks.check_prompt_fits(prompt(protocol.sub_messages("")) + lim.max_new_tokens,
+                             "a sub-agent prompt with a subtask of one main turn",
+                             max_len=lim.max_len, max_new_tokens=lim.max_new_tokens)
 
 
 def build_agents(c, w: Wiring, env: Env, mesh, key, *, only: str | None = None) -> dict:

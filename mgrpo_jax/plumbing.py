@@ -20,31 +20,10 @@ from absl import logging
 from mgrpo_jax import checkpoint as ckpt_lib
 from mgrpo_jax import models
 from mgrpo_jax import tokenizer as tk
+from mgrpo_jax.config_checks import ConfigValueError, check_config, config_field  # noqa: F401
 from mgrpo_jax.rl import train_step as ts
 
 WORDS_FILE = "byte_tokenizer_words.json"  # Beside a saved model trained with ByteTokenizer words.
-
-
-class ConfigValueError(ValueError):
-  """A config field holds a value the programs cannot use; the message names the field."""
-
-
-def config_field(c: ml_collections.ConfigDict, path: str):
-  """`c.a.b` for path "a.b"."""
-  for part in path.split("."):
-    c = c[part]
-  return c
-
-
-def check_config(c: ml_collections.ConfigDict, choices: dict, positive=()) -> None:
-  """Fails at start-up, naming the field, instead of deep inside a step."""
-  for path, allowed in choices.items():
-    if config_field(c, path) not in allowed:
-      raise ConfigValueError(f"config.{path}={config_field(c, path)!r}; expected one of "
-                             f"{allowed}.")
-  for path in positive:
-    if not config_field(c, path) > 0:
-      raise ConfigValueError(f"config.{path}={config_field(c, path)!r} must be > 0.")
 
 
 def check_batch_divides_mesh(rows: int, mesh, field: str) -> None:

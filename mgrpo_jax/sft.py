@@ -17,10 +17,19 @@ import numpy as np
 from absl import logging
 
 from mgrpo_jax import checkpoint as ckpt_lib
+from mgrpo_jax import config_checks as checks
 from mgrpo_jax import loop, mgrpo_step, plumbing, research_env, sharding
 from mgrpo_jax.envs import search
 from mgrpo_jax.rl import batch as batch_lib
 from mgrpo_jax.rl import rewards
+
+# configs/sft.py's own section (the rest is configs/mgrpo.py's, checked by resolve_wiring).
+_RANGES = {"sft.num_questions": checks.at_least(1), "sft.expert_noise": checks.PROBABILITY,
+           "sft.context_weight": checks.NONNEGATIVE, "sft.other_roles_weight": checks.NONNEGATIVE,
+           "sft.corpus_weight": checks.NONNEGATIVE, "sft.num_steps": checks.at_least(1),
+           "sft.batch_size": checks.at_least(1), "sft.learning_rate": checks.POSITIVE,
+           "sft.weight_decay": checks.NONNEGATIVE, "sft.eval_every": checks.at_least(1),
+           "sft.checkpoint_every": checks.at_least(1)}
 
 
 def expert_episodes(c, w: mgrpo_step.Wiring, env, *, seed: int) -> dict[str, list]:
@@ -100,12 +109,14 @@ def _weights(mask_BxT: np.ndarray, rows, row_weights, context_weight: float) -> 
 
 def train_sft(c: ml_collections.ConfigDict, workdir: str) -> dict:
   """Runs the warm start; resumes from `workdir` when it holds a checkpoint."""
-  w = mgrpo_step.resolve_wiring(c)
+  w = mgrpo_step.resolve_wiring(c, training=False)
+  checks.check_config(c, {}, _RANGES)
   os.makedirs(workdir, exist_ok=True)
   sft = c.sft
   mesh = sharding.make_mesh(dict(c.mesh))
   plumbing.check_batch_divides_mesh(sft.batch_size, mesh, "config.sft.batch_size")
   env = research_env.build_env(c)
+  mgrpo_step.check_task(c, w, env)
   data = expert_episodes(c, w, env, seed=c.seed)
   corpus = corpus_rows(env) if sft.corpus_weight else []
   # Per agent, the other roles' traces (built once: the list is as long as the data).

@@ -215,6 +215,16 @@ def run_episodes(policy: TurnPolicy, episodes: list[Episode], tool_fn: ToolFn, *
   """Runs `episodes` to completion (final action, format failure or a limit); see module doc."""
   if not episodes:
     return episodes
+  too_long = [ep for ep in episodes if len(ep.tokens) + limits.max_new_tokens > limits.max_len]
+  if too_long:  # E.g. a delegated subtask too long for the sub-agent's context.
+    for ep in too_long:
+      ep.validator.abort(f"context: a prompt of {len(ep.tokens)} tokens + a turn of "
+                         f"{limits.max_new_tokens} would exceed max_len={limits.max_len}")
+      # Nothing of it is trained; cut it so that it still fits a batch row.
+      del ep.tokens[limits.max_len:], ep.loss_mask[limits.max_len:], ep.logprobs[limits.max_len:]
+    run_episodes(policy, [ep for ep in episodes if not ep.done], tool_fn, tokenizer=tokenizer,
+                 limits=limits, key=key)
+    return episodes
   policy.begin(episodes)
   eos = tokenizer.eos_id
   for turn in range(limits.max_turns):

@@ -12,6 +12,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from mgrpo_jax import config_checks as checks
 from mgrpo_jax import plumbing, sharding
 from mgrpo_jax import tokenizer as tk
 from mgrpo_jax.magrpo import rollout, tasks
@@ -19,31 +20,52 @@ from mgrpo_jax.rl import batch as batch_lib
 from mgrpo_jax.rl import joint
 
 MIN_LENGTH = 32  # Shortest batch length: completions are short, so few shapes from 32 up.
-_CHOICES = {"joint_mode": joint.MODES, "adv_scale": ("std", "none"),
-            "loss.kind": ("clipped", "reinforce"), "loss.nonfinite": ("raise", "skip"),
-            "loss.agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
-            "task.name": tasks.TASKS, "variant": ("magrpo", "single"),
-            "pipeline": rollout.PIPELINES}
-_POSITIVE = ("num_prompts", "group", "num_turns", "eval_every", "num_eval",
-             "checkpoint_every", "max_new_tokens", "max_len", "optim.learning_rate")
+
+
+def _fields() -> tuple[dict, dict]:
+  """Every choice and numeric field of configs/magrpo.py, with what it may hold."""
+  choices = {"joint_mode": joint.MODES, "adv_scale": ("std", "none"), "task.name": tasks.TASKS,
+             "variant": ("magrpo", "single"), "pipeline": rollout.PIPELINES}
+  model_choices, model_ranges = checks.model_fields("model")
+  loss_choices, loss_ranges = checks.loss_fields("loss")
+  choices.update(model_choices, **loss_choices)
+  # G >= 2: a group of one sample has every advantage 0 and trains nothing.
+  ranges = {"group": checks.at_least(2), "gamma": checks.PROBABILITY,
+            "adv_eps": checks.POSITIVE, "max_to_keep": checks.at_least(1),
+            "seed": checks.at_least(0), "num_steps": checks.at_least(0),
+            "warm_start.num_steps": checks.at_least(0),
+            "warm_start.batch_size": checks.at_least(1),
+            "warm_start.learning_rate": checks.POSITIVE,
+            "task.test_fraction": checks.Range(low=0, high=1, low_open=True, high_open=True),
+            "task.num_agents": checks.at_least(1), "task.num_generated": checks.at_least(1),
+            "task.workers": checks.at_least(1), "task.timeout_per_test_s": checks.POSITIVE}
+  ranges.update(dict.fromkeys(("num_prompts", "num_turns", "eval_every", "num_eval",
+                               "checkpoint_every", "max_new_tokens", "max_len", "num_micro"),
+                              checks.at_least(1)))
+  ranges.update(model_ranges, **loss_ranges, **checks.optimizer_ranges("optim"),
+                **checks.sampling_ranges("sampling", training=True),
+                **checks.sampling_ranges("eval_sampling", training=False),
+                **checks.mesh_ranges())
+  return choices, ranges
 
 
 def validate_config(c: ml_collections.ConfigDict) -> None:
   """Fails at start-up naming the field (see `plumbing.check_config`)."""
-  plumbing.check_config(c, _CHOICES, _POSITIVE)
+  checks.check_config(c, *_fields())
+  checks.check_mesh(c)
+  checks.check_weights(c, "turn_weights")
   error = plumbing.ConfigValueError
+  if c.max_new_tokens >= c.max_len:
+    raise error(f"config.max_new_tokens={c.max_new_tokens} leaves no room for a prompt in "
+                f"config.max_len={c.max_len}; make it smaller.")
   if len(c.turn_weights) != c.num_turns:
     raise error(f"config.turn_weights={tuple(c.turn_weights)} needs one weight per turn "
                 f"(config.num_turns={c.num_turns}).")
-  if c.sampling.temperature <= 0:
-    raise error("config.sampling.temperature must be > 0 for training.")
   if c.task.num_agents != 2 and c.task.name != "pick":
     raise error(f"config.task.num_agents={c.task.num_agents}: task {c.task.name!r} has two "
                 "agents (only 'pick' takes N).")
   if c.pipeline == "sequential" and c.joint_mode != "align":
     raise error("config.pipeline='sequential' needs config.joint_mode='align'.")
-  if c.num_micro < 1:
-    raise error(f"config.num_micro={c.num_micro} must be >= 1.")
   if c.loss.kl_coef:
     raise error(f"config.loss.kl_coef={c.loss.kl_coef}: MAGRPO has no reference policy (the "
                 "paper uses no KL); set it to 0.")
@@ -53,9 +75,6 @@ def validate_config(c: ml_collections.ConfigDict) -> None:
   if c.task.name == "pick" and c.task.path:
     raise error(f"config.task.path={c.task.path!r}: the 'pick' task is generated and reads "
                 "no file.")
-  for path in ("num_steps", "warm_start.num_steps"):  # 0 steps: evaluate only.
-    if plumbing.config_field(c, path) < 0:
-      raise error(f"config.{path}={plumbing.config_field(c, path)} must be >= 0.")
 
 
 @dataclasses.dataclass

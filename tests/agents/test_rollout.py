@@ -161,3 +161,20 @@ def test_limits_reject_bad_values():
 def test_protocol_stop_ids_are_single_tokens_for_the_byte_tokenizer():
   ids = protocol.stop_token_ids(TOK, "sub")
   assert TOK.token_id("</search>") in ids and TOK.eos_id in ids
+
+
+def test_a_sub_prompt_longer_than_the_context_is_aborted_not_raised(env, tiny, check_sequence):
+  """A delegated subtask too long for the sub-agent's context fails that episode alone."""
+  _, index = env
+  cfg, params = tiny
+  limits = rollout.Limits(max_turns=2, max_new_tokens=16, max_len=1024, max_delegations=2)
+  service = _service(rollout.LLMPolicy(cfg, params, TOK, "sub", limits=limits), index, limits)
+  requests = [rollout.DelegationRequest(0, 0, 0, 0, "x" * 2000, None),
+              rollout.DelegationRequest(0, 1, 0, 0, "find the river", None)]
+  results = service.delegate(requests)
+  long_ep, short_ep = service.episodes
+  assert "context" in long_ep.validator.failure and long_ep.num_generated == 0
+  assert len(long_ep.tokens) == limits.max_len  # Cut to fit a batch row; nothing trained.
+  assert results[0].text == rollout.NO_RESULT
+  assert short_ep.num_generated > 0
+  check_sequence(short_ep)

@@ -1,0 +1,183 @@
+"""Start-up checks of configs: every numeric and enum field against its allowed range.
+
+A bad field fails before anything is built, with a message that names the field, its value
+and what it may be (`ConfigValueError`). The shared sections (model, limits, sampling,
+optimizer, loss, world, mesh) have their ranges here; each program adds its own fields.
+"""
+
+import dataclasses
+import math
+import numbers
+from typing import Iterable
+
+import ml_collections
+
+from mgrpo_jax.models import attention
+
+
+class ConfigValueError(ValueError):
+  """A config field holds a value the programs cannot use; the message names the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+  """The numbers a field may hold: [low, high], either end open, integers only if `integer`."""
+
+  low: float = -math.inf
+  high: float = math.inf
+  low_open: bool = False
+  high_open: bool = False
+  integer: bool = False
+  also: tuple = ()  # Values allowed outside the interval (e.g. 0 = off, -1 = the rest).
+
+  def __contains__(self, v) -> bool:
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+      return False
+    if v in self.also:
+      return True
+    if self.integer and v != int(v):
+      return False
+    above = v > self.low if self.low_open else v >= self.low
+    below = v < self.high if self.high_open else v <= self.high
+    return above and below
+
+  def __str__(self) -> str:
+    kind = "an integer" if self.integer else "a number"
+    if self.high == math.inf:
+      text = f"{kind} {'>' if self.low_open else '>='} {self.low:g}"
+    else:
+      text = (f"{kind} in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}"
+              f"{')' if self.high_open else ']'}")
+    return text + "".join(f" or {a!r}" for a in self.also)
+
+
+def at_least(n: int) -> Range:
+  """Integers >= n."""
+  return Range(low=n, integer=True)
+
+
+POSITIVE = Range(low=0, low_open=True)  # Any number > 0.
+NONNEGATIVE = Range(low=0)
+PROBABILITY = Range(low=0, high=1)
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def config_field(c: ml_collections.ConfigDict, path: str):
+  """`c.a.b` for path "a.b"."""
+  for part in path.split("."):
+    c = c[part]
+  return c
+
+
+def check_config(c: ml_collections.ConfigDict, choices: dict,
+                 ranges: dict | Iterable = ()) -> None:
+  """Raises `ConfigValueError` for the first field outside its choices or range.
+
+  `choices` maps a field's path to its allowed values; `ranges` maps a path to a `Range`
+  (a bare sequence of paths means each must be > 0).
+  """
+  if not isinstance(ranges, dict):
+    ranges = dict.fromkeys(ranges, POSITIVE)
+  for path, allowed in choices.items():
+    value = config_field(c, path)
+    if value not in allowed:
+      raise ConfigValueError(f"config.{path}={value!r}; expected one of {tuple(allowed)}.")
+  for path, allowed in ranges.items():
+    value = config_field(c, path)
+    if value not in allowed:
+      raise ConfigValueError(f"config.{path}={value!r}; expected {allowed}.")
+
+
+def model_fields(prefix: str) -> tuple[dict, dict]:
+  """Choices and ranges of one `configs/common.model()` section."""
+  choices = {f"{prefix}.attention": attention.IMPLEMENTATIONS,
+             f"{prefix}.param_dtype": DTYPES, f"{prefix}.compute_dtype": DTYPES}
+  ranges = {f"{prefix}.vocab_size": Range(low=1, integer=True, also=(-1,)),
+            f"{prefix}.attention_block": at_least(1),
+            f"{prefix}.max_tokens_per_micro": at_least(0),
+            f"{prefix}.logits_chunk_mb": at_least(1)}
+  return choices, ranges
+
+
+def limits_ranges(prefix: str = "limits") -> dict:
+  return {f"{prefix}.{name}": at_least(1)
+          for name in ("max_turns", "max_new_tokens", "max_len", "max_delegations")}
+
+
+def sampling_ranges(prefix: str, *, training: bool) -> dict:
+  """Training samples at temperature > 0 (behaviour log-probs are taken at it)."""
+  return {f"{prefix}.temperature": POSITIVE if training else NONNEGATIVE,
+          f"{prefix}.top_p": Range(low=0, high=1, low_open=True),
+          f"{prefix}.top_k": at_least(0), f"{prefix}.chunk": at_least(1),
+          f"{prefix}.kv_cache_budget_bytes": at_least(0)}
+
+
+def optimizer_ranges(prefix: str) -> dict:
+  unit = Range(low=0, high=1, high_open=True)
+  return {f"{prefix}.learning_rate": POSITIVE, f"{prefix}.b1": unit, f"{prefix}.b2": unit,
+          f"{prefix}.eps": POSITIVE, f"{prefix}.weight_decay": NONNEGATIVE,
+          f"{prefix}.grad_clip": NONNEGATIVE}
+
+
+def loss_fields(prefix: str) -> tuple[dict, dict]:
+  """Choices and ranges of one `configs/common.loss()` section."""
+  choices = {f"{prefix}.kind": ("clipped", "reinforce"),
+             f"{prefix}.agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
+             f"{prefix}.kl_estimator": ("k1", "k2", "k3"),
+             f"{prefix}.nonfinite": ("raise", "skip")}
+  ranges = {f"{prefix}.eps_low": Range(low=0, high=1, high_open=True),
+            f"{prefix}.eps_high": NONNEGATIVE,
+            f"{prefix}.dual_clip": Range(low=1, low_open=True, also=(0,)),
+            f"{prefix}.kl_coef": NONNEGATIVE}
+  return choices, ranges
+
+
+def world_ranges(prefix: str = "world") -> dict:
+  ranges = {f"{prefix}.{name}": at_least(1)
+            for name in ("num_people", "num_orgs", "num_places", "num_countries", "num_rivers",
+                         "num_questions", "search_k", "visit_chars")}
+  ranges.update({f"{prefix}.num_works": at_least(0), f"{prefix}.distractors_per_doc": at_least(0),
+                 f"{prefix}.name_similarity": PROBABILITY,
+                 f"{prefix}.test_fraction": Range(low=0, high=1, low_open=True, high_open=True)})
+  return ranges
+
+
+def mesh_ranges(prefix: str = "mesh") -> dict:
+  return {f"{prefix}.{axis}": Range(low=1, integer=True, also=(-1,))
+          for axis in ("data", "fsdp", "tensor")}
+
+
+def check_weights(c, path: str, n: int | None = None) -> None:
+  """A tuple of weights: `n` of them (if given), each >= 0, with a positive sum."""
+  w = tuple(config_field(c, path))
+  if ((n is not None and len(w) != n) or any(x not in NONNEGATIVE for x in w)
+      or not sum(w) > 0):
+    size = f"{n} " if n is not None else ""
+    raise ConfigValueError(f"config.{path}={w}; expected {size}weights >= 0 with a positive "
+                           "sum.")
+
+
+def check_mesh(c, prefix: str = "mesh") -> None:
+  """At most one mesh axis may be -1 (the rest of the devices)."""
+  rest = [a for a in ("data", "fsdp", "tensor") if config_field(c, f"{prefix}.{a}") == -1]
+  if len(rest) > 1:
+    raise ConfigValueError(f"config.{prefix}: axes {rest} are all -1; at most one may take the "
+                           "rest of the devices.")
+
+
+def check_turn_fits(c, prefix: str = "limits") -> None:
+  """One turn of new tokens must fit the context with room for a prompt."""
+  new, total = (config_field(c, f"{prefix}.{f}") for f in ("max_new_tokens", "max_len"))
+  if new >= total:
+    raise ConfigValueError(f"config.{prefix}.max_new_tokens={new} leaves no room for a prompt "
+                           f"in config.{prefix}.max_len={total}; make it smaller.")
+
+
+def check_prompt_fits(longest: int, what: str, *, max_len: int, max_new_tokens: int,
+                      prefix: str = "limits") -> None:
+  """The longest first prompt plus one turn must fit `max_len`, naming both fields."""
+  if longest + max_new_tokens > max_len:
+    raise ConfigValueError(
+        f"config.{prefix}.max_len={max_len} cannot hold {what} ({longest} tokens) plus one "
+        f"turn of config.{prefix}.max_new_tokens={max_new_tokens}; raise max_len to at least "
+        f"{longest + max_new_tokens} or lower max_new_tokens.")
