@@ -74,7 +74,9 @@ def run_main_agent(c, workdir: str, run, *, timeout_s: float = 600.0) -> None:
     def update(step: int) -> dict:
       questions = plumbing.examples_for_step(env.train, step, c.num_queries, c.seed)
       policies = mgrpo_step.make_policies(c, w, env, agents, c.sampling, version=step)
-      svc = delegation.ExchangeSubAgent(ex, step=step, timeout_s=timeout_s, version=step,
+      # Scripted experts (config.policy="expert") have no weight version to go stale.
+      version = None if c.policy == "expert" else step
+      svc = delegation.ExchangeSubAgent(ex, step=step, timeout_s=timeout_s, version=version,
                                         max_staleness=c.max_staleness)
       eps, _ = mgrpo_step.run_rollouts(c, w, env, policies, questions, num_rollouts=c.num_rollouts,
                                        key=plumbing.step_key(c, step), step=step, service=svc)

@@ -144,15 +144,20 @@ def test_missing_main_agent_times_out_with_a_message(env, tmp_path):
     delegation.serve_step(exchange, _sub_service(index, jax.random.key(0)), 7, timeout_s=0.3)
 
 
-def test_role_programs_match_the_colocated_run(tmp_path):
-  """Both programs (threads here) over a file:// exchange: the colocated run's metrics."""
+@pytest.mark.parametrize("policy", ["model", "expert"])
+def test_role_programs_match_the_colocated_run(tmp_path, policy):
+  """Both programs (threads here) over a file:// exchange: the colocated run's metrics.
+
+  With the scripted experts playing (policy=expert) too: their results carry no weight
+  version, so the staleness bound does not refuse them.
+  """
   from configs import mgrpo
   from mgrpo_jax import decoupled as dc
   from mgrpo_jax import colocated, metrics
 
   def cfg():
-    c = mgrpo.get_config("smoke")
-    c.num_steps = 2
+    c = mgrpo.get_config(f"smoke,policy={policy}")
+    c.num_steps = 2 if policy == "model" else 1  # The experts' case: one step shows it.
     return c
 
   colocated.train_and_evaluate(cfg(), str(tmp_path / "colocated"))
@@ -176,7 +181,7 @@ def test_role_programs_match_the_colocated_run(tmp_path):
   main = clean(metrics.read_metrics(str(tmp_path / "main")))
   sub_rows = clean(metrics.read_metrics(str(tmp_path / "sub")))
   merged = [{**a, **b} for a, b in zip(main, sub_rows)]
-  assert [r["step"] for r in merged] == [0, 1, 2]
+  assert [r["step"] for r in merged] == list(range(cfg().num_steps + 1))
   assert merged == colocated
 
 
