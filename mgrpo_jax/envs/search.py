@@ -1,10 +1,11 @@
-"""Local BM25 search over documents, and the search / visit tools an agent calls with text.
+"""The search / visit tools an agent calls with text, over any `Retriever`.
 
-`SearchIndex` ranks documents with Okapi BM25 and picks each hit's best-matching sentence as
-its snippet; `visit` returns a document's text cut to a character budget. The tools wrap
-both behind one text-in, text-out protocol (`Tool`) that never raises: a malformed call by
-a policy is an observation for the policy, not a crash of the rollout. `WebSearchTool` is the
-plug-in point for a real search API when the web is reachable.
+A `Retriever` (envs/retrieval.py: bm25s over a JSONL corpus, or a Search-R1 retriever server)
+ranks documents and gives each hit a snippet, its best-matching sentence (`best_sentence`);
+`lookup` finds a document by id or title for `visit`. The tools wrap both behind one
+text-in, text-out protocol (`Tool`) that never raises: a malformed call by a policy is an
+observation for the policy, not a crash of the rollout. `WebSearchTool` is the plug-in point
+for a real search API when the web is reachable.
 """
 
 from __future__ import annotations
@@ -39,6 +40,24 @@ def truncate(text: str, max_chars: int) -> str:
   if space > len(cut) // 2:  # prefer a word boundary unless it throws away half the budget
     cut = cut[:space]
   return cut.rstrip() + _ELLIPSIS
+
+
+def best_sentence(text: str, terms: Iterable[str], weight: Callable[[str], float],
+                  max_chars: int) -> str:
+  """The sentence of `text` holding the most `weight` of the query `terms` (earliest on ties),
+  cut to `max_chars` characters."""
+  terms = set(terms)
+  best, best_weight = "", -1.0
+  for sentence in _SENTENCE_END.split(text):
+    w = sum(weight(t) for t in terms & set(tokenize(sentence)))
+    if w > best_weight:
+      best, best_weight = sentence, w
+  return truncate(best, max_chars)
+
+
+def lookup_key(doc_id_or_title: str) -> str:
+  """A visit argument without surrounding spaces, brackets and quotes ("[doc007]" -> "doc007")."""
+  return doc_id_or_title.strip().strip("[]\"'`").strip()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +153,19 @@ class SearchIndex:
     return None if doc is None else truncate(doc.text, max_chars)
 
 
+@runtime_checkable
+class Retriever(Protocol):
+  """What the search and visit tools need from a retrieval backend (see envs/retrieval.py)."""
+
+  def search(self, query: str, k: int = 3) -> list[Hit]:
+    """The `k` best documents with a positive score, best first."""
+    ...
+
+  def lookup(self, doc_id_or_title: str) -> Document | None:
+    """The document with this id, else with this title (any case), else None."""
+    ...
+
+
 def format_hits(hits: Sequence[Hit]) -> str:
   """Search results as a tool message: one "[doc_id] Title: snippet" line per hit."""
   if not hits:
@@ -166,7 +198,7 @@ def _guarded(name: str, run: Callable[[str], str], argument: Any) -> str:
 class SearchTool:
   """`search`: the top `k` local documents for a query, formatted by `format_hits`."""
 
-  index: SearchIndex
+  index: Retriever
   k: int = 3
   name: str = "search"
 
@@ -178,7 +210,7 @@ class SearchTool:
 class VisitTool:
   """`visit`: a document by id or title, as "[doc_id] Title" then its text (cut to max_chars)."""
 
-  index: SearchIndex
+  index: Retriever
   max_chars: int = 800
   name: str = "visit"
 
@@ -228,6 +260,6 @@ class WebSearchTool:
     return _guarded(self.name, self._run, argument)
 
 
-def local_tools(index: SearchIndex, *, k: int = 3, max_chars: int = 800) -> dict[str, Tool]:
+def local_tools(index: Retriever, *, k: int = 3, max_chars: int = 800) -> dict[str, Tool]:
   """The sub-agent's offline tool set, keyed by the name a policy calls: search and visit."""
   return {"search": SearchTool(index, k), "visit": VisitTool(index, max_chars)}
