@@ -23,6 +23,7 @@ class Env:
   test: list
   index: search.Retriever
   tools: dict
+  documents: tuple = ()  # The world's pages (the SFT corpus), whatever `index` searches.
 
 
 def build_env(c: ml_collections.ConfigDict) -> Env:
@@ -41,7 +42,7 @@ def build_env(c: ml_collections.ConfigDict) -> Env:
   tools = dict(search.local_tools(index, k=w.search_k, max_chars=w.visit_chars),
                python=python_tool.PythonTool())
   tokenizer = tk.load_tokenizer(c.tokenizer, words=tokenizer_words(c.tokenizer, the_world))
-  return Env(tokenizer, train, test, index, tools)
+  return Env(tokenizer, train, test, index, tools, the_world.documents)
 
 
 def tokenizer_words(spec: str, the_world: world.World) -> tuple[str, ...]:

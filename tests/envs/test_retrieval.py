@@ -118,7 +118,7 @@ def test_research_experts_solve_every_question_over_the_exported_world(tmp_path)
   """The demo's world, exported as a corpus and indexed from the file: every question of the
   noise-free experts (main + sub, and single) is answered right through the tools."""
   c = mgrpo.get_config()
-  c.retrieval.corpus = retrieval.export_corpus(research_env.build_env(c).index.docs,
+  c.retrieval.corpus = retrieval.export_corpus(research_env.build_env(c).documents,
                                                str(tmp_path / "world.jsonl"))
   env = research_env.build_env(c)
   assert not isinstance(env.index.docs, list)  # Read from the file at saved offsets.
