@@ -95,7 +95,8 @@ class _Keys:
 
 
 class _JsonlDocs:
-  """Documents read on demand from a JSONL file at saved byte offsets."""
+  """Documents read on demand from a JSONL file at saved byte offsets (one file position:
+  not for concurrent threads; the tools are called from one)."""
 
   def __init__(self, path: str, offsets: np.ndarray):
     self.path, self.offsets = path, offsets
