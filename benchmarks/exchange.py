@@ -50,7 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mgrpo_jax import delegation  # noqa: E402
 from mgrpo_jax import tokenizer as tk  # noqa: E402
 from mgrpo_jax.agents import experts, rollout  # noqa: E402
-from mgrpo_jax.envs import search, world  # noqa: E402
+from mgrpo_jax.envs import retrieval, search, world  # noqa: E402
 from mgrpo_jax.exchange import Exchange  # noqa: E402
 from mgrpo_jax.rl import hierarchy  # noqa: E402
 
@@ -101,7 +101,7 @@ def _summary(xs):
 
 def run(args) -> dict:
   w = world.generate_world(world.WorldConfig(seed=args.seed))
-  index = search.SearchIndex(w.documents)
+  index = retrieval.Bm25Retriever.from_documents(w.documents)
   questions = world.make_questions(w, num=args.queries * args.steps, seed=args.seed + 1)
   limits = rollout.Limits(max_turns=args.max_turns, max_new_tokens=args.max_new_tokens,
                           max_len=args.max_len, max_delegations=args.max_delegations)

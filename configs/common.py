@@ -73,6 +73,20 @@ def world(seed: int = 0) -> ml_collections.ConfigDict:
   ))
 
 
+def retrieval() -> ml_collections.ConfigDict:
+  """What the search and visit tools search (mgrpo_jax.envs.retrieval.make_retriever)."""
+  return ml_collections.ConfigDict(dict(
+      backend="bm25s",  # "bm25s" (local index) | "http" (a Search-R1 retriever server).
+      # bm25s: a JSONL corpus of {"id", "contents"} lines (title on the first line of
+      # contents); "" = the generated world, indexed in memory.
+      corpus="",
+      index_dir="",  # Where the corpus's index is saved; "" = beside it, <corpus>.bm25s.
+      k1=1.2, b=0.75,  # BM25 parameters.
+      url="",  # http: the server's endpoint, e.g. http://127.0.0.1:8000/retrieve.
+      timeout_s=30.0,  # http: per request, retried twice.
+  ))
+
+
 def mesh() -> ml_collections.ConfigDict:
   """Device mesh (mgrpo_jax.sharding); one size may be -1 (= the rest)."""
   return ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))

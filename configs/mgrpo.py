@@ -45,6 +45,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.main_model.hf_path = c.sub_model.hf_path = args["hf_path"]
   c.init = args["init"]  # SFT workdir whose final weights start RL ("" = from the model).
   c.world = common.world(seed=0)
+  c.retrieval = common.retrieval()
   c.limits = common.limits()
   c.sampling = common.sampling()
   c.eval_sampling = common.sampling()

@@ -38,6 +38,7 @@ local steps it lacks are dropped, and a step missing locally is fetched before r
 
 import concurrent.futures
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -270,6 +271,10 @@ class Checkpointer:
       directory = os.path.abspath(cache_dir)
       logging.info("Checkpoints go to %s by way of the local cache %s (orbax cannot write "
                    "arrays to that kvstore itself).", json.dumps(self._mirror_spec), directory)
+    elif directory.startswith("gs://") and importlib.util.find_spec("gcsfs") is None:
+      # Orbax reaches the bucket's non-array files through etils epath, i.e. fsspec.
+      raise ImportError(f"Checkpoints at {directory} need gcsfs: pip install "
+                        "'mgrpo_jax[gcs]' (or pip install gcsfs).")
     self.directory = epath.Path(directory)
     # Pruning is ours (`_prune`): orbax would drop the last verified step before the new
     # one's digests are written.

@@ -1,7 +1,8 @@
 """The deep-research task of M-GRPO and its warm start, built from a config.
 
 The offline world (`envs.world`), its train/test question split, the search/visit/python
-tools and the tokenizer, whose words may come from the world (`tokenizer_words`).
+tools over the configured retriever (`envs.retrieval`; by default the world's documents) and
+the tokenizer, whose words may come from the world (`tokenizer_words`).
 """
 
 import dataclasses
@@ -10,18 +11,19 @@ import ml_collections
 
 from mgrpo_jax import tokenizer as tk
 from mgrpo_jax.agents import protocol
-from mgrpo_jax.envs import python_tool, search, world
+from mgrpo_jax.envs import python_tool, retrieval, search, world
 
 
 @dataclasses.dataclass
 class Env:
-  """The task: tokenizer, world, question splits and tools."""
+  """The task: tokenizer, world, question splits, the retriever behind the tools, the tools."""
 
   tokenizer: tk.Tokenizer
   train: list
   test: list
-  index: search.SearchIndex
+  index: search.Retriever
   tools: dict
+  documents: tuple = ()  # The world's pages (the SFT corpus), whatever `index` searches.
 
 
 def build_env(c: ml_collections.ConfigDict) -> Env:
@@ -36,11 +38,11 @@ def build_env(c: ml_collections.ConfigDict) -> Env:
   questions = world.make_questions(the_world, num=w.num_questions,
                                    hop_weights=tuple(w.hop_weights), seed=w.seed)
   train, test = world.split_questions(questions, w.test_fraction, seed=w.seed)
-  index = search.SearchIndex(the_world.documents)
+  index = retrieval.make_retriever(c.retrieval, the_world.documents)
   tools = dict(search.local_tools(index, k=w.search_k, max_chars=w.visit_chars),
                python=python_tool.PythonTool())
   tokenizer = tk.load_tokenizer(c.tokenizer, words=tokenizer_words(c.tokenizer, the_world))
-  return Env(tokenizer, train, test, index, tools)
+  return Env(tokenizer, train, test, index, tools, the_world.documents)
 
 
 def tokenizer_words(spec: str, the_world: world.World) -> tuple[str, ...]:

@@ -72,7 +72,7 @@ def corpus_rows(env) -> list[TextRow]:
   predicted would be trained only towards the prior of all doc ids).
   """
   rows = []
-  for d in env.index.documents:
+  for d in env.documents:
     hits = search.format_hits(env.index.search(d.title, k=1))
     text = f"{hits}\n[{d.doc_id}] {d.title}\n{d.text}"
     rows.append(TextRow(np.asarray(env.tokenizer.encode(text), np.int32)))

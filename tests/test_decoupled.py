@@ -9,7 +9,7 @@ import pytest
 from mgrpo_jax import delegation
 from mgrpo_jax import tokenizer as tk
 from mgrpo_jax.agents import experts, rollout
-from mgrpo_jax.envs import search, world
+from mgrpo_jax.envs import retrieval, search, world
 from mgrpo_jax.exchange import Exchange
 from mgrpo_jax.rl import hierarchy
 
@@ -20,7 +20,7 @@ LIMITS = rollout.Limits(max_turns=6, max_new_tokens=160, max_len=4096, max_deleg
 @pytest.fixture(scope="module")
 def env():
   w = world.generate_world(world.WorldConfig(seed=4))
-  return world.make_questions(w, num=6, seed=2), search.SearchIndex(w.documents)
+  return world.make_questions(w, num=6, seed=2), retrieval.Bm25Retriever.from_documents(w.documents)
 
 
 def _sub_service(index, key):

@@ -1,4 +1,4 @@
-"""launch/main_agent.py and launch/sub_agent.py as real processes: equality, SIGKILL, S3.
+"""launch/main_agent.py and launch/sub_agent.py as real processes: equality, SIGKILL, buckets.
 
 Each pair shares one run location (--exchange): the exchange under `<run>/exchange`,
 each role's checkpoints under `<run>/<role>/checkpoints`; launch/evaluate.py --run
@@ -214,35 +214,39 @@ def test_sigkill_and_restart_one_program(env, colocated, tmp_path, victim, after
       assert "Restored" in f.read(), pair.tail(victim)
 
 
-# ------------------------------------------------------------------ S3 (moto)
+# ------------------------------------------------- object stores: S3 (moto), GCS (fake)
 
 
-def test_pair_over_s3(env, s3_endpoint, tmp_path, monkeypatch):
-  spec = {"driver": "s3", "bucket": "exchange", "path": f"runs/{uuid.uuid4().hex}",
-          "endpoint": s3_endpoint, "aws_region": "us-east-1"}
-  s3_env = {**env, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_REGION": "us-east-1"}
-  # One training step (steps 0 and 1 evaluated): short, but every kind of record crosses.
-  pair = Pair(str(tmp_path), json.dumps(spec), s3_env, extra=["--config.num_steps=1"])
+@pytest.mark.parametrize("store", ["s3", "gcs"])
+def test_pair_over_an_object_store(store, env, request, tmp_path, monkeypatch):
+  """One training step (steps 0 and 1 evaluated) of the pair on a bucket: short, but every
+  kind of record and both roles' checkpoints cross it."""
+  if store == "gcs":  # Orbax writes there itself (tensorstore's gcs driver, gcsfs).
+    run = f"gs://exchange/runs/{uuid.uuid4().hex}"
+    store_env = {**env, **request.getfixturevalue("gcs_endpoint")}
+  else:  # Orbax cannot write to s3: checkpoints are copied there from each program's cache.
+    run = json.dumps({"driver": "s3", "bucket": "exchange", "path": f"runs/{uuid.uuid4().hex}",
+                      "endpoint": request.getfixturevalue("s3_endpoint"),
+                      "aws_region": "us-east-1"})  # fmt: skip
+    store_env = {**env, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                 "AWS_REGION": "us-east-1"}  # fmt: skip
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+  pair = Pair(str(tmp_path), run, store_env, extra=["--config.num_steps=1"])
   pair.start("sub")
   pair.start("main")
   pair.wait()
   for role in ("main", "sub"):
     assert _steps_in_file(pair.workdir(role)) == [0, 1]
-  monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-  monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-  ex = delegation.open_exchange(json.dumps(spec))
+  ex = delegation.open_exchange(run)
   assert ex.marks("rollouts_done")[:1] == [0]
   assert ex.array_steps("main_reward") == [0]
   assert set(ex.list("request")) == set(ex.list("result"))
-  # Orbax cannot write to s3 itself: the checkpoints were copied there from each
-  # program's cache, commit marker last.
-  for role in ("main", "sub"):
-    ckpt = checkpoint.Checkpointer(delegation.checkpoint_location(json.dumps(spec), role),
+  for role in ("main", "sub"):  # Read back from the bucket (an empty cache for s3).
+    ckpt = checkpoint.Checkpointer(delegation.checkpoint_location(run, role),
                                    cache_dir=str(tmp_path / "probe"))
     assert ckpt.all_steps() == [1]
     ckpt.close()
-  # Evaluated from the bucket alone (an empty cache): step 1's evaluation of the pair.
-  saved = _evaluate_run(s3_env, json.dumps(spec), str(tmp_path / "eval"),
-                        extra=["--config.num_steps=1"])
+  # Evaluated from the bucket alone: step 1's evaluation of the pair.
+  saved = _evaluate_run(store_env, run, str(tmp_path / "eval"), extra=["--config.num_steps=1"])
   _assert_eval_matches(saved, pair.merged()[-1])

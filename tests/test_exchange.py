@@ -374,13 +374,19 @@ def test_sigkill_mid_puts_leaves_complete_records_and_rerun_is_idempotent(tmp_pa
       assert _new_count(_writer(url)) == 0  # A third run writes nothing.
 
 
-def test_s3_round_trip_and_exactly_once(s3_endpoint, monkeypatch):
-  monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-  monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-  spec = {"driver": "s3", "bucket": "exchange", "path": f"runs/{uuid.uuid4().hex}",
-          "endpoint": s3_endpoint, "aws_region": "us-east-1"}
-  ex = xc.Exchange(json.dumps(spec), run="r1")
-  assert ex.spec["use_conditional_write"] is True
+@pytest.mark.parametrize("backend", ["s3", "gcs"])
+def test_object_store_round_trip_and_exactly_once(backend, request, monkeypatch):
+  if backend == "gcs":  # fake-gcs-server; tensorstore's gcs driver pointed at it.
+    request.getfixturevalue("gcs_endpoint")
+    ex = xc.Exchange(f"gs://exchange/runs/{uuid.uuid4().hex}", run="r1")
+    assert ex.spec["driver"] == "gcs"
+  else:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    spec = {"driver": "s3", "bucket": "exchange", "path": f"runs/{uuid.uuid4().hex}",
+            "endpoint": request.getfixturevalue("s3_endpoint"), "aws_region": "us-east-1"}
+    ex = xc.Exchange(json.dumps(spec), run="r1")
+    assert ex.spec["use_conditional_write"] is True
   assert ex.put("result", (0, 1, 2, 0), {"text": "ok", "version": 3})
   assert ex.put("result", (0, 1, 2, 0), {"text": "ok", "version": 3}) is False
   with pytest.raises(xc.ExchangeConflict, match="r1/result/00000000/0001/0002/0000.json"):

@@ -368,7 +368,7 @@ def _run_tools(expert, role: str, task, tools, rng: Rng, max_turns: int):
   return turns, replies, validator
 
 
-def solve(question: world_lib.Question, index: search_lib.SearchIndex, *, main_noise: float = 0.0,
+def solve(question: world_lib.Question, index: search_lib.Retriever, *, main_noise: float = 0.0,
           sub_noise: float = 0.0, rng: Rng | None = None, think: bool = True,
           max_turns: int = 20, search_k: int = 3, max_chars: int = 800) -> dict[str, Any]:
   """Runs `MainExpert` and `SubExpert` on `question` through `local_tools(index)`.
@@ -406,7 +406,7 @@ def solve(question: world_lib.Question, index: search_lib.SearchIndex, *, main_n
   return out
 
 
-def solve_single(question: world_lib.Question, index: search_lib.SearchIndex, *,
+def solve_single(question: world_lib.Question, index: search_lib.Retriever, *,
                  noise: float = 0.0, rng: Rng | None = None, think: bool = True,
                  max_turns: int = 20, search_k: int = 3, max_chars: int = 800) -> dict[str, Any]:
   """Runs `SingleExpert` on `question` through `local_tools(index)`, as the rollout engine does.

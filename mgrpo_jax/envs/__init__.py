@@ -7,9 +7,10 @@ from mgrpo_jax.envs.datasets import (
   load_webwalkerqa,
   load_xbench_deepsearch,
 )
+from mgrpo_jax.envs.retrieval import Bm25Retriever, HttpRetriever, export_corpus
 from mgrpo_jax.envs.search import (
   Hit,
-  SearchIndex,
+  Retriever,
   SearchTool,
   Tool,
   VisitTool,
@@ -31,7 +32,7 @@ from mgrpo_jax.envs.world import (
 from mgrpo_jax.envs.writing import WritingExample, WritingReward, article_reward, tldr_reward
 
 __all__ = [
-  "DatasetError", "Document", "Entity", "Hit", "Hop", "Question", "SearchIndex", "SearchTool",
+  "Bm25Retriever", "DatasetError", "Document", "HttpRetriever", "Retriever", "export_corpus", "Entity", "Hit", "Hop", "Question", "SearchTool",
   "Tool", "VisitTool", "WebSearchTool", "World", "WorldConfig", "WritingExample", "WritingReward",
   "article_reward", "format_hits", "generate_world", "load_benchmark", "load_gaia",
   "load_webwalkerqa", "load_xbench_deepsearch", "local_tools", "make_questions", "split_questions",

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from mgrpo_jax.agents import experts as ex
 from mgrpo_jax.agents import protocol as pr
 from mgrpo_jax.envs import world as wd
-from mgrpo_jax.envs.search import SearchIndex, format_hits, local_tools
+from mgrpo_jax.envs.retrieval import Bm25Retriever
+from mgrpo_jax.envs.search import format_hits, local_tools
 from mgrpo_jax.rl.rewards import exact_match
 
 _CONFIGS = {
@@ -25,7 +26,7 @@ _CONFIGS = {
 def setting(request):
   world = wd.generate_world(_CONFIGS[request.param])
   questions = wd.make_questions(world, num=150, seed=1)  # 50 per hop count
-  return world, SearchIndex(world.documents), questions
+  return world, Bm25Retriever.from_documents(world.documents), questions
 
 
 def _accuracy_by_hops(questions, results):
@@ -140,9 +141,9 @@ def test_extract_facts_prefers_the_most_specific_template():
 
 
 def test_parse_tool_replies(setting):
-  _, index, _ = setting
+  world, index, _ = setting
   tools = local_tools(index)
-  doc = index.documents[4]
+  doc = world.documents[4]
   hits = ex.parse_hits(tools["search"](doc.title))
   assert (doc.doc_id, doc.title) in hits and len(hits) == 3
   assert ex.parse_hits(format_hits([])) == []

@@ -9,7 +9,7 @@ import pytest
 from mgrpo_jax import models, sampling
 from mgrpo_jax import tokenizer as tk
 from mgrpo_jax.agents import experts, protocol, rollout
-from mgrpo_jax.envs import search, world
+from mgrpo_jax.envs import retrieval, search, world
 from mgrpo_jax.rl import batch as batch_lib
 from mgrpo_jax.rl import rewards
 
@@ -21,7 +21,7 @@ LIMITS = rollout.Limits(max_turns=6, max_new_tokens=160, max_len=2048, max_deleg
 def env():
   w = world.generate_world(world.WorldConfig(seed=3))
   qs = world.make_questions(w, num=30, seed=1)
-  return qs, search.SearchIndex(w.documents)
+  return qs, retrieval.Bm25Retriever.from_documents(w.documents)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from mgrpo_jax import tokenizer as tk
 from mgrpo_jax.agents import experts as ex
 from mgrpo_jax.agents import protocol as pr
 from mgrpo_jax.agents import rollout
-from mgrpo_jax.envs import search
+from mgrpo_jax.envs import retrieval, search
 from mgrpo_jax.envs import world as wd
 from mgrpo_jax.rl.rewards import exact_match
 
@@ -30,13 +30,13 @@ _CONFIGS = {
 def setting(request):
   world = wd.generate_world(_CONFIGS[request.param])
   questions = wd.make_questions(world, num=150, seed=1)  # 50 per hop count
-  return world, search.SearchIndex(world.documents), questions
+  return world, retrieval.Bm25Retriever.from_documents(world.documents), questions
 
 
 @pytest.fixture(scope="module")
 def env():
   w = wd.generate_world(wd.WorldConfig(seed=3))
-  return wd.make_questions(w, num=30, seed=1), search.SearchIndex(w.documents)
+  return wd.make_questions(w, num=30, seed=1), retrieval.Bm25Retriever.from_documents(w.documents)
 
 
 def _actions(turns):

@@ -1,18 +1,17 @@
-"""Tests for BM25 search, visit and the never-raising tools."""
-
-import math
+"""Tests for the search and visit tools (over bm25s) and their text helpers; the ranking
+itself is tested in test_retrieval.py."""
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mgrpo_jax.envs.search import (Hit, SearchIndex, SearchTool, Tool, VisitTool, WebSearchTool,
-                                   format_hits, local_tools, tokenize, truncate)  # fmt: skip
+from mgrpo_jax.envs.retrieval import Bm25Retriever
+from mgrpo_jax.envs.search import (Hit, Retriever, SearchTool, Tool, VisitTool, WebSearchTool,
+                                   best_sentence, format_hits, local_tools, tokenize,
+                                   truncate)  # fmt: skip
 from mgrpo_jax.envs.world import Document, WorldConfig, generate_world, make_questions
 
-# Titles are indexed with the text: doc a = [cat, cat, sat] (3 tokens), b = [dog, dog, sat, down]
-# (4), c = [bird, bird] (2); avgdl = 3, N = 3.
 _TINY = [Document("a", "Cat", "Cat sat."), Document("b", "Dog", "Dog sat down."),
          Document("c", "Bird", "Bird.")]  # fmt: skip
 
@@ -24,44 +23,13 @@ def world():
 
 @pytest.fixture(scope="module")
 def index(world):
-  return SearchIndex(world.documents)
+  return Bm25Retriever.from_documents(world.documents)
 
 
 def test_tokenize_lowercases_and_splits_on_punctuation():
   assert tokenize("Halvard's Institute, founded 1873!") == ["halvard", "s", "institute",
                                                           "founded", "1873"]  # fmt: skip
   assert tokenize("snake_case Ünïcode") == ["snake", "case", "ünïcode"]
-
-
-def test_bm25_matches_hand_computed_scores():
-  index = SearchIndex(_TINY)  # k1 = 1.2, b = 0.75
-  # idf(cat) = ln(1 + (3 - 1 + .5) / (1 + .5)) = ln(8/3) = 0.980829; in a: tf = 2, |a| = avgdl,
-  # so the normaliser is k1 = 1.2 and the tf part 2 * 2.2 / 3.2 = 1.375.
-  np.testing.assert_allclose(index.scores("cat"), [1.348640, 0, 0], atol=1e-6)
-  # idf(sat) = ln(1 + 1.5 / 2.5) = ln(1.6) = 0.470004. In a: tf part 2.2 / 2.2 = 1. In b:
-  # normaliser 1.2 * (0.25 + 0.75 * 4 / 3) = 1.5, tf part 2.2 / 2.5 = 0.88 -> 0.413603.
-  np.testing.assert_allclose(index.scores("sat"), [0.470004, 0.413603, 0], atol=1e-6)
-  # Terms add up; a repeated query word counts once; unknown words add nothing.
-  np.testing.assert_allclose(index.scores("Cat SAT cat zebra"), [1.818644, 0.413603, 0],
-                             atol=1e-6)  # fmt: skip
-  assert index.idf["cat"] == pytest.approx(math.log(8 / 3))
-
-
-def test_search_ranks_and_drops_zero_scores():
-  hits = SearchIndex(_TINY).search("sat", k=3)
-  assert [h.doc_id for h in hits] == ["a", "b"]
-  assert hits[0].title == "Cat" and hits[0].score == pytest.approx(0.470004, abs=1e-6)
-  assert SearchIndex(_TINY).search("sat", k=0) == []
-  assert SearchIndex(_TINY).search("zebra") == []
-  assert SearchIndex([]).search("cat") == []
-
-
-def test_snippet_is_the_best_matching_sentence():
-  doc = Document("d", "Lake", "The lake is cold. Boats float on the lake in summer. Fish swim.")
-  index = SearchIndex([doc, Document("e", "Hill", "A hill with boats.")])
-  assert index.search("summer boats")[0].snippet == "Boats float on the lake in summer."
-  short = SearchIndex([doc], snippet_chars=20).search("summer")[0].snippet
-  assert len(short) <= 20 and short.endswith("...") and short.startswith("Boats")
 
 
 def test_one_hop_gold_document_in_top3(world, index):
@@ -87,6 +55,15 @@ def test_visit_by_id_or_title_and_truncation(world, index):
   assert index.visit("no-such-doc") is None
 
 
+def test_best_sentence_weighs_the_query_words():
+  text = "Boats float. The lake is cold in summer. Summer boats race."
+  weights = {"summer": 2.0, "boats": 1.0}.get
+  assert best_sentence(text, ["summer", "boats"], lambda t: weights(t, 0.0), 80) == \
+      "Summer boats race."
+  assert best_sentence(text, ["lake"], lambda t: 1.0, 12) == "The lake..."
+  assert best_sentence(text, ["zebra"], lambda t: 1.0, 80) == "Boats float."  # earliest
+
+
 def test_truncate_edges():
   assert truncate("short", 10) == "short"
   assert truncate("abcdef", 2) == "ab"
@@ -95,7 +72,7 @@ def test_truncate_edges():
 
 def test_tools_format_results(world, index):
   tools = local_tools(index, k=2, max_chars=60)
-  assert all(isinstance(t, Tool) for t in tools.values())
+  assert isinstance(index, Retriever) and all(isinstance(t, Tool) for t in tools.values())
   name = world.entities[0].name
   lines = tools["search"](name).splitlines()
   assert len(lines) == 2 and lines[0].startswith(f"[{world.entities[0].doc_id}] {name}: ")
@@ -110,7 +87,7 @@ def test_tools_format_results(world, index):
 @settings(max_examples=200, deadline=None)
 @given(st.one_of(st.text(), st.binary(), st.none(), st.integers(), st.lists(st.text())))
 def test_tools_never_raise(argument):
-  index = SearchIndex(_TINY)
+  index = Bm25Retriever.from_documents(_TINY)
   web = WebSearchTool(lambda q, k: [{"title": q, "snippet": q * 3, "url": "u"}])
   for tool in (SearchTool(index), VisitTool(index, max_chars=5), web):
     out = tool(argument)

@@ -55,12 +55,21 @@ def test_memory_exchange_lease_and_release():
   exchange.acquire_lease(url, "main").release()  # Released: free again.
 
 
-def test_s3_stale_lease_is_taken_over_and_the_old_holder_cannot_write(s3_endpoint,
-                                                                      monkeypatch):
+def _object_store(backend, request, monkeypatch, name):
+  """A fresh location on a local S3 (moto) or GCS (fake-gcs-server)."""
+  if backend == "gcs":
+    request.getfixturevalue("gcs_endpoint")  # Points tensorstore's gcs driver at it.
+    return f"gs://exchange/{name}-{uuid.uuid4().hex}"
   monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
   monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-  spec = {"driver": "s3", "bucket": "exchange", "path": f"lease-{uuid.uuid4().hex}",
-          "endpoint": s3_endpoint, "aws_region": "us-east-1"}
+  return {"driver": "s3", "bucket": "exchange", "path": f"{name}-{uuid.uuid4().hex}",
+          "endpoint": request.getfixturevalue("s3_endpoint"), "aws_region": "us-east-1"}
+
+
+@pytest.mark.parametrize("backend", ["s3", "gcs"])
+def test_stale_lease_is_taken_over_and_the_old_holder_cannot_write(backend, request,
+                                                                   monkeypatch):
+  spec = _object_store(backend, request, monkeypatch, "lease")
   lost = threading.Event()
   old = exchange.acquire_lease(spec, "sub", timeout_s=0.5, on_lost=lambda e: lost.set())
   with pytest.raises(exchange.LeaseHeld):
@@ -82,16 +91,13 @@ def test_s3_stale_lease_is_taken_over_and_the_old_holder_cannot_write(s3_endpoin
   new.release()
 
 
-@pytest.mark.parametrize("backend", ["file", "s3"])
+@pytest.mark.parametrize("backend", ["file", "s3", "gcs"])
 def test_racing_takeovers_of_a_stale_lease_have_one_winner(backend, tmp_path, request,
                                                            monkeypatch):
-  if backend == "s3":
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    location = {"driver": "s3", "bucket": "exchange", "path": f"race-{uuid.uuid4().hex}",
-                "endpoint": request.getfixturevalue("s3_endpoint"), "aws_region": "us-east-1"}
-  else:
+  if backend == "file":
     location = str(tmp_path)
+  else:
+    location = _object_store(backend, request, monkeypatch, "race")
   stale = exchange.acquire_lease(location, "main", timeout_s=0.2)
   stale._stop.set()
   stale._thread.join()
