@@ -142,6 +142,13 @@ def world_ranges(prefix: str = "world") -> dict:
   return ranges
 
 
+def retrieval_fields(prefix: str = "retrieval") -> tuple[dict, dict]:
+  """Choices and ranges of `configs/common.retrieval()`."""
+  return ({f"{prefix}.backend": ("bm25s", "http")},
+          {f"{prefix}.k1": NONNEGATIVE, f"{prefix}.b": PROBABILITY,
+           f"{prefix}.timeout_s": POSITIVE})
+
+
 def mesh_ranges(prefix: str = "mesh") -> dict:
   return {f"{prefix}.{axis}": Range(low=1, integer=True, also=(-1,))
           for axis in ("data", "fsdp", "tensor")}

@@ -82,6 +82,8 @@ def _fields(training: bool) -> tuple[dict, dict]:
       choices.update(section[0])
       ranges.update(section[1])
     ranges.update(checks.optimizer_ranges(f"{role}_optim"))
+  choices.update(checks.retrieval_fields()[0])
+  ranges.update(checks.retrieval_fields()[1])
   ranges.update(checks.limits_ranges(), **checks.world_ranges(), **checks.mesh_ranges(),
                 **checks.sampling_ranges("sampling", training=training),
                 **checks.sampling_ranges("eval_sampling", training=False))
@@ -103,6 +105,9 @@ def resolve_wiring(c: ml_collections.ConfigDict, *, training: bool = True) -> Wi
   checks.check_weights(c, "world.hop_weights")
   checks.check_mesh(c)
   checks.check_turn_fits(c)
+  if c.retrieval.backend == "http" and not c.retrieval.url:
+    raise plumbing.ConfigValueError("config.retrieval.backend='http' needs config.retrieval.url "
+                                    "(e.g. http://127.0.0.1:8000/retrieve).")
   w = WIRINGS[c.variant]
   rows = c.num_queries * c.num_rollouts
   if not w.has_sub and c.num_micro and rows % c.num_micro:

@@ -38,6 +38,8 @@ def _set(c, path: str, value):
     ("mesh.fsdp", 0, "or -1"),
     ("limits.max_delegations", 0, "an integer >= 1"),
     ("alpha", (-1.0, 2.0), "weights >= 0"),
+    ("retrieval.backend", "faiss", "one of"),
+    ("retrieval.b", 1.5, "[0, 1]"),
 ])
 def test_mgrpo_field_is_named_with_its_range(path, value, expect):
   c = mgrpo.get_config("smoke")
