@@ -7,6 +7,7 @@ resumed run draws exactly what an uninterrupted one does.
 """
 
 import dataclasses
+import functools
 import json
 import os
 from typing import Any
@@ -18,6 +19,7 @@ import numpy as np
 from absl import logging
 
 from mgrpo_jax import checkpoint as ckpt_lib
+from mgrpo_jax import distributed
 from mgrpo_jax import models
 from mgrpo_jax import tokenizer as tk
 from mgrpo_jax.rl import train_step as ts
@@ -141,9 +143,11 @@ def build_agent(name, mc, oc, lc, tokenizer, mesh, key, *, init_dir="", num_micr
   cfg, params = _model_params(mc, tokenizer, jax.random.fold_in(key, 0), mesh, init_dir, name)
   tx = ts.make_optimizer(learning_rate=oc.learning_rate, b1=oc.b1, b2=oc.b2, eps=oc.eps,
                          weight_decay=oc.weight_decay, grad_clip=oc.grad_clip)
-  state = ts.init_state(params, tx, jax.random.fold_in(key, 1))
-  st_sh = ts.state_shardings(state, mesh)
-  state = jax.device_put(state, st_sh)
+  init = functools.partial(ts.init_state, tx=tx)
+  # Built by a jit with the state's shardings: on many hosts a process-local key or step
+  # cannot be device_put onto the global mesh, and the moments are born sharded.
+  st_sh = ts.state_shardings(jax.eval_shape(init, params, key=jax.random.key(0)), mesh)
+  state = jax.jit(init, out_shardings=st_sh)(params, key=jax.random.fold_in(key, 1))
   lcfg = loss_config(lc, temperature)
   step_fn = ts.make_train_step(cfg, lcfg, tx, num_micro=num_micro, mesh=mesh,
                                state_sharding=st_sh,
@@ -183,16 +187,24 @@ def restore_agents(ckpt: ckpt_lib.Checkpointer, agents: dict) -> int:
 
 
 def write_config(workdir: str, c: ml_collections.ConfigDict) -> None:
-  """The run's config beside its metrics (written when a run starts fresh)."""
+  """The run's config beside its metrics (written when a run starts fresh; by process 0)."""
+  if not distributed.is_primary():
+    return
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(c.to_json_best_effort(indent=2))
 
 
 def save_final_hf(workdir: str, agents: dict, tokenizer: tk.Tokenizer | None = None) -> None:
-  """Final weights as HF checkpoints under workdir/hf/<agent> (an `init=` for later runs)."""
+  """Final weights as HF checkpoints under workdir/hf/<agent> (an `init=` for later runs).
+
+  Every process takes part in gathering the weights; process 0 writes them.
+  """
   for name, agent in agents.items():
     path = os.path.join(workdir, "hf", name)
-    models.save_hf(path, agent.model_config, jax.device_get(agent.state.params))
+    params = distributed.fetch_tree(agent.state.params)
+    if not distributed.is_primary():
+      continue
+    models.save_hf(path, agent.model_config, params)
     if getattr(tokenizer, "words", ()):
       with open(os.path.join(path, WORDS_FILE), "w") as f:
         json.dump({"words": list(tokenizer.words)}, f)

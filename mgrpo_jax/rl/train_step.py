@@ -251,8 +251,17 @@ def make_train_step(model_config: Qwen3Config, loss_config: LossConfig,
       return jax.jit(step, donate_argnames=("state",))
     batch_sh = jax.sharding.NamedSharding(mesh, P(shard_lib.BATCH))  # A prefix for every leaf.
     replicated = jax.sharding.NamedSharding(mesh, P())
-    return jax.jit(step, donate_argnames=("state",), in_shardings=(state_sharding, batch_sh),
-                   out_shardings=(state_sharding, replicated))
+    jitted = jax.jit(step, donate_argnames=("state",), in_shardings=(state_sharding, batch_sh),
+                     out_shardings=(state_sharding, replicated))
+
+    def sharded_step(state, batch):
+      # Host batches are placed first: jit refuses numpy inputs with a sharding that spans
+      # other processes' devices; device_put takes the (identical) batch on every process
+      # and keeps each one's own rows.
+      return jitted(state, jax.device_put(Batch.of(batch), batch_sh))
+
+    sharded_step.jitted, sharded_step.lower = jitted, jitted.lower
+    return sharded_step
   if max_tokens_per_micro < 8:
     raise ValueError(f"max_tokens_per_micro must be >= 8, got {max_tokens_per_micro}.")
   rows_multiple = 1
