@@ -75,7 +75,8 @@ def loss_config(lc, temperature: float) -> ts.LossConfig:
   """The train step's objective from a config's loss section."""
   return ts.LossConfig(kind=lc.kind, eps_low=lc.eps_low, eps_high=lc.eps_high,
                        dual_clip=lc.dual_clip or None, agg=lc.agg, kl_coef=lc.kl_coef,
-                       kl_estimator=lc.kl_estimator, temperature=temperature)
+                       kl_estimator=lc.kl_estimator, temperature=temperature,
+                       tis_cap=lc.tis_cap)
 
 
 def nll_objective(lc, oc, *, learning_rate: float, weight_decay: float):
@@ -84,7 +85,8 @@ def nll_objective(lc, oc, *, learning_rate: float, weight_decay: float):
   The token-mean NLL is the REINFORCE objective with advantage 1, so SFT reuses the RL
   train step; rows then carry advantage 1 and the behaviour log-probs are unused.
   """
-  lc = ml_collections.ConfigDict(dict(lc.to_dict(), kind="reinforce", agg="token-mean"))
+  lc = ml_collections.ConfigDict(dict(lc.to_dict(), kind="reinforce", agg="token-mean",
+                                      tis_cap=0.0))
   oc = ml_collections.ConfigDict(dict(oc.to_dict(), learning_rate=learning_rate,
                                       weight_decay=weight_decay))
   return lc, oc
