@@ -13,10 +13,10 @@ same Python code in lockstep):
   batches are global arrays sharded over them.
 - Host-side work (rollouts, tool calls, rewards, alignment, batches) runs on every
   process over the whole batch. It must come out identical everywhere, because the next
-  jitted call is collective: the sampler's outputs are replicated arrays every process
-  reads whole (`fetch`), tools are deterministic functions of their input (the sandbox's
-  wall-clock limits are the exception: its results are broadcast from process 0,
-  `broadcast_strings`), and keys are functions of (seed, step).
+  jitted call is collective: the sampler's outputs are read whole by every process
+  (`fetch`), keys are functions of (seed, step), and what need not be a function of its
+  input (tool replies and sandboxed rewards: a wall-clock limit may strike on one host
+  only) is taken from process 0 (`broadcast_object`).
 - A host-side batch becomes a global array by `jax.device_put(batch, sharding)` before the
   jitted step (`rl.train_step`): every process passes the same whole batch and keeps the
   rows of its own devices. (jit itself refuses numpy inputs whose sharding spans other
@@ -26,8 +26,8 @@ same Python code in lockstep):
   every process (each its own shards), with process 0 writing the shared files.
 """
 
-import json
 import os
+import pickle
 
 import jax
 import numpy as np
@@ -109,14 +109,15 @@ def fetch_tree(tree):
   return jax.tree.map(fetch, tree)
 
 
-def broadcast_strings(texts: list[str]) -> list[str]:
-  """Process 0's `texts` on every process (for host results that may differ by process)."""
-  if jax.process_count() == 1:
-    return texts
-  data = np.frombuffer(json.dumps(texts).encode(), np.uint8)
-  size = int(multihost_utils.broadcast_one_to_all(np.int32(data.size)))
-  buf = np.zeros(size, np.uint8)
-  buf[:min(size, data.size)] = data[:size]
-  out = multihost_utils.broadcast_one_to_all(buf)
-  return json.loads(np.asarray(out, np.uint8).tobytes().decode())
+def broadcast_object(obj):
+  """Process 0's `obj` (anything picklable) on every process; `obj` itself on one process.
 
+  For host results that may differ by process: tool replies, sandboxed rewards.
+  """
+  if jax.process_count() == 1:
+    return obj
+  data = np.frombuffer(pickle.dumps(obj), np.uint8)
+  size = int(multihost_utils.broadcast_one_to_all(np.int32(data.size)))
+  buf = np.zeros(size, np.uint8)  # Only process 0's contents matter; shapes must agree.
+  buf[:min(size, data.size)] = data[:size]
+  return pickle.loads(np.asarray(multihost_utils.broadcast_one_to_all(buf), np.uint8).tobytes())

@@ -124,7 +124,7 @@ def test_one_process_needs_no_distributed_runtime(monkeypatch):
   assert distributed.initialize() is False
   assert distributed.is_primary()
   texts = ["a", "é\n{}"]
-  assert distributed.broadcast_strings(texts) == texts
+  assert distributed.broadcast_object(texts) == texts
   mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("d",))
   x = np.arange(2.0 * len(jax.devices()))
   sharded = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d")))

@@ -244,7 +244,7 @@ def run_episodes(policy: TurnPolicy, episodes: list[Episode], tool_fn: ToolFn, *
     # On many hosts every process runs the tools; process 0's replies are the ones kept, so
     # a tool that is not a pure function of its input (a sandbox's time limit) cannot make
     # the processes' sequences, and so their next collective sampler calls, diverge.
-    replies = distributed.broadcast_strings(tool_fn(pending))
+    replies = distributed.broadcast_object(tool_fn(pending))
     tool_s = (time.perf_counter() - start) / len(pending)
     appended = {}
     for i, (ep, _), reply in zip(pending_rows, pending, replies):
