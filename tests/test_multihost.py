@@ -7,6 +7,7 @@ conftest.py). Cross-process CPU collectives run over gloo.
 """
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -104,7 +105,12 @@ def test_two_processes_train_save_restore_like_one(tmp_path):
   os.makedirs(pair)
   _train_pair(str(pair), env, "--config.num_steps=1")  # Steps 0, checkpoint 1, eval 1.
   assert [r["step"] for r in _rows(pair)] == [0, 1]
+  # A crash between orbax's commit of step 2 and its digests left this: every process must
+  # agree to drop it (process 0 deletes it) before saving step 2 again.
+  shutil.copytree(pair / "checkpoints" / "1", pair / "checkpoints" / "2")
+  os.remove(pair / "checkpoints" / "2" / "_DIGESTS")
   _train_pair(str(pair), env)  # Restores step 1, trains it, evaluates step 2.
+  assert "Deleting uncommitted checkpoint directory" in open(pair / "process0.log").read()
   assert "Restored" in open(pair / "process1.log").read()
   _assert_same_rows(_rows(pair), _rows(ref))
   assert sorted(os.listdir(pair / "checkpoints")) == ["1", "2"]
