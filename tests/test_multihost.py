@@ -19,7 +19,8 @@ import pytest
 from safetensors.numpy import load_file
 
 from configs import mgrpo
-from mgrpo_jax import colocated, distributed, metrics
+from configs import sft as sft_config
+from mgrpo_jax import colocated, distributed, metrics, sft
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/mgrpo.py:smoke"
@@ -48,7 +49,7 @@ def _env(cache_dir) -> dict:
   return e
 
 
-def _train_pair(workdir, env, *extra) -> None:
+def _train_pair(workdir, env, *extra, config=CONFIG) -> None:
   """launch/train.py as processes 0 and 1 of one run; fails with their logs."""
   port, procs, logs = _free_port(), [], []
   try:
@@ -56,7 +57,7 @@ def _train_pair(workdir, env, *extra) -> None:
       logs.append(os.path.join(workdir, f"process{i}.log"))
       with open(logs[-1], "w") as f:
         procs.append(subprocess.Popen(
-            [sys.executable, "launch/train.py", f"--config={CONFIG}", f"--workdir={workdir}",
+            [sys.executable, "launch/train.py", f"--config={config}", f"--workdir={workdir}",
              f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
              f"--process_id={i}", *extra], cwd=ROOT, env=env, stdout=f,
             stderr=subprocess.STDOUT))
@@ -120,6 +121,30 @@ def test_two_processes_train_save_restore_like_one(tmp_path):
     assert sorted(got) == sorted(want)
     for name in want:
       np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.devices(8)
+def test_two_processes_reduce_gradients_like_one(tmp_path):
+  # M-GRPO's random smoke models earn no reward, so their updates are zero: the SFT warm
+  # start (same program loop and train step, NLL gradients) shows the cross-process
+  # gradient reduction and optimizer update.
+  c = sft_config.get_config("smoke")
+  c.sft.batch_size = 8  # Rows split over 8 devices.
+  ref = tmp_path / "one_process"
+  sft.train_sft(c, str(ref))
+  pair = tmp_path / "two_processes"
+  os.makedirs(pair)
+  _train_pair(str(pair), _env(tmp_path / "xla_cache"), "--config.sft.batch_size=8",
+              config="configs/sft.py:smoke")
+  rows = _rows(pair)
+  assert rows[0]["sft/main/grad_norm"] > 0.1 and rows[1]["sft/sub/nll"] < rows[0]["sft/sub/nll"]
+  _assert_same_rows(rows, _rows(ref))
+  for agent in ("main", "sub"):  # Gradients summed in another order: equal to rounding.
+    got = load_file(str(pair / "hf" / agent / "model.safetensors"))
+    want = load_file(str(ref / "hf" / agent / "model.safetensors"))
+    for name in want:
+      np.testing.assert_allclose(got[name], want[name], atol=1e-6, err_msg=name)
 
 
 def test_one_process_needs_no_distributed_runtime(monkeypatch):
