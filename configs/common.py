@@ -56,6 +56,9 @@ def loss() -> ml_collections.ConfigDict:
       kl_coef=0.0,  # KL to the initial policy (the reference: off).
       kl_estimator="k3",  # "k1" | "k2" | "k3".
       nonfinite="raise",  # "raise" or "skip" a step whose loss/gradient is not finite.
+      # Truncated importance sampling: > 0 weights each token by min(pi_train / pi_sampler, C)
+      # with C = tis_cap (clipped kind; corrects sampler/trainer numerics); 0 = off.
+      tis_cap=0.0,
   ))
 
 

@@ -21,7 +21,7 @@ from absl import app, flags, logging
 
 from configs import mgrpo as mgrpo_config
 from configs import sft as sft_config
-from mgrpo_jax import colocated, metrics, plotting, sft
+from mgrpo_jax import colocated, distributed, metrics, plotting, sft
 
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/mgrpo_demo", "Runs go to sft/ and mgrpo/ here.")
 
@@ -29,9 +29,12 @@ _WORKDIR = flags.DEFINE_string("workdir", "/tmp/mgrpo_demo", "Runs go to sft/ an
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
+  distributed.initialize_from_flags()  # Multi-host runs; a no-op for one process.
   warm, rl = (os.path.join(_WORKDIR.value, name) for name in ("sft", "mgrpo"))
   sft.train_sft(sft_config.get_config("runlocal"), warm)
   colocated.train_and_evaluate(mgrpo_config.get_config(f"runlocal,init={warm}"), rl)
+  if not distributed.is_primary():
+    return  # Process 0 wrote the metrics; it alone plots them.
   evals = [m for m in metrics.read_metrics(rl) if "eval/accuracy" in m]
   curves = plotting.plot_curves([rl], ["eval/accuracy", "main/reward", "sub/reward"],
                                 os.path.join(_WORKDIR.value, "curves.png"))

@@ -13,7 +13,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from mgrpo_jax import decoupled
+from mgrpo_jax import decoupled, distributed
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file[:args].",
                                           lock_config=True)
@@ -28,6 +28,7 @@ flags.mark_flags_as_required(["config", "workdir", "exchange"])
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
+  distributed.initialize_from_flags()  # Multi-host runs; a no-op for one process.
   logging.info("Devices: %s", jax.devices())
   decoupled.run_sub_agent(_CONFIG.value, _WORKDIR.value, _EXCHANGE.value,
                           timeout_s=_TIMEOUT.value)

@@ -54,6 +54,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 import logging as py_logging
 
+from mgrpo_jax import distributed
 from mgrpo_jax import exchange as exchange_lib
 
 
@@ -320,10 +321,13 @@ class Checkpointer:
     uncommitted directory at this point is garbage.
     """
     path = self.directory / str(step)
-    if not path.exists() or self._committed(step):
+    # Every process must take the same branch (the barrier below), and process 0 may be
+    # deleting the directory while another looks at it: process 0's view decides.
+    stale = distributed.broadcast_object(path.exists() and not self._committed(step))
+    if not stale:
       return
     self._manager.wait_until_finished()
-    if self._committed(step):
+    if distributed.broadcast_object(self._committed(step)):
       return
     logging.warning("Deleting uncommitted checkpoint directory %s (left by a crash).", path)
     if jax.process_index() == 0:

@@ -128,7 +128,7 @@ def loss_fields(prefix: str) -> tuple[dict, dict]:
   ranges = {f"{prefix}.eps_low": Range(low=0, high=1, high_open=True),
             f"{prefix}.eps_high": NONNEGATIVE,
             f"{prefix}.dual_clip": Range(low=1, low_open=True, also=(0,)),
-            f"{prefix}.kl_coef": NONNEGATIVE}
+            f"{prefix}.kl_coef": NONNEGATIVE, f"{prefix}.tis_cap": NONNEGATIVE}
   return choices, ranges
 
 

@@ -16,12 +16,22 @@ One URL (any kvstore URL or JSON spec) holds a whole decoupled run:
   <run>/sub/checkpoints/<step>  the sub-agent's
 """
 
+import contextlib
+
 import jax
 import numpy as np
 
 from mgrpo_jax import checkpoint as ckpt_lib
 from mgrpo_jax import exchange
-from mgrpo_jax import delegation, loop, mgrpo_step, plumbing, research_env, sharding
+from mgrpo_jax import delegation, distributed, loop, mgrpo_step, plumbing, research_env, sharding
+
+
+def _lease(run, role: str):
+  """The role's one-writer lease, held by process 0 (the others of a multi-host program
+  write nothing to the run)."""
+  if not distributed.is_primary():
+    return contextlib.nullcontext()
+  return exchange.acquire_lease(delegation.open_exchange(run), role)
 
 
 def _setup(c, workdir: str, run, role: str):
@@ -60,7 +70,7 @@ def run_main_agent(c, workdir: str, run, *, timeout_s: float = 600.0) -> None:
   """
   # One writer per role: a second "main" program on this run stops here, naming the
   # live one, before it writes anything (its checkpoints included).
-  with exchange.acquire_lease(delegation.open_exchange(run), "main"):
+  with _lease(run, "main"):
     w, env, agents, ckpt, start = _setup(c, workdir, run, "main")
     ex = delegation.open_exchange(run)
 
@@ -92,7 +102,7 @@ def run_sub_agent(c, workdir: str, run, *, timeout_s: float = 600.0) -> None:
   """The sub-agent's program: serves every wave of a step, then trains on its own episodes."""
   # One writer per role: a second "sub" program on this run stops here, naming the
   # live one, before it writes anything (its checkpoints included).
-  with exchange.acquire_lease(delegation.open_exchange(run), "sub"):
+  with _lease(run, "sub"):
     w, env, agents, ckpt, start = _setup(c, workdir, run, "sub")
     ex = delegation.open_exchange(run)
 

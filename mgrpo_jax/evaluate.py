@@ -10,7 +10,7 @@ import jax
 import ml_collections
 
 from mgrpo_jax import checkpoint as ckpt_lib
-from mgrpo_jax import delegation, mgrpo_step, plumbing, research_env, sharding
+from mgrpo_jax import delegation, distributed, mgrpo_step, plumbing, research_env, sharding
 from mgrpo_jax.magrpo import step as magrpo_step
 
 
@@ -41,6 +41,8 @@ def _restore_latest(workdir: str, agents: dict) -> int:
 
 
 def _write(workdir: str, result: dict) -> dict:
+  if not distributed.is_primary():  # Every process has the same result; one writes it.
+    return result
   with open(os.path.join(workdir, "eval.json"), "w") as f:
     json.dump(result, f, indent=2)
   return result

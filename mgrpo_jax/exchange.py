@@ -42,7 +42,8 @@ tensorstore on `file://`, `If-Match: <etag>` on S3 (with `use_conditional_write`
 `kvstore_spec` sets), `x-goog-if-generation-match` on GCS. A second program of the
 same role fails with `LeaseHeld` naming the holder; a lease that is released, whose
 holder is a dead process on this machine, or that was not renewed within `timeout_s`
-is taken over.
+is taken over. A multi-host program is one writer too: process 0 writes, the other
+processes (which compute the same records) only read.
 """
 
 import _thread
@@ -59,6 +60,8 @@ from typing import Any, Sequence
 import numpy as np
 import tensorstore as ts
 from absl import logging
+
+from mgrpo_jax import distributed
 
 SCHEMA_VERSION = 1
 _WIDTHS = (8, 4, 4, 4)  # step, query, rollout, call.
@@ -223,12 +226,20 @@ class Exchange:
     run: the namespace of this run inside the store (may contain "/").
     context: a tensorstore context; by default one shared by the whole process, so
       that two Exchanges on memory:// see the same records.
+    writer: whether `put`, `mark` and `put_array` write. By default process 0 of a
+      multi-process program writes and the others only read (they compute the same
+      records: a non-writer's write returns False and stores nothing); every process
+      writes its own process-local memory:// store.
   """
 
-  def __init__(self, url_or_spec, *, run: str = "run", context: ts.Context | None = None):
+  def __init__(self, url_or_spec, *, run: str = "run", context: ts.Context | None = None,
+               writer: bool | None = None):
     if not run or run.startswith("/") or run.endswith("/") or ".." in run.split("/"):
       raise ValueError(f"Exchange run must be a relative path, got {run!r}.")
     self.spec = kvstore_spec(url_or_spec)
+    if writer is None:
+      writer = distributed.is_primary() or self.spec.get("driver") == "memory"
+    self.writer = writer
     self.run = run
     self._context = _CONTEXT if context is None else context
     self._store = ts.KvStore.open(self.spec, context=self._context).result()
@@ -245,6 +256,8 @@ class Exchange:
 
     Raises ExchangeConflict (naming the key) if a different record is stored there.
     """
+    if not self.writer:
+      return False
     return self._put(self._record_path(kind, key), record, kind)
 
   def try_get(self, kind: str, key: Sequence[int]) -> dict | None:
@@ -269,6 +282,8 @@ class Exchange:
 
   def mark(self, kind: str, step: int, record: dict | None = None) -> bool:
     """Marks `step` as done for `kind` (exactly once, like `put`)."""
+    if not self.writer:
+      return False
     return self._put(self._mark_path(kind, step), record or {}, f"_mark/{kind}")
 
   def wait_mark(self, kind: str, step: int, *, timeout_s: float | None = None,
@@ -290,6 +305,8 @@ class Exchange:
     the commit record written after it (create-if-absent), since object stores
     cannot rename. Raises ExchangeConflict if different data is committed there.
     """
+    if not self.writer:
+      return False
     array = np.asarray(array)
     meta = _array_meta(array)
     commit, kind = self._array_path(name, step), f"_array/{name}"

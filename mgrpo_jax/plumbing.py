@@ -7,6 +7,7 @@ resumed run draws exactly what an uninterrupted one does.
 """
 
 import dataclasses
+import functools
 import json
 import os
 from typing import Any
@@ -18,6 +19,7 @@ import numpy as np
 from absl import logging
 
 from mgrpo_jax import checkpoint as ckpt_lib
+from mgrpo_jax import distributed
 from mgrpo_jax import models
 from mgrpo_jax import tokenizer as tk
 from mgrpo_jax.config_checks import ConfigValueError, check_config, config_field  # noqa: F401
@@ -52,7 +54,8 @@ def loss_config(lc, temperature: float) -> ts.LossConfig:
   """The train step's objective from a config's loss section."""
   return ts.LossConfig(kind=lc.kind, eps_low=lc.eps_low, eps_high=lc.eps_high,
                        dual_clip=lc.dual_clip or None, agg=lc.agg, kl_coef=lc.kl_coef,
-                       kl_estimator=lc.kl_estimator, temperature=temperature)
+                       kl_estimator=lc.kl_estimator, temperature=temperature,
+                       tis_cap=lc.tis_cap)
 
 
 def nll_objective(lc, oc, *, learning_rate: float, weight_decay: float):
@@ -61,7 +64,8 @@ def nll_objective(lc, oc, *, learning_rate: float, weight_decay: float):
   The token-mean NLL is the REINFORCE objective with advantage 1, so SFT reuses the RL
   train step; rows then carry advantage 1 and the behaviour log-probs are unused.
   """
-  lc = ml_collections.ConfigDict(dict(lc.to_dict(), kind="reinforce", agg="token-mean"))
+  lc = ml_collections.ConfigDict(dict(lc.to_dict(), kind="reinforce", agg="token-mean",
+                                      tis_cap=0.0))
   oc = ml_collections.ConfigDict(dict(oc.to_dict(), learning_rate=learning_rate,
                                       weight_decay=weight_decay))
   return lc, oc
@@ -120,9 +124,11 @@ def build_agent(name, mc, oc, lc, tokenizer, mesh, key, *, init_dir="", num_micr
   cfg, params = _model_params(mc, tokenizer, jax.random.fold_in(key, 0), mesh, init_dir, name)
   tx = ts.make_optimizer(learning_rate=oc.learning_rate, b1=oc.b1, b2=oc.b2, eps=oc.eps,
                          weight_decay=oc.weight_decay, grad_clip=oc.grad_clip)
-  state = ts.init_state(params, tx, jax.random.fold_in(key, 1))
-  st_sh = ts.state_shardings(state, mesh)
-  state = jax.device_put(state, st_sh)
+  init = functools.partial(ts.init_state, tx=tx)
+  # Built by a jit with the state's shardings: on many hosts a process-local key or step
+  # cannot be device_put onto the global mesh, and the moments are born sharded.
+  st_sh = ts.state_shardings(jax.eval_shape(init, params, key=jax.random.key(0)), mesh)
+  state = jax.jit(init, out_shardings=st_sh)(params, key=jax.random.fold_in(key, 1))
   lcfg = loss_config(lc, temperature)
   step_fn = ts.make_train_step(cfg, lcfg, tx, num_micro=num_micro, mesh=mesh,
                                state_sharding=st_sh,
@@ -162,16 +168,24 @@ def restore_agents(ckpt: ckpt_lib.Checkpointer, agents: dict) -> int:
 
 
 def write_config(workdir: str, c: ml_collections.ConfigDict) -> None:
-  """The run's config beside its metrics (written when a run starts fresh)."""
+  """The run's config beside its metrics (written when a run starts fresh; by process 0)."""
+  if not distributed.is_primary():
+    return
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(c.to_json_best_effort(indent=2))
 
 
 def save_final_hf(workdir: str, agents: dict, tokenizer: tk.Tokenizer | None = None) -> None:
-  """Final weights as HF checkpoints under workdir/hf/<agent> (an `init=` for later runs)."""
+  """Final weights as HF checkpoints under workdir/hf/<agent> (an `init=` for later runs).
+
+  Every process takes part in gathering the weights; process 0 writes them.
+  """
   for name, agent in agents.items():
     path = os.path.join(workdir, "hf", name)
-    models.save_hf(path, agent.model_config, jax.device_get(agent.state.params))
+    params = distributed.fetch_tree(agent.state.params)
+    if not distributed.is_primary():
+      continue
+    models.save_hf(path, agent.model_config, params)
     if getattr(tokenizer, "words", ()):
       with open(os.path.join(path, WORDS_FILE), "w") as f:
         json.dump({"words": list(tokenizer.words)}, f)

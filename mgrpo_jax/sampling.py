@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mgrpo_jax.distributed import fetch
 from mgrpo_jax.models import qwen3
 from mgrpo_jax.models.config import Qwen3Config
 
@@ -324,7 +325,7 @@ def extend(config: Qwen3Config, params: nnx.State, seqs: Sequences,
     raise ValueError(f"extend got {len(new_tokens)} rows for a batch of {b}.")
   counts = np.zeros(b, np.int32)
   counts[:len(new_tokens)] = [len(t) for t in new_tokens]
-  lengths = np.asarray(seqs.lengths_B)
+  lengths = fetch(seqs.lengths_B)
   if np.any(lengths + counts > seqs.max_len):
     row = int(np.argmax(lengths + counts > seqs.max_len))
     raise ValueError(f"Row {row} would hold {lengths[row] + counts[row]} tokens; the context "
@@ -395,7 +396,7 @@ def sample(config: Qwen3Config, params: nnx.State, seqs: Sequences, *, num_rows:
   finish[:num_rows] = RUNNING
   if active is not None:
     finish[:num_rows] = np.where(np.asarray(active, bool), RUNNING, LENGTH)
-  start_lengths = np.asarray(seqs.lengths_B)
+  start_lengths = fetch(seqs.lengths_B)
   # Rows asked to decode but already full are active rows that end for lack of context.
   was_active = finish == RUNNING
   finish = np.where(was_active & (start_lengths >= seqs.max_len), CONTEXT, finish)
@@ -409,26 +410,26 @@ def sample(config: Qwen3Config, params: nnx.State, seqs: Sequences, *, num_rows:
   while (finish == RUNNING).any():
     state = _decode_some(config, params, state, sp, key, int(lengths[finish == RUNNING].max()),
                          chunk)
-    lengths = np.asarray(state.seqs.lengths_B)
-    finish = np.asarray(state.finish_B)
+    lengths = fetch(state.seqs.lengths_B)
+    finish = fetch(state.finish_B)
     if stop_strings:
       state = _apply_stop_strings(state, stop_strings, tokenizer, start_lengths, was_active,
                                   pad_id)
-      finish = np.asarray(state.finish_B)
-  n = np.asarray(state.n_B)
+      finish = fetch(state.finish_B)
+  n = fetch(state.n_B)
   seqs = state.seqs
   cut = np.flatnonzero(finish == STOP_STRING)
   if cut.size:
     # next_logits of a cut row are stale (they follow the dropped tokens): step the row
     # back one token and re-extend with its last kept token to recompute them.
-    all_tokens = np.asarray(state.tokens_BxN)
+    all_tokens = fetch(state.tokens_BxN)
     seqs = seqs.replace(lengths_B=seqs.lengths_B - jnp.asarray(np.isin(np.arange(b), cut)))
     seqs = extend(config, params, seqs, [[int(all_tokens[i, n[i] - 1])] if i in cut else []
                                          for i in range(b)], pad_id=pad_id)
-  tokens = np.asarray(state.tokens_BxN)[:num_rows, :max_new_tokens]
+  tokens = fetch(state.tokens_BxN)[:num_rows, :max_new_tokens]
   valid = np.arange(tokens.shape[1])[None, :] < n[:num_rows, None]
-  logp = np.where(valid, np.asarray(state.logp_BxN)[:num_rows, :max_new_tokens], 0.0)
-  slogp = np.where(valid, np.asarray(state.sample_logp_BxN)[:num_rows, :max_new_tokens], 0.0)
+  logp = np.where(valid, fetch(state.logp_BxN)[:num_rows, :max_new_tokens], 0.0)
+  slogp = np.where(valid, fetch(state.sample_logp_BxN)[:num_rows, :max_new_tokens], 0.0)
   reasons = [FINISH_NAMES[int(f)] if was_active[i] else "inactive"
              for i, f in enumerate(finish[:num_rows])]
   return SampleResult(np.where(valid, tokens, pad_id).astype(np.int32), logp.astype(np.float32),
@@ -457,9 +458,9 @@ def _decode_some(config, params, state: _LoopState, sp, key, longest: int,
 def _apply_stop_strings(state: _LoopState, stop_strings, tokenizer, start_lengths, was_active,
                         pad_id) -> _LoopState:
   """Cuts rows after their first stop string; rolls back their cache length to match."""
-  tokens = np.asarray(state.tokens_BxN)
-  n = np.asarray(state.n_B).copy()
-  finish = np.asarray(state.finish_B).copy()
+  tokens = fetch(state.tokens_BxN)
+  n = fetch(state.n_B).copy()
+  finish = fetch(state.finish_B).copy()
   changed = False
   for i in np.flatnonzero(was_active):
     end = _stop_string_end([int(t) for t in tokens[i, :n[i]]], stop_strings, tokenizer)

@@ -22,7 +22,7 @@ from typing import Any, Callable, Protocol, Sequence
 import jax
 import numpy as np
 
-from mgrpo_jax import sampling
+from mgrpo_jax import distributed, sampling
 from mgrpo_jax import tokenizer as tk
 from mgrpo_jax.agents import protocol
 
@@ -251,7 +251,10 @@ def run_episodes(policy: TurnPolicy, episodes: list[Episode], tool_fn: ToolFn, *
     if not pending:
       continue
     start = time.perf_counter()
-    replies = tool_fn(pending)
+    # On many hosts every process runs the tools; process 0's replies are the ones kept, so
+    # a tool that is not a pure function of its input (a sandbox's time limit) cannot make
+    # the processes' sequences, and so their next collective sampler calls, diverge.
+    replies = distributed.broadcast_object(tool_fn(pending))
     tool_s = (time.perf_counter() - start) / len(pending)
     appended = {}
     for i, (ep, _), reply in zip(pending_rows, pending, replies):

@@ -14,7 +14,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from mgrpo_jax import sampling
+from mgrpo_jax import distributed, sampling
 from mgrpo_jax.rl import joint
 
 
@@ -145,7 +145,8 @@ def joint_rollout(task, policies: Sequence[Policy], examples: Sequence, *, group
         joint_ex.append(ex)
         texts.append(tuple(completions[i][node * group + index[j, i]].text
                            for i in range(n_agents)))
-    scores = task.score(joint_ex, texts)
+    # Process 0's scores on every host: a sandboxed test run may time out on one only.
+    scores = distributed.broadcast_object(task.score(joint_ex, texts))
     p = len(examples)
     turns.append(Turn(completions, np.asarray([s.reward for s in scores],
                                               np.float32).reshape(p, -1),

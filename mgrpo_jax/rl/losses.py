@@ -23,10 +23,12 @@ __all__ = [
     "finalize_metrics",
     "kl_penalty",
     "loss_terms",
+    "mismatch_sums",
     "policy_loss",
     "reinforce_loss",
     "reinforce_terms",
     "terms_to_loss",
+    "tis_weights",
     "token_logprobs",
 ]
 
@@ -181,6 +183,8 @@ def loss_terms(
     kl_estimator="k3",
     dual_clip=None,
     seq_tokens=None,
+    sampler_logp=None,
+    tis_cap=None,
 ):
   """The clipped surrogate (+ optional KL) as (numerator, denominator, metric_sums).
 
@@ -188,6 +192,8 @@ def loss_terms(
     L = max(−ratio·A, −clip(ratio, 1 − eps_low, 1 + eps_high)·A) + kl_coef·KL,
   and with `dual_clip` = c > 1, L_pg = min(L_pg, −c·A) where A < 0 (bounds the loss
   when a very unlikely token got a negative advantage). `policy_loss` has the details.
+  With `tis_cap` = C > 0 (needs `sampler_logp`), L_pg is weighted by the truncated
+  importance weight `tis_weights(old_logp, sampler_logp, C)`.
 
   Returns:
     numerator, denominator: float32 scalars, loss = terms_to_loss(numerator, denominator).
@@ -197,6 +203,8 @@ def loss_terms(
   _check("agg", agg, AGGREGATIONS)
   if isinstance(dual_clip, (int, float)) and dual_clip <= 1.0:
     raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+  if isinstance(tis_cap, (int, float)) and tis_cap <= 0:
+    raise ValueError(f"tis_cap must be > 0 (None: off), got {tis_cap}")
   if ref_logp is None and not (isinstance(kl_coef, (int, float)) and kl_coef == 0):
     raise ValueError("kl_coef != 0 needs ref_logp")
   shape = jnp.shape(logp)
@@ -212,6 +220,12 @@ def loss_terms(
   pg_BxT = jnp.maximum(-ratio_BxT * adv_BxT, -clipped_BxT * adv_BxT)
   if dual_clip is not None:
     pg_BxT = jnp.where(adv_BxT < 0, jnp.minimum(pg_BxT, -dual_clip * adv_BxT), pg_BxT)
+  if tis_cap is not None:
+    if sampler_logp is None:
+      raise ValueError("tis_cap needs sampler_logp")
+    sampler_BxT = jnp.where(on_BxT, jnp.asarray(sampler_logp, jnp.float32), 0.0)
+    tis_BxT = tis_weights(old_BxT, sampler_BxT, tis_cap)
+    pg_BxT = tis_BxT * pg_BxT
   pg_num, denominator = aggregate_terms(pg_BxT, w_BxT, agg=agg, seq_tokens_BxT=seq_tokens)
 
   def tok_sum(x_BxT):
@@ -231,6 +245,9 @@ def loss_terms(
   }
   if dual_clip is not None:
     sums["dual_clip_frac"] = tok_sum((adv_BxT < 0) & (ratio_BxT > dual_clip))
+  if tis_cap is not None:
+    sums["tis_weight"] = tok_sum(tis_BxT)
+    sums["tis_capped_frac"] = tok_sum(old_BxT - sampler_BxT > jnp.log(tis_cap))
   numerator = pg_num
   if ref_logp is not None:
     ref_BxT = jnp.where(on_BxT, jnp.asarray(ref_logp, jnp.float32), 0.0)
@@ -239,6 +256,37 @@ def loss_terms(
     sums["kl_ref_numerator"] = kl_num
     numerator = numerator + kl_coef * kl_num
   return numerator, denominator, sums
+
+
+def tis_weights(old_logp, sampler_logp, cap):
+  """Truncated importance weights min(π_old / π_sampler, C) per token, without gradient.
+
+  `old_logp` are the trainer's log-probs of the sampled tokens under the weights that
+  sampled them, `sampler_logp` the sampler's own (different kernels, batch shapes or
+  precision make them differ); the weight corrects the policy gradient for sampling from
+  the sampler's distribution instead of the trainer's, truncated at `cap` for variance.
+  """
+  logratio = jnp.asarray(old_logp, jnp.float32) - jnp.asarray(sampler_logp, jnp.float32)
+  # min in log space: exp never overflows, and the weight is exactly C where it binds.
+  return jax.lax.stop_gradient(jnp.exp(jnp.minimum(logratio, jnp.log(cap))))
+
+
+def mismatch_sums(logp, sampler_logp, mask) -> dict:
+  """Metric sums of how far the trainer's log-probs are from the sampler's.
+
+  `mismatch_abs_logp` (token mean of |logp − sampler_logp|), and the largest and smallest
+  per-token ratio π_train / π_sampler (`mismatch_ratio_max`, `mismatch_ratio_min`), over
+  tokens with mask > 0. No gradient flows through them.
+  """
+  w_BxT = jnp.asarray(mask).astype(jnp.float32)
+  on_BxT = w_BxT > 0
+  diff_BxT = jnp.where(on_BxT, jax.lax.stop_gradient(jnp.asarray(logp, jnp.float32))
+                       - jnp.asarray(sampler_logp, jnp.float32), 0.0)
+  return {
+      "mismatch_abs_logp": jnp.sum(jnp.where(on_BxT, jnp.abs(diff_BxT) * w_BxT, 0.0)),
+      "mismatch_ratio_max": jnp.max(jnp.where(on_BxT, jnp.exp(diff_BxT), -jnp.inf)),
+      "mismatch_ratio_min": jnp.min(jnp.where(on_BxT, jnp.exp(diff_BxT), jnp.inf)),
+  }
 
 
 def accumulate_metric_sums(a: dict, b: dict) -> dict:
@@ -288,6 +336,8 @@ def policy_loss(
     kl_coef=0.0,
     kl_estimator="k3",
     dual_clip=None,
+    sampler_logp=None,
+    tis_cap=None,
 ):
   """Clipped-surrogate policy loss for both agents (PAPERS.md 1.5) -> (loss, metrics).
 
@@ -301,13 +351,16 @@ def policy_loss(
     ref_logp, kl_coef, kl_estimator: KL(π || π_ref) penalty with estimator k1/k2/k3
       (see `kl_penalty`); it is reported as metric "kl_ref" whenever ref_logp is given.
     dual_clip: None, or c > 1 to cap the loss of negative-advantage tokens at −c·A.
+    sampler_logp, tis_cap: truncated importance sampling: with C = tis_cap > 0, each
+      token's L_pg is weighted by min(exp(old_logp − sampler_logp), C) (no gradient), where
+      old_logp are the trainer's log-probs and sampler_logp the sampler's (`tis_weights`).
 
   Returns:
     loss: float32 scalar, terms_to_loss(*loss_terms(...)[:2]).
     metrics: pg_loss, kl_ref (if ref_logp), token means clip_frac_low (ratio <
       1 − eps_low with A < 0), clip_frac_high (ratio > 1 + eps_high with A > 0),
       dual_clip_frac, approx_kl (k3 estimate of KL(π_old || π)), ratio_mean, and
-      ratio_max, ratio_min, tokens.
+      ratio_max, ratio_min, tokens; with tis_cap, tis_weight (mean) and tis_capped_frac.
   """
   numerator, denominator, sums = loss_terms(
       logp,
@@ -321,6 +374,8 @@ def policy_loss(
       kl_coef=kl_coef,
       kl_estimator=kl_estimator,
       dual_clip=dual_clip,
+      sampler_logp=sampler_logp,
+      tis_cap=tis_cap,
   )
   return terms_to_loss(numerator, denominator), finalize_metrics(sums, denominator)
 

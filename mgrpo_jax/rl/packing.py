@@ -16,7 +16,7 @@ batch exactly as `losses.aggregate_terms` counts it on the padded batch.
 import numpy as np
 
 # Keys of a padded batch that are per token ([B, T]) and are carried into packed rows.
-_TOKEN_KEYS = ("loss_mask", "old_logp", "ref_logp")
+_TOKEN_KEYS = ("loss_mask", "old_logp", "sampler_logp", "ref_logp")
 
 
 def bucket_length(n: int, minimum: int = 128) -> int:

@@ -53,6 +53,9 @@ class LossConfig:
   # The sampler's temperature: behaviour log-probs are log-softmax(logits / T), so the
   # trainer must score tokens the same way or the ratio is off even on-policy.
   temperature: float = 1.0
+  # Truncated importance sampling (clipped kind): C > 0 weights each token by
+  # min(π_train_old / π_sampler, C); 0 = off (the sampler's log-probs are the ratio's).
+  tis_cap: float = 0.0
 
   def __post_init__(self):
     if self.kind not in ("clipped", "reinforce"):
@@ -64,6 +67,16 @@ class LossConfig:
                        f"{losses.KL_ESTIMATORS}.")
     if not self.temperature > 0:
       raise ValueError(f"LossConfig.temperature must be > 0, got {self.temperature}.")
+    if not self.tis_cap >= 0:
+      raise ValueError(f"LossConfig.tis_cap must be >= 0 (0 = off), got {self.tis_cap}.")
+    if self.tis_cap and self.kind != "clipped":
+      raise ValueError(f"LossConfig.tis_cap={self.tis_cap} weights the clipped surrogate; "
+                       f"kind={self.kind!r} has no behaviour log-probs to correct.")
+
+  @property
+  def terms(self) -> str:
+    """The `LOSS_TERMS` entry of this objective."""
+    return f"{self.kind}_tis" if self.tis_cap else self.kind
 
 
 def make_optimizer(*, learning_rate: float = 1e-6, b1: float = 0.9, b2: float = 0.98,
@@ -101,13 +114,31 @@ def clipped_terms(loss_config: LossConfig, logp, mb: Batch, adv, mask, seq_token
       seq_tokens=seq_tokens)
 
 
+def clipped_tis_terms(loss_config: LossConfig, logp, mb: Batch, adv, mask, seq_tokens):
+  """The clipped surrogate with truncated importance sampling (`losses.tis_weights`).
+
+  A step makes one optimizer update per batch, with the weights that sampled it, so
+  stop_gradient(logp) is the trainer's own log-prob of each sampled token under the old
+  policy, without a second forward pass. It replaces the sampler's as the ratio's
+  denominator, and min(exp(old_logp_train − sampler_logp), C) weights each token's loss.
+  """
+  ref = mb.ref_logp
+  return losses.loss_terms(
+      logp, jax.lax.stop_gradient(logp), adv, mask, eps_low=loss_config.eps_low,
+      eps_high=loss_config.eps_high, agg=loss_config.agg,
+      ref_logp=None if ref is None else ref[:, 1:], kl_coef=loss_config.kl_coef,
+      kl_estimator=loss_config.kl_estimator, dual_clip=loss_config.dual_clip,
+      seq_tokens=seq_tokens, sampler_logp=mb.sampler_logp[:, 1:], tis_cap=loss_config.tis_cap)
+
+
 def reinforce_terms(loss_config: LossConfig, logp, mb: Batch, adv, mask, seq_tokens):
   """REINFORCE's (numerator, denominator, sums): no ratio, no behaviour log-probs."""
   del mb
   return losses.reinforce_terms(logp, adv, mask, agg=loss_config.agg, seq_tokens=seq_tokens)
 
 
-LOSS_TERMS = {"clipped": clipped_terms, "reinforce": reinforce_terms}  # By LossConfig.kind.
+LOSS_TERMS = {"clipped": clipped_terms, "clipped_tis": clipped_tis_terms,
+              "reinforce": reinforce_terms}  # By LossConfig.terms.
 
 
 def _micro_terms(model_config: Qwen3Config, loss_config: LossConfig, terms, logits_chunk: int,
@@ -136,6 +167,10 @@ def _micro_terms(model_config: Qwen3Config, loss_config: LossConfig, terms, logi
   # Entropy of the (temperature-scaled) policy on generated tokens: cheap next to the
   # forward pass, and the first thing to look at when a run collapses.
   sums = dict(sums, entropy=jnp.sum(jnp.where(mask > 0, ent * mask, 0.0)))
+  if mb.sampler_logp is not None:  # Batch structure (static): rows from the sampler.
+    # Sampler vs trainer log-probs of the same tokens under the same weights: 0 but for
+    # numerics (kernels, batch shapes, precision; MoE routing), every step.
+    sums.update(losses.mismatch_sums(logp, mb.sampler_logp[:, 1:], mask))
   return num, sums
 
 
@@ -167,7 +202,7 @@ def train_step(state: TrainState, batch: Batch | dict, *, model_config: Qwen3Con
   `param_sharding` (with a mesh) pins each micro-batch's gradients and their running sum
   to the parameters' shards: reduce-scattered, never a full replicated copy per device.
   `terms` is the objective, chosen at setup (`make_train_step` binds
-  `LOSS_TERMS[loss_config.kind]`).
+  `LOSS_TERMS[loss_config.terms]`).
   """
   micro, denominator = _micro_batches(Batch.of(batch), num_micro, loss_config.agg)
   grad_fn = jax.grad(functools.partial(_micro_terms, model_config, loss_config, terms,
@@ -237,7 +272,7 @@ def make_train_step(model_config: Qwen3Config, loss_config: LossConfig,
   step = functools.partial(train_step, model_config=model_config, loss_config=loss_config,
                            tx=tx, num_micro=num_micro, logits_chunk=logits_chunk,
                            param_sharding=None if mesh is None else state_sharding.params,
-                           terms=LOSS_TERMS[loss_config.kind])
+                           terms=LOSS_TERMS[loss_config.terms])
   if mesh is not None:
     unmeshed = step
 
@@ -251,8 +286,17 @@ def make_train_step(model_config: Qwen3Config, loss_config: LossConfig,
       return jax.jit(step, donate_argnames=("state",))
     batch_sh = jax.sharding.NamedSharding(mesh, P(shard_lib.BATCH))  # A prefix for every leaf.
     replicated = jax.sharding.NamedSharding(mesh, P())
-    return jax.jit(step, donate_argnames=("state",), in_shardings=(state_sharding, batch_sh),
-                   out_shardings=(state_sharding, replicated))
+    jitted = jax.jit(step, donate_argnames=("state",), in_shardings=(state_sharding, batch_sh),
+                     out_shardings=(state_sharding, replicated))
+
+    def sharded_step(state, batch):
+      # Host batches are placed first: jit refuses numpy inputs with a sharding that spans
+      # other processes' devices; device_put takes the (identical) batch on every process
+      # and keeps each one's own rows.
+      return jitted(state, jax.device_put(Batch.of(batch), batch_sh))
+
+    sharded_step.jitted, sharded_step.lower = jitted, jitted.lower
+    return sharded_step
   if max_tokens_per_micro < 8:
     raise ValueError(f"max_tokens_per_micro must be >= 8, got {max_tokens_per_micro}.")
   rows_multiple = 1

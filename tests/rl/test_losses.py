@@ -27,7 +27,9 @@ def _np_policy_loss(logp,
                     ref=None,
                     kl_coef=0.0,
                     est="k3",
-                    dual_clip=None):
+                    dual_clip=None,
+                    sampler=None,
+                    tis_cap=None):
   """Independent reference: a plain Python loop over tokens in float64."""
   B, T = mask.shape
   adv = np.broadcast_to(np.asarray(adv)[:, None], (B, T)) if np.ndim(adv) == 1 else adv
@@ -41,6 +43,8 @@ def _np_policy_loss(logp,
       loss = max(-r * a, -min(max(r, 1 - eps_low), 1 + eps_high) * a)
       if dual_clip is not None and a < 0:
         loss = min(loss, -dual_clip * a)
+      if tis_cap is not None:  # Truncated IS: min(π_old / π_sampler, C) on the PG term.
+        loss *= min(math.exp(old[b, t] - sampler[b, t]), tis_cap)
       if ref is not None:
         d = ref[b, t] - logp[b, t]
         loss += kl_coef * {"k1": -d, "k2": 0.5 * d * d, "k3": math.exp(d) - d - 1}[est]
@@ -294,3 +298,57 @@ def test_reinforce_loss_by_hand(agg, expected):
     # d/dlogp = -A / 2 sequences: seq 0 -> -0.25, seq 1 -> 0.5; masked -> 0.
     grad = jax.grad(lambda lp: losses.reinforce_loss(lp, adv, mask)[0])(logp)
     np.testing.assert_allclose(grad, [[-0.25, -0.25, 0.0], [0.5, 0.5, 0.5]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("agg, dual", [(a, d) for a in AGGS for d in (None, 3.0)])
+def test_truncated_importance_sampling_matches_numpy(agg, dual):
+  logp, old, adv, mask, _ = _random_batch(seed=11 + len(agg))
+  # Sampler log-probs off the trainer's both ways, some by more than ln C = 0.405 (capped:
+  # token (0, 0) always is, token (1, 1) never; both are always real).
+  sampler = old + np.resize([-0.8, 0.3, -0.2, 0.7, -0.6, 0.1, 0.3], old.shape)
+  sampler[~mask] = np.nan  # garbage the loss must ignore
+  cap = 1.5
+  loss, m = policy_loss(*map(jnp.asarray, (logp, old, adv, mask)), agg=agg, dual_clip=dual,
+                        sampler_logp=jnp.asarray(sampler), tis_cap=cap)
+  expected = _np_policy_loss(logp, old, adv, mask, agg=agg, dual_clip=dual, sampler=sampler,
+                             tis_cap=cap)
+  assert float(loss) == pytest.approx(expected, rel=1e-5, abs=1e-6)
+  w = np.minimum(np.exp(old - sampler), cap)[mask]
+  assert 0 < (w == cap).sum() < w.size  # Both regimes are exercised.
+  assert float(m["tis_weight"]) == pytest.approx(w.mean(), rel=1e-5)
+  assert float(m["tis_capped_frac"]) == pytest.approx((w == cap).mean())
+  # Without TIS the loss differs (the weights are not all 1).
+  assert float(policy_loss(logp, old, adv, mask, agg=agg, dual_clip=dual)[0]) != \
+      pytest.approx(expected, rel=1e-3)
+
+
+def test_tis_weights_carry_no_gradient_and_need_a_positive_cap():
+  logp, old, adv, mask = _hand_batch()
+  sampler = jnp.where(mask, old - 0.3, 0.0)
+
+  def loss(lp, s):
+    return policy_loss(lp, old, adv, mask, sampler_logp=s, tis_cap=1.2)[0]
+
+  g_logp, g_sampler = jax.grad(loss, argnums=(0, 1))(logp, sampler)
+  assert np.all(np.asarray(g_sampler) == 0)
+  # The weight exp(0.3) = 1.35 is capped at 1.2: the gradient is 1.2 x the unweighted one.
+  g_plain = jax.grad(lambda lp: policy_loss(lp, old, adv, mask)[0])(logp)
+  np.testing.assert_allclose(g_logp, 1.2 * np.asarray(g_plain), rtol=1e-6)
+  for cap in (0.0, -1.0):
+    with pytest.raises(ValueError, match="tis_cap"):
+      policy_loss(logp, old, adv, mask, sampler_logp=sampler, tis_cap=cap)
+  with pytest.raises(ValueError, match="sampler_logp"):
+    policy_loss(logp, old, adv, mask, tis_cap=2.0)
+
+
+def test_mismatch_sums_by_hand():
+  # Trainer vs sampler log-probs on 3 real tokens: differences +0.1, -0.2, 0 (and a masked
+  # slot holding garbage).
+  logp = jnp.array([[-1.0, -2.0], [-0.5, jnp.nan]])
+  sampler = jnp.array([[-1.1, -1.8], [-0.5, 0.0]])
+  mask = jnp.array([[1, 1], [1, 0]], jnp.float32)
+  sums = losses.mismatch_sums(logp, sampler, mask)
+  m = losses.finalize_metrics(dict(sums, tokens=mask.sum()), 1.0)
+  assert float(m["mismatch_abs_logp"]) == pytest.approx(0.3 / 3, rel=1e-5)
+  assert float(m["mismatch_ratio_max"]) == pytest.approx(math.exp(0.1), rel=1e-5)
+  assert float(m["mismatch_ratio_min"]) == pytest.approx(math.exp(-0.2), rel=1e-5)

@@ -157,3 +157,55 @@ def test_bad_loss_config_names_field():
     ts.LossConfig(agg="mean")
   with pytest.raises(ValueError, match="LossConfig.kind"):
     ts.LossConfig(kind="ppo2")
+  with pytest.raises(ValueError, match="LossConfig.tis_cap"):
+    ts.LossConfig(tis_cap=-1.0)
+  with pytest.raises(ValueError, match="LossConfig.tis_cap"):
+    ts.LossConfig(kind="reinforce", tis_cap=2.0)
+
+
+def test_tis_step_weights_the_policy_gradient():
+  """With tis_cap, the step's update is −Σ w·A·∇logp (aggregated), w = min(π_old/π_s, C).
+
+  The ratio's denominator is the trainer's own log-prob under the sampling weights, so
+  the ratio is 1 and nothing is clipped: the reference below is that weighted REINFORCE
+  gradient, written directly from the model's logits.
+  """
+  tx, cap = optax.sgd(1.0), 1.3
+  batch = _batch(seed=4)
+  params = _state(tx).params
+  tokens, mask = batch["tokens"], np.asarray(batch["loss_mask"])[:, 1:]
+
+  def logp_of(p):
+    return losses.token_logprobs(models.logits(CFG, p, tokens, jnp.ones_like(tokens))[:, :-1],
+                                 tokens[:, 1:])
+
+  logp = np.asarray(logp_of(params))
+  # The sampler off by -0.5 .. +0.5 nats: weights e^0.5 = 1.65 are capped at 1.3.
+  offset = np.resize(np.linspace(-0.5, 0.5, 7), logp.shape)
+  sampler = np.pad(np.where(mask > 0, logp - offset, 0.0), ((0, 0), (1, 0)))
+  w = np.minimum(np.exp(offset), cap)
+  adv = np.asarray(batch["adv"])[:, None]
+  tokens_B = mask.sum(1)
+
+  def seq_mean_token_mean(x_BxT):
+    per_row = jnp.sum(jnp.where(mask > 0, x_BxT, 0.0), 1)
+    return jnp.sum(jnp.where(tokens_B > 0, per_row / np.maximum(tokens_B, 1), 0.0)) / (
+        tokens_B > 0).sum()
+
+  grads = jax.grad(lambda p: seq_mean_token_mean(-w * adv * logp_of(p)))(params)
+  want = _flat(jax.tree.map(lambda p, g: p - g, params, grads))
+  step = ts.make_train_step(CFG, ts.LossConfig(tis_cap=cap), tx)
+  new_state, m = step(_state(tx), dict(batch, sampler_logp=jnp.asarray(sampler, jnp.float32)))
+  np.testing.assert_allclose(_flat(new_state.params), want, atol=2e-6)
+  assert np.abs(want - _flat(params)).max() > 1e-4  # A real update.
+  # Its value: the surrogate −w·A·ratio at ratio 1.
+  np.testing.assert_allclose(float(m["loss"]), float(seq_mean_token_mean(-w * adv)), rtol=1e-5)
+  on = mask > 0
+  assert float(m["tis_capped_frac"]) == pytest.approx((w[on] == cap).mean())
+  assert float(m["mismatch_abs_logp"]) == pytest.approx(np.abs(offset[on]).mean(), rel=1e-4)
+  assert float(m["mismatch_ratio_max"]) == pytest.approx(np.exp(offset[on].max()), rel=1e-4)
+  # TIS off: the same batch trains on the sampler's log-probs as the ratio's denominator.
+  _, m_off = ts.make_train_step(CFG, ts.LossConfig(), tx)(
+      _state(tx), dict(batch, sampler_logp=jnp.asarray(sampler, jnp.float32)))
+  assert "tis_weight" not in m_off
+  assert float(m_off["mismatch_abs_logp"]) == pytest.approx(float(m["mismatch_abs_logp"]))

@@ -1,0 +1,74 @@
+"""The sampler's recorded log-probs equal the trainer's recomputed ones, through the batch."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from mgrpo_jax import models
+from mgrpo_jax import tokenizer as tk
+from mgrpo_jax.agents import rollout
+from mgrpo_jax.rl import batch as batch_lib
+from mgrpo_jax.rl import losses
+from mgrpo_jax.rl import train_step as ts
+
+TOK = tk.ByteTokenizer()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  cfg = models.get_preset("tiny", vocab_size=TOK.vocab_size)
+  return cfg, models.init_params(cfg, jax.random.key(0))
+
+
+def _episodes(cfg, params, temperature, top_k):
+  """Three turns of four episodes through the KV-cache sampler, tool replies in between.
+
+  As the rollout engine builds them: generated tokens (loss mask 1, the sampler's
+  log-probs), then a tool reply (mask 0) that `extend` appends to the live cache.
+  """
+  limits = rollout.Limits(max_turns=3, max_new_tokens=12, max_len=512)
+  policy = rollout.LLMPolicy(cfg, params, TOK, "sub", limits=limits, temperature=temperature,
+                             top_k=top_k)
+  prompts = ["find the river", "who built it?", "why not", "find the river"]
+  eps = [rollout.new_episode(TOK, "sub", [{"role": "user", "content": p}], q=i, k=0, call=0,
+                             task=None, max_turns=3) for i, p in enumerate(prompts)]
+  policy.begin(eps)
+  for turn, rows in enumerate([[0, 1, 2, 3], [0, 2, 3], [1, 3]]):
+    appended = {}
+    for r, (ids, logps) in zip(rows, policy.act(rows, jax.random.fold_in(jax.random.key(3),
+                                                                         turn))):
+      reply = TOK.encode(f"tool reply {r}-{turn}")
+      eps[r].tokens += ids + reply
+      eps[r].loss_mask += [1] * len(ids) + [0] * len(reply)
+      eps[r].logprobs += logps + [0.0] * len(reply)
+      appended[r] = reply
+    policy.append(appended)
+  return eps
+
+
+@pytest.mark.parametrize("temperature,top_k", [(0.7, 20)])
+def test_trainer_recomputes_the_samplers_logprobs(tiny, temperature, top_k):
+  cfg, params = tiny
+  eps = _episodes(cfg, params, temperature, top_k)
+  batch = batch_lib.make_batch(eps, np.asarray([1.0, -1.0, 0.5, -0.5], np.float32),
+                               max_len=512, pad_id=TOK.pad_id, minimum=64)
+  on = batch.loss_mask[:, 1:] > 0
+  assert on.sum() >= 60 and np.all(batch.sampler_logp[:, 1:][on] < 0)
+  # The trainer's forward: the whole sequence at once, no cache, float32. Under top-k the
+  # sampler records log-softmax(logits / T) of the full vocabulary (not of the truncated
+  # distribution it drew from), which is what the trainer scores.
+  lengths = np.asarray([len(e.tokens) for e in eps])
+  real = np.arange(batch.length)[None, :] < lengths[:, None]
+  logits = models.logits(cfg, params, batch.tokens, real)
+  logp = np.asarray(losses.token_logprobs(logits[:, :-1] / temperature, batch.tokens[:, 1:]))
+  np.testing.assert_allclose(logp[on], batch.sampler_logp[:, 1:][on], atol=1e-5, rtol=0)
+  # The train step reports the same agreement (and TIS weights of 1, none capped).
+  step = ts.make_train_step(cfg, ts.LossConfig(temperature=temperature, tis_cap=2.0),
+                            optax.sgd(0.0))
+  state = ts.init_state(jax.tree.map(np.array, params), optax.sgd(0.0), jax.random.key(0))
+  _, m = step(state, batch)  # (The state is donated: a copy of the shared parameters.)
+  assert float(m["mismatch_abs_logp"]) < 1e-5
+  assert 1 - 1e-5 < float(m["mismatch_ratio_min"]) <= float(m["mismatch_ratio_max"]) < 1 + 1e-5
+  assert abs(float(m["tis_weight"]) - 1) < 1e-5 and float(m["tis_capped_frac"]) == 0
+  assert float(m["tokens"]) == on.sum()
