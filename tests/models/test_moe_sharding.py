@@ -130,3 +130,22 @@ def test_greedy_decode_on_expert_mesh_matches_one_device(setup):
   np.testing.assert_array_equal(out.tokens, ref.tokens)
   np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=2e-5)
   assert len(set(ref.tokens.ravel().tolist())) > 10
+
+
+def test_expert_width_on_tensor_and_rows_that_do_not_split(setup):
+  # Experts' F split over tensor (partial sums), and 6 x 7 tokens that do not split over the
+  # 4 batch devices (the block then keeps every token on every device).
+  params, _ = setup
+  mesh = sharding.make_mesh(dict(data=1, fsdp=2, tensor=2, expert=2))
+  sharded = sharding.shard_params(params, mesh)
+  gate = nnx.to_pure_dict(sharded)["moe_layers"]["moe"]["gate"]
+  assert tuple(gate.sharding.spec) == (None, "expert", "fsdp", "tensor")
+  fn = jax.jit(functools.partial(models.logits, CONFIG))
+  rng = np.random.default_rng(6)
+  for shape in ((8, 10), (6, 7)):
+    tokens = jnp.asarray(rng.integers(1, 97, shape), jnp.int32)
+    mask = jnp.ones(shape, jnp.int32)
+    ref = np.asarray(fn(params, tokens, mask))
+    with jax.set_mesh(mesh):
+      out = np.asarray(fn(sharded, tokens, mask))
+    np.testing.assert_allclose(out, ref, atol=5e-5, rtol=0)
