@@ -8,7 +8,7 @@ from mgrpo_jax.models.qwen3 import (KVCache, Routing, abstract_params, forward, 
 from mgrpo_jax.models.safetensors_io import CheckpointError
 
 __all__ = [
-    "PRESETS", "CheckpointError", "ConfigError", "KVCache", "Qwen3Config", "Routing", "abstract_params",
-    "check_vocab_size", "forward", "get_preset", "init_cache", "init_params", "load_hf", "logits",
-    "save_hf",
+    "PRESETS", "CheckpointError", "ConfigError", "KVCache", "Qwen3Config", "Routing",
+    "abstract_params", "check_vocab_size", "forward", "get_preset", "init_cache", "init_params",
+    "load_hf", "logits", "save_hf",
 ]

@@ -4,7 +4,6 @@ the load-balancing loss, and routing replay."""
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -117,7 +116,8 @@ def test_logits_match_transformers_both_ways(load, h, name, tmp_path):
   import transformers
   models.save_hf(str(tmp_path), config, params)
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(
-      str(tmp_path), attn_implementation="eager", experts_implementation="eager").to(torch.float32).eval()
+      str(tmp_path), attn_implementation="eager",
+      experts_implementation="eager").to(torch.float32).eval()
   assert type(reloaded).__name__ == "Qwen3MoeForCausalLM"
   again = _hf_out(reloaded, tokens, mask).logits.numpy()
   assert _max_rel_err(again, ref, real) < 1e-6
