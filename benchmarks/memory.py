@@ -13,6 +13,10 @@ chunked log-probs, remat, packed token-budget micro-batches):
   update/<preset>/main   16 x 32768 tokens (the main agent's Q x K traces)
   update/<preset>/sub    64 x 8192 tokens (Q x K x D sub-agent traces)
   update/qwen3_8b/*      the same with the state sharded over 8 devices (fsdp=8)
+  update/qwen3_30b_a3b/* the MoE on 64 devices (fsdp=8 x expert=8; the paper's 64 GPUs), one
+                         trace per device per micro-batch, experts dispatched moe_chunk
+                         tokens per device at a time
+  decode/qwen3_30b_a3b/reached=1024  its decode loop on the same mesh, 64 rows (1 per device)
   decode/<preset>/reached=1024  the sampler's decode loop for 64 rows whose traces reached
                          1024 tokens with max_len=32768 (the cache is sized by need)
   scaling/T=<n>          the plain (unpacked) make_train_step on 4 x n padded rows, remat,
@@ -23,11 +27,12 @@ import os
 import sys
 
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  # 8 fake CPU devices for the sharded cases; must precede the first JAX import.
+  # 64 fake CPU devices for the sharded cases; must precede the first JAX import.
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + " --xla_force_host_platform_device_count=8").strip()
+                             + " --xla_force_host_platform_device_count=64").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 
@@ -48,8 +53,12 @@ _PRESETS = flags.DEFINE_list("presets", ["qwen3_0p6b", "qwen3_1p7b", "qwen3_8b"]
 _SCALING_T = flags.DEFINE_list("scaling_t", ["2048", "4096", "8192", "16384", "32768"],
                                "Sequence lengths of the scaling cases.")
 _SCALING_PRESET = flags.DEFINE_string("scaling_preset", "qwen3_0p6b", "Preset of scaling cases.")
+_MOE_PRESETS = flags.DEFINE_list("moe_presets", ["qwen3_30b_a3b"],
+                                 "MoE presets of the 64-device update/decode cases.")
+_MOE_CHUNK = flags.DEFINE_integer("moe_chunk", 512, "Tokens per device per expert dispatch.")
 
 GB = 1e9
+_MOE_MESH = dict(data=1, fsdp=8, tensor=1, expert=8)
 # Tokens per packed micro-batch per device: one 32k trace (main) or four 8k traces (sub).
 _BUDGET = 32768
 _LOGITS_CHUNK = 4096
@@ -87,17 +96,28 @@ def _stats(compiled, seconds: float) -> dict:
           "compile_s": round(seconds, 1)}
 
 
-def update_case(preset: str, rows: int, length: int, *, devices: int = 1) -> dict:
+def _mesh(axes: dict):
+  devices = 1
+  for size in axes.values():
+    devices *= size
+  return sharding.make_mesh(axes, devices=jax.devices()[:devices]), devices
+
+
+def update_case(preset: str, rows: int, length: int, *, devices: int = 1,
+                mesh_axes: dict | None = None, moe_chunk: int = 0) -> dict:
   """The packed update of `rows` traces of `length` tokens (one trace per row)."""
-  cfg = model_config(preset)
+  cfg = model_config(preset, moe_chunk=moe_chunk)
   tx = ts.make_optimizer(learning_rate=1e-6)
   mesh = None
-  if devices > 1:
-    mesh = sharding.make_mesh(dict(data=1, fsdp=devices, tensor=1),
-                              devices=jax.devices()[:devices])
+  if mesh_axes is None and devices > 1:
+    mesh_axes = dict(data=1, fsdp=devices, tensor=1)
+  if mesh_axes is not None:
+    mesh, devices = _mesh(mesh_axes)
   state, st_sh = abstract_state(cfg, tx, mesh)
-  per_micro = max(devices, _BUDGET * devices // length)
-  shape = (rows // per_micro, per_micro, length)
+  # Rows per micro-batch: the token budget per device, at least one row per device, and no
+  # more rows than the batch has (rounded up to whole rows per device; the packer pads).
+  per_micro = min(max(devices, _BUDGET * devices // length), -(-rows // devices) * devices)
+  shape = (max(1, rows // per_micro), per_micro, length)
   step = ts.make_train_step(cfg, ts.LossConfig(), tx, mesh=mesh, state_sharding=st_sh,
                             max_tokens_per_micro=_BUDGET * devices, logits_chunk=_LOGITS_CHUNK)
   rows_sh = None if mesh is None else jax.sharding.NamedSharding(
@@ -112,6 +132,10 @@ def update_case(preset: str, rows: int, length: int, *, devices: int = 1) -> dic
   out = _stats(compiled, time.perf_counter() - t0)
   out.update(preset=preset, rows=rows, length=length, devices=devices,
              micro_batches=shape[0], rows_per_micro=shape[1], params=cfg.num_params())
+  if mesh_axes is not None:
+    out.update(mesh={k: v for k, v in mesh_axes.items() if v > 1})
+  if cfg.is_moe:
+    out.update(active_params=cfg.num_active_params(), moe_chunk=moe_chunk)
   return out
 
 
@@ -132,25 +156,39 @@ def scaling_case(preset: str, length: int, rows: int = 4) -> dict:
 
 
 def decode_case(preset: str, rows: int = 64, reached: int = 1024,
-                max_len: int = 32768) -> dict:
+                max_len: int = 32768, mesh_axes: dict | None = None) -> dict:
   """The sampler's real decode loop (`sampling._decode_chunk`) for `rows` rows whose traces
   reached `reached` tokens, with `max_len` configured: the cache is what the sampler holds
-  (`sampling.cache_len`), not `max_len` slots per row."""
+  (`sampling.cache_len`), not `max_len` slots per row. With `mesh_axes`, params, cache and
+  rows are sharded by the rules of `mgrpo_jax.sharding` and the loop runs under the mesh."""
   cfg = models.get_preset(preset, param_dtype="bfloat16", compute_dtype="bfloat16")
   capacity = sampling.cache_len(reached, max_len)
   s = jax.ShapeDtypeStruct
   cache = jax.eval_shape(lambda: qwen3.init_cache(cfg, rows, capacity))
-  seqs = sampling.Sequences(cache, s((rows,), jnp.int32), s((rows, cfg.vocab_size), jnp.float32),
-                            max_len)
-  ints, floats = s((rows, 64), jnp.int32), s((rows, 64), jnp.float32)
-  state = sampling._LoopState(seqs, ints, floats, floats, *[s((rows,), jnp.int32)] * 4)
+  params = qwen3.abstract_params(cfg)
+  mesh = None
+  if mesh_axes is not None:
+    mesh, _ = _mesh(mesh_axes)
+    params = _abstract(params, sharding.param_shardings(params, mesh))
+    cache = _abstract(cache, jax.tree.map(
+        lambda _: sharding.cache_sharding(mesh, cfg.num_kv_heads), cache))
+  row = lambda shape, dt: s(shape, dt, sharding=None if mesh is None else
+                            sharding.batch_sharding(mesh, len(shape)))
+  seqs = sampling.Sequences(cache, row((rows,), jnp.int32),
+                            row((rows, cfg.vocab_size), jnp.float32), max_len)
+  ints, floats = row((rows, 64), jnp.int32), row((rows, 64), jnp.float32)
+  state = sampling._LoopState(seqs, ints, floats, floats, *[row((rows,), jnp.int32)] * 4)
   sp = sampling._SamplingParams(s((), jnp.float32), s((), jnp.float32), s((), jnp.int32),
                                 s((8,), jnp.int32))
   key = jax.eval_shape(lambda: jax.random.key(0))
   t0 = time.perf_counter()
-  compiled = sampling._decode_chunk.lower(cfg, qwen3.abstract_params(cfg), state, sp,
-                                          s((), jnp.int32), key, capacity).compile()
+  with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+    compiled = sampling._decode_chunk.lower(cfg, params, state, sp, s((), jnp.int32), key,
+                                            capacity).compile()
   out = _stats(compiled, time.perf_counter() - t0)
+  if mesh_axes is not None:
+    out.update(mesh={k: v for k, v in mesh_axes.items() if v > 1},
+               params_gb_all_devices=cfg.num_params() * 2 / GB)
   out.update(preset=preset, rows=rows, reached=reached, max_len=max_len, cache_len=capacity,
              kv_cache_gb=sampling.kv_cache_bytes(cfg, rows, capacity) / GB,
              kv_cache_at_max_len_gb=sampling.kv_cache_bytes(cfg, rows, max_len) / GB)
@@ -164,6 +202,12 @@ def all_cases() -> dict:
     cases[f"update/{p}/main"] = lambda p=p, d=devices: update_case(p, 16, 32768, devices=d)
     cases[f"update/{p}/sub"] = lambda p=p, d=devices: update_case(p, 64, 8192, devices=d)
     cases[f"decode/{p}/reached=1024"] = lambda p=p: decode_case(p)
+  for p in _MOE_PRESETS.value:
+    cases[f"update/{p}/main"] = lambda p=p: update_case(
+        p, 16, 32768, mesh_axes=_MOE_MESH, moe_chunk=_MOE_CHUNK.value)
+    cases[f"update/{p}/sub"] = lambda p=p: update_case(
+        p, 64, 8192, mesh_axes=_MOE_MESH, moe_chunk=_MOE_CHUNK.value)
+    cases[f"decode/{p}/reached=1024"] = lambda p=p: decode_case(p, mesh_axes=_MOE_MESH)
   for t in map(int, _SCALING_T.value):
     cases[f"scaling/T={t}"] = lambda t=t: scaling_case(_SCALING_PRESET.value, t)
   return cases

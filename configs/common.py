@@ -22,6 +22,12 @@ def model(preset: str = "tiny") -> ml_collections.ConfigDict:
       # MB of float32 logits scored at a time (tokens per chunk = this / (4 * vocab)): 2048 is
       # ~3500 tokens of Qwen3's 151,936-word vocabulary; a tiny vocabulary is one chunk.
       logits_chunk_mb=2048,
+      # Mixture of experts (qwen3_30b_a3b, qwen3_235b_a22b, tiny_moe, or a Qwen3-MoE hf_path):
+      # weight of the router's load-balancing loss in the RL loss (0: off; transformers
+      # trains with 0.001), and tokens per device routed through the experts at a time (0: all;
+      # bounds the dispatch buffers, which hold tokens x top-k x mesh.expert rows).
+      router_aux_loss_coef=0.0,
+      moe_chunk=0,
   ))
 
 
@@ -92,7 +98,8 @@ def retrieval() -> ml_collections.ConfigDict:
 
 def mesh() -> ml_collections.ConfigDict:
   """Device mesh (mgrpo_jax.sharding); one size may be -1 (= the rest)."""
-  return ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+  # expert: mixture-of-experts models split their experts over it (elsewhere it is data).
+  return ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, expert=1))
 
 
 def parse_args(arg: str | None, defaults: dict) -> dict:

@@ -12,6 +12,7 @@ from typing import Iterable
 
 import ml_collections
 
+from mgrpo_jax import sharding
 from mgrpo_jax.models import attention
 
 
@@ -95,7 +96,8 @@ def model_fields(prefix: str) -> tuple[dict, dict]:
   ranges = {f"{prefix}.vocab_size": Range(low=1, integer=True, also=(-1,)),
             f"{prefix}.attention_block": at_least(1),
             f"{prefix}.max_tokens_per_micro": at_least(0),
-            f"{prefix}.logits_chunk_mb": at_least(1)}
+            f"{prefix}.logits_chunk_mb": at_least(1),
+            f"{prefix}.router_aux_loss_coef": NONNEGATIVE, f"{prefix}.moe_chunk": at_least(0)}
   return choices, ranges
 
 
@@ -150,8 +152,7 @@ def retrieval_fields(prefix: str = "retrieval") -> tuple[dict, dict]:
 
 
 def mesh_ranges(prefix: str = "mesh") -> dict:
-  return {f"{prefix}.{axis}": Range(low=1, integer=True, also=(-1,))
-          for axis in ("data", "fsdp", "tensor")}
+  return {f"{prefix}.{axis}": Range(low=1, integer=True, also=(-1,)) for axis in sharding.MESH_AXES}
 
 
 def check_weights(c, path: str, n: int | None = None) -> None:
@@ -166,7 +167,7 @@ def check_weights(c, path: str, n: int | None = None) -> None:
 
 def check_mesh(c, prefix: str = "mesh") -> None:
   """At most one mesh axis may be -1 (the rest of the devices)."""
-  rest = [a for a in ("data", "fsdp", "tensor") if config_field(c, f"{prefix}.{a}") == -1]
+  rest = [a for a in sharding.MESH_AXES if config_field(c, f"{prefix}.{a}") == -1]
   if len(rest) > 1:
     raise ConfigValueError(f"config.{prefix}: axes {rest} are all -1; at most one may take the "
                            "rest of the devices.")

@@ -1,7 +1,9 @@
 """Sharding as data: a mesh from config, and partition specs for params, activations, cache.
 
 Mesh axes are `data` (pure data parallel), `fsdp` (data parallel with parameters and
-optimizer state sharded) and `tensor` (Megatron-style: heads and MLP width split).
+optimizer state sharded), `tensor` (Megatron-style: heads and MLP width split) and `expert`
+(mixture-of-experts: the experts split; outside the MoE blocks it is one more data axis, so
+attention and the dense weights see it as data parallel).
 """
 
 import re
@@ -13,8 +15,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "tensor")
-BATCH = ("data", "fsdp")  # The batch axis of activations is split over both.
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
+BATCH = ("data", "fsdp", "expert")  # The batch axis of activations is split over these.
 
 
 class ShardingError(ValueError):
@@ -22,7 +24,10 @@ class ShardingError(ValueError):
 
 
 def mesh_shape(axes: Mapping[str, int] | Sequence[int], num_devices: int) -> tuple[int, ...]:
-  """Resolves the sizes of (data, fsdp, tensor); one size may be -1 (= the rest)."""
+  """Resolves the sizes of (data, fsdp, tensor, expert); one size may be -1 (= the rest).
+
+  A sequence of three sizes leaves out `expert` (size 1).
+  """
   if isinstance(axes, Mapping):
     unknown = set(axes) - set(MESH_AXES)
     if unknown:
@@ -30,8 +35,11 @@ def mesh_shape(axes: Mapping[str, int] | Sequence[int], num_devices: int) -> tup
     sizes = [int(axes.get(a, 1)) for a in MESH_AXES]
   else:
     sizes = [int(s) for s in axes]
+    if len(sizes) == len(MESH_AXES) - 1:
+      sizes.append(1)
     if len(sizes) != len(MESH_AXES):
-      raise ShardingError(f"Mesh needs {len(MESH_AXES)} sizes {MESH_AXES}, got {sizes}.")
+      raise ShardingError(f"Mesh needs {len(MESH_AXES) - 1} or {len(MESH_AXES)} sizes "
+                          f"{MESH_AXES}, got {sizes}.")
   if sizes.count(-1) > 1:
     raise ShardingError(f"At most one mesh axis may be -1, got {dict(zip(MESH_AXES, sizes))}.")
   if any(s == 0 or s < -1 for s in sizes):
@@ -49,7 +57,7 @@ def mesh_shape(axes: Mapping[str, int] | Sequence[int], num_devices: int) -> tup
 
 
 def make_mesh(axes: Mapping[str, int] | Sequence[int] = (-1, 1, 1), devices=None) -> Mesh:
-  """A `Mesh` over `devices` (default: all) with axes (data, fsdp, tensor)."""
+  """A `Mesh` over `devices` (default: all) with axes (data, fsdp, tensor, expert)."""
   devices = list(jax.devices() if devices is None else devices)
   shape = mesh_shape(axes, len(devices))
   return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
@@ -64,6 +72,9 @@ PARAM_RULES: tuple[tuple[str, tuple], ...] = (
     (r"layers/attn/o$", (None, "tensor", None, "fsdp")),    # [L, N, H, D]
     (r"layers/mlp/(gate|up)$", (None, "fsdp", "tensor")),   # [L, D, F]
     (r"layers/mlp/down$", (None, "tensor", "fsdp")),        # [L, F, D]
+    (r"moe_layers/moe/router$", None),                      # [L, D, E]: small, replicated
+    (r"moe_layers/moe/(gate|up)$", (None, "expert", "fsdp", "tensor")),  # [L, E, D, F]
+    (r"moe_layers/moe/down$", (None, "expert", "tensor", "fsdp")),       # [L, E, F, D]
     (r"scale$", None),                                      # norms: replicated
 )
 

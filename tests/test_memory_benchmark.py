@@ -25,3 +25,19 @@ def test_update_temporaries_grow_linearly_with_length():
   assert all(b / a < 2.2 for a, b in zip(temps, temps[1:])), temps
   assert temps[-1] < 20, temps  # 0.6B, 2 x 8192 tokens, remat: ~11 GB measured.
   assert cases[0]["arguments_gb"] > 7  # f32 params + Adam moments of 0.6B: really 0.6B.
+
+
+@pytest.mark.slow
+@pytest.mark.devices(8)
+def test_moe_cases_compile_on_an_expert_mesh():
+  # The 64-device Qwen3-30B-A3B cases' code path at tiny size on 2 fsdp x 4 expert: the
+  # update and decode steps compile with abstract sharded inputs, and the expert weights
+  # really are split (arguments per device well below the unsharded state).
+  memory = _memory_module()
+  axes = dict(data=1, fsdp=2, tensor=1, expert=4)
+  update = memory.update_case("tiny_moe", 8, 64, mesh_axes=axes, moe_chunk=16)
+  assert update["mesh"] == {"fsdp": 2, "expert": 4} and update["rows_per_micro"] == 8
+  # Unsharded, the f32 params and two Adam moments alone take 12 bytes per parameter.
+  assert update["arguments_gb"] * 1e9 < 0.5 * 12 * update["params"]
+  decode = memory.decode_case("tiny_moe", rows=8, reached=64, max_len=128, mesh_axes=axes)
+  assert decode["total_gb"] > 0 and decode["mesh"] == {"fsdp": 2, "expert": 4}

@@ -20,6 +20,7 @@ _HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size",
             "intermediate_size": "intermediate_size", "num_layers": "num_hidden_layers",
             "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
             "head_dim": "head_dim", "max_position_embeddings": "max_position_embeddings"}
+_MAX_EXPERTS = 4096
 _REQUIRED = object()
 
 
@@ -55,6 +56,22 @@ class Qwen3Config:
   # and the blockwise kernel's tile size. Runtime choices, not part of config.json.
   attention: str = "auto"
   attention_block: int = 512
+  # Mixture of experts (Qwen3-MoE); num_experts = 0 is the dense Qwen3. A layer i is sparse
+  # when num_experts > 0, (i + 1) % decoder_sparse_step == 0 and i not in mlp_only_layers
+  # (transformers' rule); a dense layer keeps the SwiGLU of width intermediate_size.
+  num_experts: int = 0  # E
+  num_experts_per_tok: int = 0  # k, experts each token is routed to
+  moe_intermediate_size: int = 0  # F of each expert's SwiGLU
+  norm_topk_prob: bool = True  # Renormalise the k routing weights to sum to 1.
+  decoder_sparse_step: int = 1
+  mlp_only_layers: tuple[int, ...] = ()
+  # Weight of the router's load-balancing loss (transformers' load_balancing_loss_func) in
+  # the RL loss; 0 leaves it out. Read from config.json only with output_router_logits=true,
+  # the flag under which transformers adds it to its own loss.
+  router_aux_loss_coef: float = 0.0
+  # Tokens per device routed through the experts at a time (0: all at once). The grouped
+  # matmuls hold [tokens x top-k x expert-axis size] rows; a chunk bounds that (runtime).
+  moe_chunk: int = 0
 
   def __post_init__(self):
     for name, limit in _MAX.items():
@@ -84,6 +101,46 @@ class Qwen3Config:
           f"Qwen3Config.attention_block must be an int >= 8, got {self.attention_block!r}.")
     if not self.rope_theta > 0:
       raise ConfigError(f"Qwen3Config.rope_theta must be > 0, got {self.rope_theta!r}.")
+    self._check_moe()
+
+  def _check_moe(self):
+    for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "moe_chunk"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"Qwen3Config.{name} must be an int >= 0, got {value!r}.")
+    if self.num_experts > _MAX_EXPERTS:
+      raise ConfigError(f"Qwen3Config.num_experts={self.num_experts} is above the limit "
+                        f"{_MAX_EXPERTS}.")
+    if not isinstance(self.norm_topk_prob, bool):
+      raise ConfigError(
+          f"Qwen3Config.norm_topk_prob must be a bool, got {self.norm_topk_prob!r}.")
+    if (not isinstance(self.mlp_only_layers, tuple)
+        or not all(isinstance(i, int) and 0 <= i < self.num_layers
+                   for i in self.mlp_only_layers)):
+      raise ConfigError(f"Qwen3Config.mlp_only_layers must be a tuple of layer indices in "
+                        f"[0, {self.num_layers}), got {self.mlp_only_layers!r}.")
+    if not isinstance(self.decoder_sparse_step, int) or self.decoder_sparse_step < 1:
+      raise ConfigError(f"Qwen3Config.decoder_sparse_step must be an int >= 1, got "
+                        f"{self.decoder_sparse_step!r}.")
+    if not self.router_aux_loss_coef >= 0:
+      raise ConfigError(f"Qwen3Config.router_aux_loss_coef must be >= 0, got "
+                        f"{self.router_aux_loss_coef!r}.")
+    if self.num_experts:
+      if not 0 < self.num_experts_per_tok <= self.num_experts:
+        raise ConfigError(f"Qwen3Config.num_experts_per_tok={self.num_experts_per_tok} must be "
+                          f"in [1, num_experts={self.num_experts}].")
+      if not 0 < self.moe_intermediate_size <= _MAX["intermediate_size"]:
+        raise ConfigError(f"Qwen3Config.moe_intermediate_size={self.moe_intermediate_size} must "
+                          f"be in [1, {_MAX['intermediate_size']}] with experts.")
+
+  @property
+  def is_moe(self) -> bool:
+    return self.num_experts > 0
+
+  def sparse_layers(self) -> tuple[bool, ...]:
+    """Per layer: True where it holds the sparse MoE block (transformers' rule)."""
+    return tuple(self.num_experts > 0 and (i + 1) % self.decoder_sparse_step == 0
+                 and i not in self.mlp_only_layers for i in range(self.num_layers))
 
   @property
   def param_jnp_dtype(self):
@@ -100,9 +157,19 @@ class Qwen3Config:
     """Parameter count (embeddings counted once when tied)."""
     d, f, dh = self.hidden_size, self.intermediate_size, self.head_dim
     attn = d * dh * (2 * self.num_heads + 2 * self.num_kv_heads) + 2 * dh
-    layer = attn + 3 * d * f + 2 * d
+    sparse = sum(self.sparse_layers())
+    moe = self.num_experts * (3 * d * self.moe_intermediate_size + d)  # Experts and router.
+    layers = self.num_layers * (attn + 2 * d) + (self.num_layers - sparse) * 3 * d * f
     head = 0 if self.tie_embeddings else self.vocab_size * d
-    return self.vocab_size * d + self.num_layers * layer + d + head
+    return self.vocab_size * d + layers + sparse * moe + d + head
+
+  def num_active_params(self) -> int:
+    """Parameters a token passes through (k of the E experts per sparse layer)."""
+    if not self.is_moe:
+      return self.num_params()
+    idle = self.num_experts - self.num_experts_per_tok
+    per_expert = 3 * self.hidden_size * self.moe_intermediate_size
+    return self.num_params() - sum(self.sparse_layers()) * idle * per_expert
 
   # --- HF config.json -------------------------------------------------------
 
@@ -114,8 +181,9 @@ class Qwen3Config:
     JSON integer within `_MAX` (checked before anything is allocated), a dtype a name.
     """
     model_type = _hf_field(hf, "model_type", str, None)
-    if model_type not in (None, "qwen3"):
-      raise ConfigError(f"config.json model_type={model_type!r}; only 'qwen3' is supported.")
+    if model_type not in (None, "qwen3", "qwen3_moe"):
+      raise ConfigError(f"config.json model_type={model_type!r}; only 'qwen3' and 'qwen3_moe' "
+                        "are supported.")
     required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads")
     missing = [k for k in required if hf.get(k) is None]
@@ -158,6 +226,8 @@ class Qwen3Config:
       raise ConfigError(f"config.json hidden_act={hf['hidden_act']!r}; Qwen3 uses 'silu'.")
     if _hf_field(hf, "use_sliding_window", bool, False):
       raise ConfigError("config.json use_sliding_window=true is not supported.")
+    if model_type == "qwen3_moe":
+      kwargs.update(_moe_from_hf(hf))
     kwargs.update(overrides)
     return cls(**kwargs)
 
@@ -206,6 +276,20 @@ class Qwen3Config:
         "sliding_window": None,
         "max_window_layers": self.num_layers,
         "torch_dtype": self.param_dtype,
+    } | (self._moe_hf_dict() if self.is_moe else {})
+
+  def _moe_hf_dict(self) -> dict[str, Any]:
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "num_experts": self.num_experts,
+        "num_experts_per_tok": self.num_experts_per_tok,
+        "moe_intermediate_size": self.moe_intermediate_size,
+        "norm_topk_prob": self.norm_topk_prob,
+        "decoder_sparse_step": self.decoder_sparse_step,
+        "mlp_only_layers": list(self.mlp_only_layers),
+        "output_router_logits": self.router_aux_loss_coef > 0,
+        "router_aux_loss_coef": self.router_aux_loss_coef or 0.001,
     }
 
 
@@ -224,6 +308,37 @@ def _hf_field(hf: dict, key: str, kind: type, default=_REQUIRED):
   if not ok:
     raise ConfigError(f"config.json {key}={json.dumps(value)} must be {names[kind]}.")
   return value
+
+
+def _moe_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+  """Our MoE fields from a qwen3_moe config.json (transformers 5 writes num_local_experts)."""
+  experts = _hf_field(hf, "num_experts", int, None)
+  if experts is None:
+    experts = _hf_field(hf, "num_local_experts", int, None)
+  if experts is None:
+    raise ConfigError("config.json (qwen3_moe) is missing num_experts.")
+  if not 0 <= experts <= _MAX_EXPERTS:
+    raise ConfigError(f"config.json num_experts={experts} is outside [0, {_MAX_EXPERTS}].")
+  only = hf.get("mlp_only_layers") or []
+  if not isinstance(only, list) or not all(
+      isinstance(i, int) and not isinstance(i, bool) for i in only):
+    raise ConfigError(f"config.json mlp_only_layers={json.dumps(only)} must be a list of "
+                      "integers.")
+  inter = _hf_field(hf, "moe_intermediate_size", int)
+  if not 0 < inter <= _MAX["intermediate_size"]:
+    raise ConfigError(f"config.json moe_intermediate_size={inter} is outside "
+                      f"[1, {_MAX['intermediate_size']}].")
+  aux = _hf_field(hf, "router_aux_loss_coef", float, 0.0)
+  return dict(
+      num_experts=experts,
+      num_experts_per_tok=_hf_field(hf, "num_experts_per_tok", int),
+      moe_intermediate_size=inter,
+      norm_topk_prob=_hf_field(hf, "norm_topk_prob", bool, False),
+      decoder_sparse_step=_hf_field(hf, "decoder_sparse_step", int, 1),
+      mlp_only_layers=tuple(only),
+      router_aux_loss_coef=float(aux) if _hf_field(hf, "output_router_logits", bool,
+                                                   False) else 0.0,
+  )
 
 
 def check_vocab_size(model_vocab_size: int, tokenizer_vocab_size: int, where: str = "") -> None:
@@ -273,6 +388,33 @@ PRESETS: dict[str, Qwen3Config] = {
                         num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10_000.0,
                         tie_embeddings=True, max_position_embeddings=4096),
 }
+
+
+def _moe_preset(**kw) -> Qwen3Config:
+  # Every layer sparse; intermediate_size is the (unused) dense width of config.json.
+  return Qwen3Config(vocab_size=151_936, head_dim=128, num_kv_heads=4, num_experts=128,
+                     num_experts_per_tok=8, norm_topk_prob=True, **kw)
+
+
+PRESETS.update({
+    # Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B config.json.
+    "qwen3_30b_a3b": _moe_preset(hidden_size=2048, intermediate_size=6144, num_layers=48,
+                                 num_heads=32, moe_intermediate_size=768),
+    "qwen3_235b_a22b": _moe_preset(hidden_size=4096, intermediate_size=12288, num_layers=94,
+                                   num_heads=64, moe_intermediate_size=1536),
+    # Tiny MoE for tests and CPU runs: every layer sparse, or sparse and dense mixed.
+    "tiny_moe": Qwen3Config(vocab_size=384, hidden_size=64, intermediate_size=176,
+                            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                            rope_theta=10_000.0, tie_embeddings=True,
+                            max_position_embeddings=4096, num_experts=8,
+                            num_experts_per_tok=2, moe_intermediate_size=48),
+    "tiny_moe_mixed": Qwen3Config(vocab_size=384, hidden_size=64, intermediate_size=176,
+                                  num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
+                                  rope_theta=10_000.0, tie_embeddings=True,
+                                  max_position_embeddings=4096, num_experts=8,
+                                  num_experts_per_tok=2, moe_intermediate_size=48,
+                                  mlp_only_layers=(1,)),
+})
 
 
 def get_preset(name: str, **overrides) -> Qwen3Config:

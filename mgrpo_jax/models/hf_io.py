@@ -1,4 +1,8 @@
-"""Reads and writes HF Qwen3 checkpoint directories (config.json + safetensors)."""
+"""Reads and writes HF Qwen3 and Qwen3-MoE checkpoint directories (config.json + safetensors).
+
+MoE experts are stored per expert (`mlp.experts.{e}.gate_proj.weight`, as transformers'
+`save_pretrained` and the released checkpoints write them) and stacked here on an expert axis.
+"""
 
 import dataclasses
 import glob
@@ -29,10 +33,21 @@ class _Tensor:
   """One of our parameters and the HF tensor(s) it comes from."""
 
   path: tuple[str, ...]  # Path in the parameter state.
-  hf_name: str  # With "{i}" for the layer index when per_layer.
-  per_layer: bool
+  hf_name: str  # With "{i}" for the layer index when per layer, "{e}" for the expert.
+  layers: tuple[int, ...] | None  # HF layer index of each entry of our stacked axis 0.
   to_ours: Callable[[np.ndarray], np.ndarray]
   to_hf: Callable[[np.ndarray], np.ndarray]
+  experts: int = 0  # > 0: one HF tensor per expert, stacked on our axis 1.
+
+  @property
+  def per_layer(self) -> bool:
+    return self.layers is not None
+
+  def names(self):
+    """Every HF tensor name of this parameter, in our stacking order."""
+    for i in self.layers if self.per_layer else [None]:
+      for e in range(self.experts) if self.experts else [None]:
+        yield self.hf_name.format(i=i, e=e)
 
 
 def _tensor_map(cfg: Qwen3Config) -> list[_Tensor]:
@@ -47,31 +62,44 @@ def _tensor_map(cfg: Qwen3Config) -> list[_Tensor]:
   q_in, q_out = proj_in(h)
   kv_in, kv_out = proj_in(k)
   out = [
-      _Tensor(("embed",), "model.embed_tokens.weight", False, ident, ident),
-      _Tensor(("final_norm", "scale"), "model.norm.weight", False, ident, ident),
-      _Tensor(("layers", "attn", "q"), pre + "self_attn.q_proj.weight", True, q_in, q_out),
-      _Tensor(("layers", "attn", "k"), pre + "self_attn.k_proj.weight", True, kv_in, kv_out),
-      _Tensor(("layers", "attn", "v"), pre + "self_attn.v_proj.weight", True, kv_in, kv_out),
-      _Tensor(("layers", "attn", "o"), pre + "self_attn.o_proj.weight", True,
-              lambda w: w.T.reshape(h, dh, d), lambda w: w.reshape(h * dh, d).T),
-      _Tensor(("layers", "attn", "q_norm", "scale"), pre + "self_attn.q_norm.weight", True,
-              ident, ident),
-      _Tensor(("layers", "attn", "k_norm", "scale"), pre + "self_attn.k_norm.weight", True,
-              ident, ident),
-      _Tensor(("layers", "attn_norm", "scale"), pre + "input_layernorm.weight", True, ident, ident),
-      _Tensor(("layers", "mlp_norm", "scale"), pre + "post_attention_layernorm.weight", True,
-              ident, ident),
-      _Tensor(("layers", "mlp", "gate"), pre + "mlp.gate_proj.weight", True, t, t),
-      _Tensor(("layers", "mlp", "up"), pre + "mlp.up_proj.weight", True, t, t),
-      _Tensor(("layers", "mlp", "down"), pre + "mlp.down_proj.weight", True, t, t),
+      _Tensor(("embed",), "model.embed_tokens.weight", None, ident, ident),
+      _Tensor(("final_norm", "scale"), "model.norm.weight", None, ident, ident),
   ]
+  sparse = cfg.sparse_layers()
+  for stack, ids in (("layers", [i for i, s in enumerate(sparse) if not s]),
+                     ("moe_layers", [i for i, s in enumerate(sparse) if s])):
+    if not ids:
+      continue
+    ids = tuple(ids)
+    out += [
+        _Tensor((stack, "attn", "q"), pre + "self_attn.q_proj.weight", ids, q_in, q_out),
+        _Tensor((stack, "attn", "k"), pre + "self_attn.k_proj.weight", ids, kv_in, kv_out),
+        _Tensor((stack, "attn", "v"), pre + "self_attn.v_proj.weight", ids, kv_in, kv_out),
+        _Tensor((stack, "attn", "o"), pre + "self_attn.o_proj.weight", ids,
+                lambda w: w.T.reshape(h, dh, d), lambda w: w.reshape(h * dh, d).T),
+        _Tensor((stack, "attn", "q_norm", "scale"), pre + "self_attn.q_norm.weight", ids,
+                ident, ident),
+        _Tensor((stack, "attn", "k_norm", "scale"), pre + "self_attn.k_norm.weight", ids,
+                ident, ident),
+        _Tensor((stack, "attn_norm", "scale"), pre + "input_layernorm.weight", ids, ident,
+                ident),
+        _Tensor((stack, "mlp_norm", "scale"), pre + "post_attention_layernorm.weight", ids,
+                ident, ident),
+    ]
+    if stack == "layers":
+      out += [_Tensor((stack, "mlp", n), pre + f"mlp.{n}_proj.weight", ids, t, t)
+              for n in ("gate", "up", "down")]
+    else:
+      out.append(_Tensor((stack, "moe", "router"), pre + "mlp.gate.weight", ids, t, t))
+      out += [_Tensor((stack, "moe", n), pre + "mlp.experts.{e}." + f"{n}_proj.weight", ids,
+                      t, t, experts=cfg.num_experts) for n in ("gate", "up", "down")]
   if not cfg.tie_embeddings:
-    out.append(_Tensor(("lm_head",), "lm_head.weight", False, t, t))
+    out.append(_Tensor(("lm_head",), "lm_head.weight", None, t, t))
   return out
 
 
 def _hf_shape(spec: _Tensor, our_shape: tuple[int, ...]) -> tuple[int, ...]:
-  shape = our_shape[1:] if spec.per_layer else our_shape
+  shape = our_shape[int(spec.per_layer) + int(spec.experts > 0):]
   return spec.to_hf(np.empty(shape, np.int8)).shape
 
 
@@ -138,9 +166,8 @@ def _check_names(ckpt: _Checkpoint, specs, cfg: Qwen3Config, abstract: dict, pat
   expected = {}
   for spec in specs:
     shape = _hf_shape(spec, _get(abstract, spec.path).shape)
-    layers = range(cfg.num_layers) if spec.per_layer else [None]
-    for i in layers:
-      expected[spec.hf_name.format(i=i)] = shape
+    for name in spec.names():
+      expected[name] = shape
   present = {n for n in ckpt.where if not n.endswith(_IGNORED_SUFFIXES)}
   if cfg.tie_embeddings:
     present.discard("lm_head.weight")  # Some exporters write the tied head anyway.
@@ -178,14 +205,22 @@ def _set(tree: dict, path, value):
 
 
 def _load_one(ckpt, spec: _Tensor, cfg, shape, dtype, mesh: Mesh | None):
-  """One parameter; with a mesh, each device reads only the layers of its shard."""
+  """One parameter; with a mesh, each device reads only the layers (experts) of its shard."""
+  del cfg
+
+  def read(name, rest):
+    return np.asarray(spec.to_ours(ckpt.read(name)))[rest]
+
   def host_slice(index):
     if not spec.per_layer:
-      return np.asarray(spec.to_ours(ckpt.read(spec.hf_name)))[index].astype(dtype)
-    layers = range(cfg.num_layers)[index[0]]
-    rest = tuple(index[1:])
-    return np.stack([np.asarray(spec.to_ours(ckpt.read(spec.hf_name.format(i=i))))[rest]
-                     for i in layers]).astype(dtype)
+      return read(spec.hf_name, index).astype(dtype)
+    layers = spec.layers[index[0]]
+    if not spec.experts:
+      return np.stack([read(spec.hf_name.format(i=i), tuple(index[1:]))
+                       for i in layers]).astype(dtype)
+    experts = range(spec.experts)[index[1]]
+    return np.stack([np.stack([read(spec.hf_name.format(i=i, e=e), tuple(index[2:]))
+                               for e in experts]) for i in layers]).astype(dtype)
 
   if mesh is None:
     return jnp.asarray(host_slice(tuple(slice(None) for _ in shape)))
@@ -196,7 +231,7 @@ def _load_one(ckpt, spec: _Tensor, cfg, shape, dtype, mesh: Mesh | None):
 
 def load_hf(path: str, *, dtype=jnp.float32, mesh: Mesh | None = None,
             compute_dtype=None) -> tuple[Qwen3Config, nnx.State]:
-  """Loads a local HF Qwen3 directory into (config, params).
+  """Loads a local HF Qwen3 (or Qwen3-MoE) directory into (config, params).
 
   Args:
     path: directory with `config.json` and `model.safetensors`, or sharded
@@ -245,11 +280,12 @@ def save_hf(path: str, config: Qwen3Config, params: nnx.State, *,
   tensors = {}
   for spec in _tensor_map(config):
     arr = np.asarray(jax.device_get(_get(pure, spec.path)))
-    if spec.per_layer:
-      for i in range(config.num_layers):
-        tensors[spec.hf_name.format(i=i)] = np.ascontiguousarray(spec.to_hf(arr[i]))
-    else:
-      tensors[spec.hf_name] = np.ascontiguousarray(spec.to_hf(arr))
+    if spec.per_layer and spec.experts:
+      arr = arr.reshape(-1, *arr.shape[2:])  # [L, E, ...] -> [L * E, ...], names' order.
+    elif not spec.per_layer:
+      arr = arr[None]
+    for name, w in zip(spec.names(), arr, strict=True):
+      tensors[name] = np.ascontiguousarray(spec.to_hf(w))
   shards, current, size = [], {}, 0
   for name, arr in tensors.items():
     if current and size + arr.nbytes > max_shard_bytes:

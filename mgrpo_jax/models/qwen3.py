@@ -1,8 +1,12 @@
-"""Qwen3 dense decoder in Flax NNX, with the layers run under `jax.lax.scan`.
+"""Qwen3 decoder (dense, or mixture-of-experts) in Flax NNX, layers run under `jax.lax.scan`.
 
 The NNX modules define the parameters; the public entry points are pure
 functions of `(config, params, ...)` that merge the cached graph definition
 with the parameter state inside whatever jitted function calls them.
+
+Dense layers are stacked in `layers`, sparse (MoE) layers in `moe_layers`; the forward runs
+each maximal run of consecutive layers of one kind as one scan (a Qwen3-MoE release is one
+run of sparse layers, a dense Qwen3 one run of dense layers).
 """
 
 import functools
@@ -14,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mgrpo_jax.models import attention
+from mgrpo_jax.models import moe
 from mgrpo_jax.models.config import Qwen3Config
 
 
@@ -77,7 +82,7 @@ def _rows_sharded(x):
   activations along the hidden axis and holding every row of the batch on every device.
   """
   mesh = jax.sharding.get_abstract_mesh()
-  axes = tuple(a for a in ("data", "fsdp") if a in mesh.axis_names)
+  axes = tuple(a for a in ("data", "fsdp", "expert") if a in mesh.axis_names)
   if mesh.empty or not axes or x.shape[0] % math.prod(mesh.shape[a] for a in axes):
     # Rows that do not split evenly are left to XLA: an uneven row sharding pinned here
     # made XLA:CPU's collectives deadlock (micro-batches of 4 rows on 8 devices).
@@ -184,77 +189,143 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-  """Pre-norm decoder layer."""
+  """Pre-norm decoder layer: attention, then the SwiGLU `mlp` or (sparse) the `moe` block."""
 
-  def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: Qwen3Config, *, sparse: bool = False, rngs: nnx.Rngs):
     pd = cfg.param_jnp_dtype
     self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd)
     self.attn = Attention(cfg, rngs=rngs)
     self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd)
-    self.mlp = MLP(cfg, rngs=rngs)
+    if sparse:
+      self.moe = moe.MoE(cfg, rngs=rngs)
+    else:
+      self.mlp = MLP(cfg, rngs=rngs)
 
-  def __call__(self, x, sin, cos, positions, key_mask, cache_kv=None, segment_ids=None):
+  def __call__(self, x, sin, cos, positions, key_mask, cache_kv=None, segment_ids=None,
+               token_w=None, experts=None):
+    """(x, updated cache, Routed of a sparse layer or None)."""
     h, new_cache = self.attn(self.attn_norm(x), sin, cos, positions, key_mask, cache_kv,
                              segment_ids)
     x = x + h
-    return x + self.mlp(self.mlp_norm(x)), new_cache
+    if hasattr(self, "moe"):
+      y, routed = self.moe(self.mlp_norm(x), token_w, experts)
+      return x + y, new_cache, routed
+    return x + self.mlp(self.mlp_norm(x)), new_cache, None
+
+
+@flax.struct.dataclass
+class Routing:
+  """The experts every sparse layer chose, and the router's load-balancing loss.
+
+  `experts_LxBxTxK` (L = sparse layers, in layer order) can be fed back to the forward
+  (routing replay); `aux_loss` is transformers' `load_balancing_loss_func` over all sparse
+  layers and real tokens (0 for a dense model).
+  """
+
+  experts_LxBxTxK: jax.Array
+  aux_loss: jax.Array
+
+
+def _layer_runs(cfg: Qwen3Config):
+  """[(sparse, first index in its stack, count, first layer)] of consecutive same-kind layers."""
+  runs, seen = [], {False: 0, True: 0}
+  for i, sparse in enumerate(cfg.sparse_layers()):
+    if runs and runs[-1][0] == sparse:
+      runs[-1][2] += 1
+    else:
+      runs.append([sparse, seen[sparse], 1, i])
+    seen[sparse] += 1
+  return [tuple(r) for r in runs]
 
 
 class Qwen3(nnx.Module):
-  """The causal LM. `layers` holds one Block whose params are stacked on axis 0."""
+  """The causal LM. `layers` (dense) and `moe_layers` (sparse) each hold one Block whose
+  params are stacked on axis 0; a stack with no layers is absent."""
 
   def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs):
     pd = cfg.param_jnp_dtype
     self.cfg = cfg
     self.embed = nnx.Param(_normal(0.02)(rngs.params(), (cfg.vocab_size, cfg.hidden_size), pd))
 
-    @nnx.split_rngs(splits=cfg.num_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def make_layers(rngs):
-      return Block(cfg, rngs=rngs)
+    def make_layers(n, sparse):
+      @nnx.split_rngs(splits=n)
+      @nnx.vmap(in_axes=(0,), out_axes=0)
+      def make(rngs):
+        return Block(cfg, sparse=sparse, rngs=rngs)
+      return make(rngs)
 
-    self.layers = make_layers(rngs)
+    num_sparse = sum(cfg.sparse_layers())
+    if num_sparse < cfg.num_layers:
+      self.layers = make_layers(cfg.num_layers - num_sparse, False)
+    if num_sparse:
+      self.moe_layers = make_layers(num_sparse, True)
     self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd)
     if not cfg.tie_embeddings:
       self.lm_head = nnx.Param(_normal(0.02)(rngs.params(), (cfg.hidden_size, cfg.vocab_size), pd))
 
   def __call__(self, tokens_BxT, positions_BxT, key_mask_BxS, cache: KVCache | None = None,
                logits_idx_B=None, attn_window: int | None = None, segment_ids_BxT=None,
-               return_hidden: bool = False):
+               return_hidden: bool = False, experts_LxBxTxK=None):
+    """(logits or hidden, cache or None, Routing)."""
     cfg = self.cfg
     dt = cfg.compute_jnp_dtype
     x = _rows_sharded(jnp.take(self.embed[...], tokens_BxT, axis=0).astype(dt))
     sin, cos = rope_sin_cos(positions_BxT, cfg.head_dim, cfg.rope_theta)
-    graphdef, layer_state = nnx.split(self.layers)
+    # Tokens the load-balancing loss counts: real ones (transformers: the attention mask).
+    token_w = jnp.ones(tokens_BxT.shape, bool) if cache is not None else key_mask_BxS
+    if segment_ids_BxT is not None:
+      token_w = token_w & (segment_ids_BxT > 0)
+    window = attn_window or (None if cache is None else cache.max_len)
 
-    def body(carry, xs):
+    def body(graphdef, carry, xs):
       x, kv = carry
-      state_l, layer = xs
+      state_l, layer, experts = xs
       block = nnx.merge(graphdef, state_l)
-      x, kv = block(x, sin, cos, positions_BxT, key_mask_BxS,
-                    None if kv is None else (*kv, layer, window), segment_ids_BxT)
-      return (_rows_sharded(x), kv), None
+      x, kv, routed = block(x, sin, cos, positions_BxT, key_mask_BxS,
+                            None if kv is None else (*kv, layer, window), segment_ids_BxT,
+                            token_w, experts)
+      return (_rows_sharded(x), kv), routed
 
-    if cfg.remat:
-      body = jax.checkpoint(body, prevent_cse=False)
     # The cache rides in the scan carry (not xs/ys) so XLA can update it in place.
     kv = None if cache is None else (cache.k_LxBxKxSxH, cache.v_LxBxKxSxH)
-    window = attn_window or (None if cache is None else cache.max_len)
-    (x, kv), _ = jax.lax.scan(body, (x, kv), (layer_state, jnp.arange(cfg.num_layers)))
+    routed = []
+    for sparse, start, count, first in _layer_runs(cfg):
+      graphdef, state = nnx.split(self.moe_layers if sparse else self.layers)
+      if count < jax.tree.leaves(state)[0].shape[0]:  # A run of a mixed stack.
+        state = jax.tree.map(lambda a: jax.lax.slice_in_dim(a, start, start + count), state)
+      given = None
+      if sparse and experts_LxBxTxK is not None:
+        given = jax.lax.slice_in_dim(experts_LxBxTxK, start, start + count)
+      run = functools.partial(body, graphdef)
+      if cfg.remat:
+        run = jax.checkpoint(run, prevent_cse=False)
+      (x, kv), ys = jax.lax.scan(run, (x, kv), (state, first + jnp.arange(count), given))
+      if sparse:
+        routed.append(ys)
+    routing = _routing(routed, tokens_BxT.shape)
     if logits_idx_B is not None:
       # Only one position per row needs logits (prefill): skip the [B, T, V] projection.
       x = jnp.take_along_axis(x, logits_idx_B[:, None, None], axis=1)
     x = self.final_norm(x)
     if return_hidden:
       # The caller applies the head itself, in chunks (never [B, T, V] at once).
-      return x, (None if kv is None else KVCache(*kv))
+      return x, (None if kv is None else KVCache(*kv)), routing
     logits = jnp.einsum("btd,dv->btv", x, self.head().astype(dt),
                         preferred_element_type=jnp.float32)
-    return logits, (None if kv is None else KVCache(*kv))
+    return logits, (None if kv is None else KVCache(*kv)), routing
 
   def head(self):
     """The [D, V] output projection (the embedding's transpose when tied)."""
     return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+
+
+def _routing(routed: list, shape_BxT) -> Routing:
+  """Routing of the sparse runs' scan outputs (per-layer Routed stacked on axis 0)."""
+  if not routed:
+    return Routing(jnp.zeros((0, *shape_BxT, 0), jnp.int32), jnp.zeros((), jnp.float32))
+  cat = lambda name: jnp.concatenate([getattr(r, name) for r in routed], axis=0)
+  return Routing(cat("experts_BxTxK"),
+                 moe.load_balancing_loss(cat("counts_E"), cat("probs_E"), cat("rows")))
 
 
 @functools.lru_cache(maxsize=64)
@@ -294,8 +365,9 @@ def abstract_params(config: Qwen3Config) -> nnx.State:
 
 def forward(config: Qwen3Config, params: nnx.State, tokens_BxT, positions_BxT,
             cache: KVCache | None = None, key_mask_BxS=None, logits_idx_B=None,
-            attn_window: int | None = None, segment_ids_BxT=None):
-  """Pure forward: float32 logits [B, T, V] and the updated cache.
+            attn_window: int | None = None, segment_ids_BxT=None, *, experts_LxBxTxK=None,
+            return_routing: bool = False):
+  """Pure forward: float32 logits [B, T, V] and the updated cache (and `Routing`).
 
   Without a cache, keys are the T input tokens and `key_mask_BxS` (S = T) marks the
   real ones. With a cache, tokens are written at `positions_BxT` and attend to all
@@ -304,29 +376,37 @@ def forward(config: Qwen3Config, params: nnx.State, tokens_BxT, positions_BxT,
   `attn_window` (static) limits a cached forward to the first slots of the cache; every
   position written or attended must be below it. `segment_ids_BxT` (uncached only) packs
   several sequences in a row: a token attends only to earlier slots of its own segment.
+  MoE: `experts_LxBxTxK` (int, one [B, T, k] per sparse layer) replays given routes instead
+  of routing; with `return_routing` the result is (logits, cache, Routing) with the routes
+  this forward used and the load-balancing loss.
   """
   model = nnx.merge(graphdef(config), params)
   b = tokens_BxT.shape[0]
   s = tokens_BxT.shape[1] if cache is None else cache.max_len
   if key_mask_BxS is None:
     key_mask_BxS = jnp.ones((b, s), bool)
-  return model(tokens_BxT, positions_BxT, key_mask_BxS.astype(bool), cache, logits_idx_B,
-               attn_window, segment_ids_BxT)
+  out, cache, routing = model(tokens_BxT, positions_BxT, key_mask_BxS.astype(bool), cache,
+                              logits_idx_B, attn_window, segment_ids_BxT,
+                              experts_LxBxTxK=experts_LxBxTxK)
+  return (out, cache, routing) if return_routing else (out, cache)
 
 
 def hidden_and_head(config: Qwen3Config, params: nnx.State, tokens_BxT, positions_BxT, *,
-                    key_mask_BxS=None, segment_ids_BxT=None):
+                    key_mask_BxS=None, segment_ids_BxT=None, experts_LxBxTxK=None,
+                    return_routing: bool = False):
   """Uncached forward up to the final norm: (hidden [B, T, D] in compute dtype, head [D, V]).
 
   For losses that apply the head in chunks (`rl.losses.chunked_logprobs`), so that the
-  float32 logits over the vocabulary never exist for the whole batch at once.
+  float32 logits over the vocabulary never exist for the whole batch at once. MoE routes
+  in and out as in `forward` ((hidden, head, Routing) with `return_routing`).
   """
   model = nnx.merge(graphdef(config), params)
   if key_mask_BxS is None:
     key_mask_BxS = jnp.ones(tokens_BxT.shape, bool)
-  x, _ = model(tokens_BxT, positions_BxT, key_mask_BxS.astype(bool), None, None, None,
-               segment_ids_BxT, return_hidden=True)
-  return x, model.head().astype(config.compute_jnp_dtype)
+  x, _, routing = model(tokens_BxT, positions_BxT, key_mask_BxS.astype(bool), None, None, None,
+                        segment_ids_BxT, return_hidden=True, experts_LxBxTxK=experts_LxBxTxK)
+  head = model.head().astype(config.compute_jnp_dtype)
+  return (x, head, routing) if return_routing else (x, head)
 
 
 def logits(config: Qwen3Config, params: nnx.State, tokens_BxT, mask_BxT):

@@ -142,21 +142,23 @@ LOSS_TERMS = {"clipped": clipped_terms, "clipped_tis": clipped_tis_terms,
 
 
 def _micro_terms(model_config: Qwen3Config, loss_config: LossConfig, terms, logits_chunk: int,
-                 params, mb: Batch):
+                 params, mb: Batch, aux_weight):
   """(numerator, metric sums) of one micro-batch; the denominator is batch-global.
 
   Position t of the batch describes token t, so the model reads tokens[:, :-1] and scores
   tokens[:, 1:]. A packed micro-batch (`segment_ids` present, see rl.packing) also brings
   its RoPE positions and each token's sequence length for per-sequence means.
+  A MoE model with `router_aux_loss_coef > 0` adds its router's load-balancing loss,
+  weighted by `aux_weight` (denominator / micro-batches: the step's loss gets the mean).
   """
   tokens = mb.tokens
   inputs = tokens[:, :-1]
   packed = mb.segment_ids is not None  # Batch structure (static), not a config value.
   positions = (mb.positions[:, :-1] if packed
                else jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape))
-  hidden, head = qwen3.hidden_and_head(
+  hidden, head, routing = qwen3.hidden_and_head(
       model_config, params, inputs, positions,
-      segment_ids_BxT=mb.segment_ids[:, :-1] if packed else None)
+      segment_ids_BxT=mb.segment_ids[:, :-1] if packed else None, return_routing=True)
   # Scored in chunks: the [B, T, V] float32 logits never exist (PAPERS-scale vocabularies).
   logp, ent = losses.chunked_logprobs(hidden, head, tokens[:, 1:],
                                       temperature=loss_config.temperature, chunk=logits_chunk)
@@ -171,6 +173,9 @@ def _micro_terms(model_config: Qwen3Config, loss_config: LossConfig, terms, logi
     # Sampler vs trainer log-probs of the same tokens under the same weights: 0 but for
     # numerics (kernels, batch shapes, precision; MoE routing), every step.
     sums.update(losses.mismatch_sums(logp, mb.sampler_logp[:, 1:], mask))
+  if model_config.router_aux_loss_coef > 0:  # A static (frozen config) choice.
+    num = num + model_config.router_aux_loss_coef * routing.aux_loss * aux_weight
+    sums["router_aux_loss_numerator"] = routing.aux_loss * aux_weight
   return num, sums
 
 
@@ -210,8 +215,10 @@ def train_step(state: TrainState, batch: Batch | dict, *, model_config: Qwen3Con
   pin = ((lambda tree: jax.lax.with_sharding_constraint(tree, param_sharding))
          if param_sharding is not None else (lambda tree: tree))
 
+  aux_weight = denominator / jax.tree.leaves(micro)[0].shape[0]
+
   def body(grad_acc, mb):
-    grads, sums = grad_fn(state.params, mb)
+    grads, sums = grad_fn(state.params, mb, aux_weight)
     return pin(jax.tree.map(jnp.add, grad_acc, pin(grads))), sums
 
   zeros = jax.tree.map(jnp.zeros_like, state.params)
@@ -226,7 +233,9 @@ def train_step(state: TrainState, batch: Batch | dict, *, model_config: Qwen3Con
                           [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(num)])
   metrics = losses.finalize_metrics(sums, denominator)
   metrics["loss"] = metrics.pop("pg_loss") + (
-      loss_config.kl_coef * metrics["kl_ref"] if "kl_ref" in metrics else 0.0)
+      loss_config.kl_coef * metrics["kl_ref"] if "kl_ref" in metrics else 0.0) + (
+      model_config.router_aux_loss_coef * metrics["router_aux_loss"]
+      if "router_aux_loss" in metrics else 0.0)
   metrics["grad_norm"] = optax.tree.norm(grads)
   metrics["finite"] = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
   new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)

@@ -102,16 +102,20 @@ def test_param_spec_unknown_parameter_is_named():
 
 
 @pytest.mark.parametrize("axes, shape", [
-    ((-1, 1, 1), (8, 1, 1)),
-    ((-1, 2, 2), (2, 2, 2)),
-    ((1, 2, -1), (1, 2, 4)),
+    ((-1, 1, 1), (8, 1, 1, 1)),
+    ((-1, 2, 2), (2, 2, 2, 1)),
+    ((1, 2, -1), (1, 2, 4, 1)),
+    ((1, 2, 1, -1), (1, 2, 1, 4)),
     ({
         "tensor": -1,
         "fsdp": 2
-    }, (1, 2, 4)),
+    }, (1, 2, 4, 1)),
     ({
         "data": 8
-    }, (8, 1, 1)),
+    }, (8, 1, 1, 1)),
+    ({
+        "expert": 8
+    }, (1, 1, 1, 8)),
 ])
 def test_mesh_resolves_minus_one(axes, shape):
   assert sharding.mesh_shape(axes, 8) == shape
@@ -126,7 +130,7 @@ def test_mesh_resolves_minus_one(axes, shape):
     ((-1, -1, 2), r"one mesh axis may be -1"),
     ((3, -1, 1), r"8 devices are not a multiple of 3"),
     ((0, 8, 1), r"positive or -1"),
-    ((2, 4), r"3 sizes"),
+    ((2, 4), r"3 or 4 sizes"),
     ({
         "model": 2,
         "data": 4
