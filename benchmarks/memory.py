@@ -174,8 +174,10 @@ def decode_case(preset: str, rows: int = 64, reached: int = 1024,
         lambda _: sharding.cache_sharding(mesh, cfg.num_kv_heads), cache))
   row = lambda shape, dt: s(shape, dt, sharding=None if mesh is None else
                             sharding.batch_sharding(mesh, len(shape)))
+  routes = jax.eval_shape(lambda: sampling.init_routes(cfg, rows, capacity))
   seqs = sampling.Sequences(cache, row((rows,), jnp.int32),
-                            row((rows, cfg.vocab_size), jnp.float32), max_len)
+                            row((rows, cfg.vocab_size), jnp.float32), max_len,
+                            None if routes is None else row(routes.shape, routes.dtype))
   ints, floats = row((rows, 64), jnp.int32), row((rows, 64), jnp.float32)
   state = sampling._LoopState(seqs, ints, floats, floats, *[row((rows,), jnp.int32)] * 4)
   sp = sampling._SamplingParams(s((), jnp.float32), s((), jnp.float32), s((), jnp.int32),

@@ -28,6 +28,9 @@ def model(preset: str = "tiny") -> ml_collections.ConfigDict:
       # bounds the dispatch buffers, which hold tokens x top-k x mesh.expert rows).
       router_aux_loss_coef=0.0,
       moe_chunk=0,
+      # Routing replay: the update routes each token to the experts the sampler chose for
+      # it (recorded per token by the sampler) instead of re-routing (MoE only).
+      routing_replay=False,
   ))
 
 

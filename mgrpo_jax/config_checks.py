@@ -92,7 +92,8 @@ def check_config(c: ml_collections.ConfigDict, choices: dict,
 def model_fields(prefix: str) -> tuple[dict, dict]:
   """Choices and ranges of one `configs/common.model()` section."""
   choices = {f"{prefix}.attention": attention.IMPLEMENTATIONS,
-             f"{prefix}.param_dtype": DTYPES, f"{prefix}.compute_dtype": DTYPES}
+             f"{prefix}.param_dtype": DTYPES, f"{prefix}.compute_dtype": DTYPES,
+             f"{prefix}.routing_replay": (False, True)}
   ranges = {f"{prefix}.vocab_size": Range(low=1, integer=True, also=(-1,)),
             f"{prefix}.attention_block": at_least(1),
             f"{prefix}.max_tokens_per_micro": at_least(0),

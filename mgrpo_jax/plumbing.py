@@ -74,7 +74,8 @@ def nll_objective(lc, oc, *, learning_rate: float, weight_decay: float):
 def _runtime(mc) -> dict:
   """The model config's runtime fields (how it computes, not what it is)."""
   return dict(remat=mc.remat, attention=mc.attention, attention_block=mc.attention_block,
-              router_aux_loss_coef=mc.router_aux_loss_coef, moe_chunk=mc.moe_chunk)
+              router_aux_loss_coef=mc.router_aux_loss_coef, moe_chunk=mc.moe_chunk,
+              routing_replay=mc.routing_replay)
 
 
 def logits_chunk_tokens(megabytes: int, vocab_size: int) -> int:

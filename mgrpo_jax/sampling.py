@@ -16,6 +16,13 @@ Compilation: one compile per (batch bucket, prompt bucket, cache length, window)
 Temperature, top-p, top-k, stop ids and the PRNG key are traced, so changing them never
 recompiles. Token j of row r is drawn with fold_in(fold_in(key, row_id), j), so a row's
 samples do not depend on which rows share its batch (the budget changes no result).
+
+Routes (MoE): for a Qwen3-MoE model the rows also keep, beside their cache and indexed the
+same way (slot s = position s), the experts every sparse layer chose for the token there
+(`Sequences.experts_BxSxLxK`, uint8 for up to 256 experts). Prefill, decode and `extend`
+write it as they write the cache, so it always holds the routes that produced the cached
+keys and values: what the trainer replays (`Qwen3Config.routing_replay`). Dense models
+keep none (the field is None, nothing is computed).
 """
 
 import dataclasses
@@ -48,6 +55,8 @@ class Sequences:
   lengths_B: jax.Array  # Tokens in the cache per row.
   next_logits_BxV: jax.Array  # Float32 logits for the token after the last one.
   max_len: int = flax.struct.field(pytree_node=False)  # Context limit of every row.
+  # MoE: experts chosen at each cached position [B, capacity, sparse layers, k]; else None.
+  experts_BxSxLxK: jax.Array | None = None
 
   @property
   def capacity(self) -> int:
@@ -64,6 +73,10 @@ class SampleResult:
   lengths: np.ndarray  # [B] generated tokens per row (stop token included)
   finish_reasons: list[str]
   sequences: Sequences | None = None  # For `extend` / further `sample` calls.
+  # MoE only: [B, N, sparse layers, k] experts chosen at each generated token (0 after end),
+  # and (`generate`) each prompt's routes [prompt length, sparse layers, k].
+  experts: np.ndarray | None = None
+  prompt_experts: list[np.ndarray] | None = None
 
 
 @flax.struct.dataclass
@@ -77,6 +90,28 @@ class _SamplingParams:
 def _bucket(n: int, minimum: int = 8) -> int:
   """Next power of two (at least `minimum`): few distinct shapes, so few compiles."""
   return max(minimum, 1 << max(0, int(n - 1).bit_length()))
+
+
+def route_dtype(config: Qwen3Config):
+  """The integer type of recorded expert ids: uint8 for up to 256 experts."""
+  return jnp.uint8 if config.num_experts <= 256 else jnp.int16
+
+
+def init_routes(config: Qwen3Config, batch: int, length: int) -> jax.Array | None:
+  """An empty route buffer [B, length, sparse layers, k] for a MoE config; None if dense."""
+  if not config.is_moe:
+    return None
+  shape = (batch, length, sum(config.sparse_layers()), config.num_experts_per_tok)
+  return jnp.zeros(shape, route_dtype(config))
+
+
+def _record(experts_BxSxLxK, routing, positions_BxT):
+  """Writes the routes a forward chose at `positions_BxT`; positions >= S are dropped."""
+  if experts_BxSxLxK is None:
+    return None
+  new = jnp.transpose(routing.experts_LxBxTxK, (1, 2, 0, 3)).astype(experts_BxSxLxK.dtype)
+  rows = jnp.arange(new.shape[0])[:, None]
+  return experts_BxSxLxK.at[rows, positions_BxT].set(new, mode="drop")
 
 
 def cache_len(n: int, max_len: int) -> int:
@@ -161,15 +196,17 @@ def _sample_token(logits_BxV, sp: _SamplingParams, keys_B):
   return jax.lax.cond(sp.temperature <= 0, greedy, sample, None)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6), donate_argnames=("cache",))
-def _prefill(config, params, tokens_BxT, lengths_B, offsets_B, cache, window):
-  """Writes each row's new tokens at positions offset..offset+len-1 of its cache."""
+@functools.partial(jax.jit, static_argnums=(0, 6), donate_argnames=("cache", "experts"))
+def _prefill(config, params, tokens_BxT, lengths_B, offsets_B, cache, window, experts=None):
+  """Writes each row's new tokens at positions offset..offset+len-1 of its cache (and, MoE,
+  their routes into `experts`)."""
   b, t = tokens_BxT.shape
   positions = offsets_B[:, None] + jnp.arange(t)[None, :]
   last = jnp.maximum(lengths_B - 1, 0)
-  logits, cache = qwen3.forward(config, params, tokens_BxT, positions, cache,
-                                logits_idx_B=last, attn_window=window)
-  return cache, logits[:, 0]
+  logits, cache, routing = qwen3.forward(config, params, tokens_BxT, positions, cache,
+                                         logits_idx_B=last, attn_window=window,
+                                         return_routing=True)
+  return cache, logits[:, 0], _record(experts, routing, positions)
 
 
 @flax.struct.dataclass
@@ -214,8 +251,8 @@ def _decode_chunk(config, params, state: _LoopState, sp: _SamplingParams, steps,
     # Stopped rows write nowhere (slot `capacity` is dropped): their cache may hold real
     # tokens beyond this chunk's window.
     pos = jnp.where(running, seqs.lengths_B, capacity)[:, None]
-    logits, cache = qwen3.forward(config, params, token[:, None], pos, seqs.cache,
-                                  attn_window=window)
+    logits, cache, routing = qwen3.forward(config, params, token[:, None], pos, seqs.cache,
+                                           attn_window=window, return_routing=True)
     n = st.n_B + running
     lengths = seqs.lengths_B + running
     is_stop = jnp.any(token[:, None] == sp.stop_ids[None, :], axis=-1)
@@ -223,7 +260,9 @@ def _decode_chunk(config, params, state: _LoopState, sp: _SamplingParams, steps,
     finish = jnp.where((finish == RUNNING) & (n >= st.budget_B), LENGTH, finish)
     finish = jnp.where((finish == RUNNING) & (lengths >= max_len), CONTEXT, finish)
     next_logits = jnp.where(running[:, None], logits[:, 0], seqs.next_logits_BxV)
-    new = st.replace(seqs=Sequences(cache, lengths, next_logits, max_len), tokens_BxN=tokens,
+    seqs = seqs.replace(cache=cache, lengths_B=lengths, next_logits_BxV=next_logits,
+                        experts_BxSxLxK=_record(seqs.experts_BxSxLxK, routing, pos))
+    new = st.replace(seqs=seqs, tokens_BxN=tokens,
                      logp_BxN=logp_all, sample_logp_BxN=slogp_all, n_B=n, finish_B=finish)
     return i + 1, new
 
@@ -241,30 +280,55 @@ def _window(end: int, capacity: int) -> int:
   return min(capacity, -(-end // granule) * granule)
 
 
-@functools.partial(jax.jit, static_argnums=(1,))
-def _pad_cache(cache: qwen3.KVCache, length: int) -> qwen3.KVCache:
+@functools.partial(jax.jit, static_argnums=(2,))
+def _pad_cache(cache: qwen3.KVCache, experts, length: int):
   pad = ((0, 0),) * 3 + ((0, length - cache.max_len), (0, 0))
-  return jax.tree.map(lambda x: jnp.pad(x, pad), cache)
+  if experts is not None:  # Routes are indexed by slot too: [B, S, L, k].
+    experts = jnp.pad(experts, ((0, 0), (0, length - experts.shape[1]), (0, 0), (0, 0)))
+  return jax.tree.map(lambda x: jnp.pad(x, pad), cache), experts
 
 
-def _grow(cache: qwen3.KVCache, length: int) -> qwen3.KVCache:
-  """The cache copied into `length` slots per row (new slots hold zeros); frees the old one.
+def _grow(seqs: Sequences, length: int) -> Sequences:
+  """The cache (and routes) copied into `length` slots per row (new slots hold zeros); frees
+  the old ones.
 
   The old cache belongs to a donated Sequences: its buffers are deleted here, or the
   caller's reference would keep it alive beside the new one for the whole decode.
   """
-  new = jax.block_until_ready(_pad_cache(cache, length))
-  for x in jax.tree.leaves(cache):
+  cache, experts = jax.block_until_ready(_pad_cache(seqs.cache, seqs.experts_BxSxLxK, length))
+  for x in jax.tree.leaves((seqs.cache, seqs.experts_BxSxLxK)):
     x.delete()
-  return new
+  return seqs.replace(cache=cache, experts_BxSxLxK=experts)
 
 
 @jax.jit
 def _take_rows(seqs: Sequences, idx_B) -> Sequences:
   """Rows `idx_B` of `seqs`; a row taken several times is copied (shared prompts)."""
   cache = jax.tree.map(lambda x: jnp.take(x, idx_B, axis=1), seqs.cache)
+  experts = None if seqs.experts_BxSxLxK is None else seqs.experts_BxSxLxK[idx_B]
   return seqs.replace(cache=cache, lengths_B=seqs.lengths_B[idx_B],
-                      next_logits_BxV=seqs.next_logits_BxV[idx_B])
+                      next_logits_BxV=seqs.next_logits_BxV[idx_B], experts_BxSxLxK=experts)
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def _gather_routes(experts_BxSxLxK, starts_B, width: int):
+  """Routes of positions start..start+width-1 of each row: [B, width, L, k]."""
+  idx_BxW = starts_B[:, None] + jnp.arange(width)[None, :]
+  return jnp.take_along_axis(experts_BxSxLxK, idx_BxW[:, :, None, None], axis=1, mode="clip")
+
+
+def read_routes(seqs: Sequences, starts: Sequence[int],
+                counts: Sequence[int]) -> list[np.ndarray] | None:
+  """Host copies of the routes of row i's positions starts[i]..starts[i]+counts[i]-1, each
+  [counts[i], sparse layers, k]; None for a dense model."""
+  if seqs.experts_BxSxLxK is None:
+    return None
+  b = seqs.lengths_B.shape[0]
+  st = np.zeros(b, np.int32)
+  st[:len(starts)] = starts
+  routes = fetch(_gather_routes(seqs.experts_BxSxLxK, jnp.asarray(st),
+                                _bucket(max(list(counts) + [1]), 16)))
+  return [routes[i, :n].copy() for i, n in enumerate(counts)]
 
 
 def _pad_rows(rows: Sequence[Sequence[int]], batch: int, width: int, pad_id: int):
@@ -299,11 +363,12 @@ def prefill(config: Qwen3Config, params: nnx.State, prompts: Sequence[Sequence[i
   lengths = np.zeros(b, np.int32)
   lengths[:len(unique)] = [len(p) for p in unique]
   cache = qwen3.init_cache(config, b, cache_len(longest + 1, max_len))
-  cache, last_logits = _prefill(config, params, jnp.asarray(tokens), jnp.asarray(lengths),
-                                jnp.zeros(b, jnp.int32), cache,
-                                _window(tokens.shape[1], cache.max_len))
+  cache, last_logits, experts = _prefill(config, params, jnp.asarray(tokens),
+                                         jnp.asarray(lengths), jnp.zeros(b, jnp.int32), cache,
+                                         _window(tokens.shape[1], cache.max_len),
+                                         init_routes(config, b, cache.max_len))
   # Padding rows (batch bucket) hold one dummy token so they stay well-formed.
-  seqs = Sequences(cache, jnp.asarray(np.maximum(lengths, 1)), last_logits, max_len)
+  seqs = Sequences(cache, jnp.asarray(np.maximum(lengths, 1)), last_logits, max_len, experts)
   if len(unique) == len(prompts):
     return seqs
   rows = np.zeros(_bucket(len(prompts), 1), np.int32)  # Padding rows copy row 0.
@@ -333,17 +398,18 @@ def extend(config: Qwen3Config, params: nnx.State, seqs: Sequences,
   if not counts.any():
     return seqs
   need = int((lengths + counts).max())
-  cache = seqs.cache
   if need > seqs.capacity:
-    cache = _grow(cache, cache_len(need, seqs.max_len))
+    seqs = _grow(seqs, cache_len(need, seqs.max_len))
   tokens = _pad_rows(new_tokens, b, _bucket(int(counts.max()), 16), pad_id)
   # Padding tokens past the capacity are dropped by the cache write.
-  window = _window(int(lengths.max()) + tokens.shape[1], cache.max_len)
-  cache, last_logits = _prefill(config, params, jnp.asarray(tokens), jnp.asarray(counts),
-                                seqs.lengths_B, cache, window)
+  window = _window(int(lengths.max()) + tokens.shape[1], seqs.capacity)
+  cache, last_logits, experts = _prefill(config, params, jnp.asarray(tokens),
+                                         jnp.asarray(counts), seqs.lengths_B, seqs.cache, window,
+                                         seqs.experts_BxSxLxK)
   extended = jnp.asarray(counts > 0)
   next_logits = jnp.where(extended[:, None], last_logits, seqs.next_logits_BxV)
-  return Sequences(cache, seqs.lengths_B + jnp.asarray(counts), next_logits, seqs.max_len)
+  return Sequences(cache, seqs.lengths_B + jnp.asarray(counts), next_logits, seqs.max_len,
+                   experts)
 
 
 def _stop_string_end(ids: list[int], stop_strings: Sequence[str], tokenizer) -> int | None:
@@ -432,8 +498,13 @@ def sample(config: Qwen3Config, params: nnx.State, seqs: Sequences, *, num_rows:
   slogp = np.where(valid, fetch(state.sample_logp_BxN)[:num_rows, :max_new_tokens], 0.0)
   reasons = [FINISH_NAMES[int(f)] if was_active[i] else "inactive"
              for i, f in enumerate(finish[:num_rows])]
+  experts = None
+  if seqs.experts_BxSxLxK is not None:
+    # Read after any stop-string cut re-extended a row: the routes its cache now holds.
+    routes = fetch(_gather_routes(seqs.experts_BxSxLxK, jnp.asarray(start_lengths), n_cols))
+    experts = np.where(valid[:, :, None, None], routes[:num_rows, :max_new_tokens], 0)
   return SampleResult(np.where(valid, tokens, pad_id).astype(np.int32), logp.astype(np.float32),
-                      slogp.astype(np.float32), n[:num_rows].copy(), reasons, seqs)
+                      slogp.astype(np.float32), n[:num_rows].copy(), reasons, seqs, experts)
 
 
 def _decode_some(config, params, state: _LoopState, sp, key, longest: int,
@@ -446,8 +517,7 @@ def _decode_some(config, params, state: _LoopState, sp, key, longest: int,
   """
   seqs = state.seqs
   if longest >= seqs.capacity:
-    cache = _grow(seqs.cache, cache_len(longest + 1, seqs.max_len))
-    state = state.replace(seqs=seqs.replace(cache=cache))
+    state = state.replace(seqs=_grow(seqs, cache_len(longest + 1, seqs.max_len)))
   capacity = state.seqs.capacity
   steps = min(chunk, capacity - longest)
   # Attend to just the slots this chunk can reach.
@@ -516,12 +586,23 @@ def generate(config: Qwen3Config, params: nnx.State, prompts: Sequence[Sequence[
     res = run([prompts[i] for i in wave], [row_ids[i] for i in wave])
     out.tokens[wave], out.logprobs[wave] = res.tokens, res.logprobs
     out.sample_logprobs[wave], out.lengths[wave] = res.sample_logprobs, res.lengths
+    if res.experts is not None:
+      if out.experts is None:
+        out.experts = np.zeros((len(prompts), *res.experts.shape[1:]), res.experts.dtype)
+        out.prompt_experts = [None] * len(prompts)
+      out.experts[wave] = res.experts
     for j, i in enumerate(wave):
       out.finish_reasons[i] = res.finish_reasons[j]
+      if res.prompt_experts is not None:
+        out.prompt_experts[i] = res.prompt_experts[j]
     del res  # Frees this wave's cache before the next one is allocated.
   return out
 
 
 def _generate_batch(config, params, prompts, row_ids, *, max_len, **kw) -> SampleResult:
   seqs = prefill(config, params, prompts, max_len=max_len, pad_id=kw["pad_id"])
-  return sample(config, params, seqs, num_rows=len(prompts), row_ids=row_ids, **kw)
+  # (Read before `sample`, which donates the cache.)
+  prompt_routes = read_routes(seqs, [0] * len(prompts), [len(p) for p in prompts])
+  res = sample(config, params, seqs, num_rows=len(prompts), row_ids=row_ids, **kw)
+  res.prompt_experts = prompt_routes
+  return res

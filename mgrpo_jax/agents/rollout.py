@@ -12,9 +12,12 @@ The single-agent baseline (PAPERS.md 1.7) calls search, visit and python itself
 
 Sequences are built from tokens, never by re-rendering a conversation: the generation
 prompt, then per turn the generated tokens (loss mask 1, behaviour log-probs), the
-end-of-turn token and the template's continuation (loss mask 0).
+end-of-turn token and the template's continuation (loss mask 0). With a Qwen3-MoE policy,
+each episode also keeps the experts the sampler routed every token to (`Episode.experts`),
+for the trainer to replay.
 """
 
+import contextlib
 import dataclasses
 import time
 from typing import Any, Callable, Protocol, Sequence
@@ -57,6 +60,9 @@ class Episode:
   logprobs: list[float]
   validator: protocol.EpisodeValidator
   policy_version: int = 0
+  # MoE policies: [len(tokens), sparse layers, k] experts the sampler chose per token (uint8
+  # ids; filled by `LLMPolicy`, which routed them); None for dense or scripted policies.
+  experts: np.ndarray | None = None
   turns: list[str] = dataclasses.field(default_factory=list)
   observations: list[str] = dataclasses.field(default_factory=list)  # Tool replies.
   actions: list[str] = dataclasses.field(default_factory=list)
@@ -119,13 +125,21 @@ class LLMPolicy:
   The rows' caches stay on device between turns (tool replies extend them) while a turn
   fits `kv_cache_budget_bytes`. Once one would not, each turn re-prefills its rows from
   the episodes' tokens, in waves that fit (`sampling.generate`): slower, same results.
+
+  A MoE policy records each episode's routes (`Episode.experts`) as the sampler writes them:
+  the prompt at `begin`, generated tokens at `act`, tool replies at `append` (in waves, at
+  the next turn's prefill). With `mesh`, a MoE policy samples under it (`jax.set_mesh`),
+  so expert-parallel layers send tokens to their experts' devices instead of gathering
+  every expert's weights; a dense policy samples as without it.
   """
 
   def __init__(self, config, params, tokenizer: tk.Tokenizer, role: str, *, limits: Limits,
                temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-               version: int = 0, chunk: int = 32, kv_cache_budget_bytes: int | None = None):
+               version: int = 0, chunk: int = 32, kv_cache_budget_bytes: int | None = None,
+               mesh=None):
     self.config, self.params, self.tokenizer, self.role = config, params, tokenizer, role
     self.limits, self.version, self.chunk = limits, version, chunk
+    self.mesh = mesh if config.is_moe else None
     self.budget = kv_cache_budget_bytes
     self.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
     try:
@@ -135,12 +149,25 @@ class LLMPolicy:
     self._episodes: Sequence[Episode] = ()
     self._seqs = None
 
+  def _mesh(self):
+    return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
   def begin(self, episodes):
     self._episodes = list(episodes)
     self._seqs = None
     if self._resident_fits(range(len(episodes))):
-      self._seqs = sampling.prefill(self.config, self.params, [e.tokens for e in episodes],
-                                    max_len=self.limits.max_len, pad_id=self.tokenizer.pad_id)
+      with self._mesh():
+        self._seqs = sampling.prefill(self.config, self.params, [e.tokens for e in episodes],
+                                      max_len=self.limits.max_len, pad_id=self.tokenizer.pad_id)
+        routes = sampling.read_routes(self._seqs, [0] * len(episodes),
+                                      [len(e.tokens) for e in episodes])
+      for ep, r in zip(self._episodes, routes or ()):
+        ep.experts = r
+
+  def _add_routes(self, r: int, routes_TxLxK: np.ndarray) -> None:
+    ep = self._episodes[r]
+    ep.experts = routes_TxLxK if ep.experts is None else np.concatenate([ep.experts,
+                                                                         routes_TxLxK])
 
   def _resident_fits(self, rows) -> bool:
     """Whether every row's cache fits the budget through a turn of `rows`."""
@@ -160,24 +187,44 @@ class LLMPolicy:
       self._seqs = None  # Rows only grow: from here on, every turn runs in waves.
     if self._seqs is None:
       # Row ids are episode indices, as in the resident batch: the same samples.
-      res = sampling.generate(self.config, self.params, [self._episodes[r].tokens for r in rows],
-                              max_len=self.limits.max_len, row_ids=list(rows),
-                              kv_cache_budget_bytes=self.budget, **kw)
+      with self._mesh():
+        res = sampling.generate(self.config, self.params,
+                                [self._episodes[r].tokens for r in rows],
+                                max_len=self.limits.max_len, row_ids=list(rows),
+                                kv_cache_budget_bytes=self.budget, **kw)
+      for j, r in enumerate(rows):
+        if res.experts is not None:
+          # Positions not routed yet (tool replies) take this prefill's routes.
+          have = 0 if self._episodes[r].experts is None else len(self._episodes[r].experts)
+          self._add_routes(r, res.prompt_experts[j][have:])
+          self._add_routes(r, res.experts[j, :res.lengths[j]])
       return [(res.tokens[j, :res.lengths[j]].tolist(), res.logprobs[j, :res.lengths[j]].tolist())
               for j in range(len(rows))]
     n = len(self._episodes)
     active = np.zeros(n, bool)
     active[list(rows)] = True
-    res = sampling.sample(self.config, self.params, self._seqs, num_rows=n, active=active, **kw)
+    with self._mesh():
+      res = sampling.sample(self.config, self.params, self._seqs, num_rows=n, active=active,
+                            **kw)
     self._seqs = res.sequences
+    if res.experts is not None:
+      for r in rows:
+        self._add_routes(r, res.experts[r, :res.lengths[r]])
     return [(res.tokens[r, :res.lengths[r]].tolist(), res.logprobs[r, :res.lengths[r]].tolist())
             for r in rows]
 
   def append(self, appended):
     if appended and self._seqs is not None:
       rows = [appended.get(i, []) for i in range(len(self._episodes))]
-      self._seqs = sampling.extend(self.config, self.params, self._seqs, rows,
-                                   pad_id=self.tokenizer.pad_id)
+      # The rows' tokens already end with the appended ones (the engine adds them first).
+      starts = [len(e.tokens) - len(t) for e, t in zip(self._episodes, rows)]
+      with self._mesh():
+        self._seqs = sampling.extend(self.config, self.params, self._seqs, rows,
+                                     pad_id=self.tokenizer.pad_id)
+        routes = sampling.read_routes(self._seqs, starts, [len(t) for t in rows])
+      for i, t in enumerate(rows):
+        if routes is not None and t:
+          self._add_routes(i, routes[i])
 
 
 class ExpertPolicy:

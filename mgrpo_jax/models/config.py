@@ -72,6 +72,9 @@ class Qwen3Config:
   # Tokens per device routed through the experts at a time (0: all at once). The grouped
   # matmuls hold [tokens x top-k x expert-axis size] rows; a chunk bounds that (runtime).
   moe_chunk: int = 0
+  # Routing replay (runtime): the train step routes each token to the experts the sampler
+  # chose for it (`Batch.experts`) instead of re-routing, so that both score one network.
+  routing_replay: bool = False
 
   def __post_init__(self):
     for name, limit in _MAX.items():
@@ -125,6 +128,12 @@ class Qwen3Config:
     if not self.router_aux_loss_coef >= 0:
       raise ConfigError(f"Qwen3Config.router_aux_loss_coef must be >= 0, got "
                         f"{self.router_aux_loss_coef!r}.")
+    if not isinstance(self.routing_replay, bool):
+      raise ConfigError(
+          f"Qwen3Config.routing_replay must be a bool, got {self.routing_replay!r}.")
+    if self.routing_replay and not self.num_experts:
+      raise ConfigError("Qwen3Config.routing_replay=True needs a mixture-of-experts model "
+                        "(num_experts > 0); a dense model has no routes to replay.")
     if self.num_experts:
       if not 0 < self.num_experts_per_tok <= self.num_experts:
         raise ConfigError(f"Qwen3Config.num_experts_per_tok={self.num_experts_per_tok} must be "

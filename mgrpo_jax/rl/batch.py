@@ -28,6 +28,9 @@ class Batch:
   sampler_logp  optional, the sampler's own log-prob of token t as it recorded it (log-
               softmax(logits / T), `sampling.generate`), 0 elsewhere: the step compares the
               trainer's log-probs with it (mismatch metrics, truncated IS weights)
+  experts     optional (MoE rows from the sampler), [B, T, sparse layers, k] small ints:
+              the experts the sampler routed token t to, replayed by the train step when
+              `Qwen3Config.routing_replay` (0 where no route was recorded)
   Packed micro-batches (`rl.packing`, [M, R, L]) also carry segment_ids (0 = padding),
   positions (restarting per sequence), seq_tokens (each token's sequence's loss-token
   count) and the whole batch's loss denominator (a scalar).
@@ -39,6 +42,7 @@ class Batch:
   adv: jax.Array
   ref_logp: jax.Array | None = None
   sampler_logp: jax.Array | None = None
+  experts: jax.Array | None = None
   segment_ids: jax.Array | None = None
   positions: jax.Array | None = None
   seq_tokens: jax.Array | None = None
@@ -100,13 +104,35 @@ def make_batch(rows: Sequence[Any], adv_B: np.ndarray, *, max_len: int, pad_id: 
   # The rows' log-probs are the sampler's; `old_logp` may be replaced by the trainer's own
   # (truncated IS), `sampler_logp` stays what the sampler saw.
   return Batch(tokens=tokens, loss_mask=mask, old_logp=old, adv=adv.astype(np.float32),
-               sampler_logp=old.copy())
+               sampler_logp=old.copy(), experts=_experts(rows, length))
+
+
+def _experts(rows: Sequence[Any], length: int) -> np.ndarray | None:
+  """[B, length, L, k] routes of rows that recorded them (MoE samplers); None if none did.
+
+  A row without routes (a scripted policy's, a prompt aborted before sampling) or shorter
+  ones (a last tool reply never prefilled) keeps zeros there: a padded row's tokens route
+  independently of every other row's, so this changes no other row's forward.
+  """
+  recorded = [r.experts for r in rows if getattr(r, "experts", None) is not None]
+  if not recorded:
+    return None
+  out = np.zeros((len(rows), length, *recorded[0].shape[1:]), recorded[0].dtype)
+  for i, r in enumerate(rows):
+    routes = getattr(r, "experts", None)
+    if routes is not None:
+      if routes.shape[1:] != out.shape[2:]:
+        raise ValueError(f"Row {i} has routes of shape {routes.shape[1:]} per token; the "
+                         f"batch's other rows have {out.shape[2:]} (two different models?).")
+      out[i, :min(len(routes), length)] = routes[:length]
+  return out
 
 
 def concat(batches: Sequence[Batch]) -> Batch:
   """Batches stacked along rows, right-padded (with zeros, all masked) to the longest."""
   length = max(b.length for b in batches)
-  pad = lambda x: np.pad(x, [(0, 0), (0, length - x.shape[1])] if x.ndim == 2 else [(0, 0)])
+  pad = lambda x: np.pad(x, [(0, 0)] if x.ndim == 1 else
+                         [(0, 0), (0, length - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
   return jax.tree.map(lambda *xs: np.concatenate([pad(np.asarray(x)) for x in xs]), *batches)
 
 

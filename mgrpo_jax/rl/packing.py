@@ -77,6 +77,10 @@ def pack(batch: dict, *, max_tokens_per_micro: int, agg: str, rows_multiple: int
          "seq_tokens": np.zeros(shape, np.float32)}
   keys = [k for k in _TOKEN_KEYS if k in batch]
   out.update({k: np.zeros(shape, np.float32) for k in keys})
+  experts = batch.get("experts")  # MoE routes [B, T, L, k]: kept in their integer type.
+  if experts is not None:
+    experts = np.asarray(experts)
+    out["experts"] = np.zeros(shape + experts.shape[2:], experts.dtype)
   seq_tokens = mask[:, 1:].sum(1)
   for r, members in enumerate(rows):
     offset = 0
@@ -89,10 +93,12 @@ def pack(batch: dict, *, max_tokens_per_micro: int, agg: str, rows_multiple: int
       out["seq_tokens"][r, span] = seq_tokens[i]
       for k in keys:
         out[k][r, span] = np.asarray(batch[k][i, :n], np.float32)
+      if experts is not None:
+        out["experts"][r, span] = experts[i, :n]
       # The first token of a sequence is never a target (position 0 of a padded row is not).
       out["loss_mask"][r, offset] = 0.0
       offset += n
-  out = {k: v.reshape(num_micro, per_micro, row_len) for k, v in out.items()}
+  out = {k: v.reshape(num_micro, per_micro, *v.shape[1:]) for k, v in out.items()}
   if agg == "token-mean":
     denominator = mask[:, 1:].sum()
   else:

@@ -150,6 +150,7 @@ def _micro_terms(model_config: Qwen3Config, loss_config: LossConfig, terms, logi
   its RoPE positions and each token's sequence length for per-sequence means.
   A MoE model with `router_aux_loss_coef > 0` adds its router's load-balancing loss,
   weighted by `aux_weight` (denominator / micro-batches: the step's loss gets the mean).
+  With `routing_replay`, the inputs take the experts the sampler chose (`mb.experts`).
   """
   tokens = mb.tokens
   inputs = tokens[:, :-1]
@@ -158,7 +159,8 @@ def _micro_terms(model_config: Qwen3Config, loss_config: LossConfig, terms, logi
                else jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape))
   hidden, head, routing = qwen3.hidden_and_head(
       model_config, params, inputs, positions,
-      segment_ids_BxT=mb.segment_ids[:, :-1] if packed else None, return_routing=True)
+      segment_ids_BxT=mb.segment_ids[:, :-1] if packed else None, return_routing=True,
+      experts_LxBxTxK=_replayed_routes(model_config, mb))
   # Scored in chunks: the [B, T, V] float32 logits never exist (PAPERS-scale vocabularies).
   logp, ent = losses.chunked_logprobs(hidden, head, tokens[:, 1:],
                                       temperature=loss_config.temperature, chunk=logits_chunk)
@@ -177,6 +179,17 @@ def _micro_terms(model_config: Qwen3Config, loss_config: LossConfig, terms, logi
     num = num + model_config.router_aux_loss_coef * routing.aux_loss * aux_weight
     sums["router_aux_loss_numerator"] = routing.aux_loss * aux_weight
   return num, sums
+
+
+def _replayed_routes(model_config: Qwen3Config, mb: Batch):
+  """The inputs' recorded routes [L, B, T-1, k] under `routing_replay` (static), else None."""
+  if not model_config.routing_replay:
+    return None
+  if mb.experts is None:
+    raise ValueError("Qwen3Config.routing_replay is on but the batch has no `experts`: its "
+                     "rows must come from a MoE sampler that recorded routes (rl.batch).")
+  # Batch position t is token t; the model reads tokens[:, :-1], so routes[:, :-1] too.
+  return jnp.transpose(mb.experts[:, :-1], (2, 0, 1, 3)).astype(jnp.int32)
 
 
 def _micro_batches(batch: Batch, num_micro: int, agg: str):

@@ -1,0 +1,155 @@
+"""Routing replay (MoE): the sampler records every token's experts, the batch carries them,
+and the train step replays them, so its log-probs are the sampler's."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from mgrpo_jax import models, sharding
+from mgrpo_jax import tokenizer as tk
+from mgrpo_jax.agents import rollout
+from mgrpo_jax.rl import batch as batch_lib
+from mgrpo_jax.rl import losses
+from mgrpo_jax.rl import train_step as ts
+
+TOK = tk.ByteTokenizer()
+TEMPERATURE = 0.7
+
+
+@pytest.fixture(scope="module")
+def moe():
+  cfg = models.get_preset("tiny_moe", vocab_size=TOK.vocab_size)
+  return cfg, models.init_params(cfg, jax.random.key(0))
+
+
+def _episodes(cfg, params, **policy_kw):
+  """Three turns of four episodes, tool replies in between (as tests/rl/
+  test_sampler_consistency.py, with a MoE policy)."""
+  limits = rollout.Limits(max_turns=3, max_new_tokens=12, max_len=512)
+  policy = rollout.LLMPolicy(cfg, params, TOK, "sub", limits=limits, temperature=TEMPERATURE,
+                             top_k=20, **policy_kw)
+  prompts = ["find the river", "who built it?", "why not", "find the river"]
+  eps = [rollout.new_episode(TOK, "sub", [{"role": "user", "content": p}], q=i, k=0, call=0,
+                             task=None, max_turns=3) for i, p in enumerate(prompts)]
+  policy.begin(eps)
+  for turn, rows in enumerate([[0, 1, 2, 3], [0, 2, 3], [1, 3]]):
+    appended = {}
+    for r, (ids, logps) in zip(rows, policy.act(rows, jax.random.fold_in(jax.random.key(3),
+                                                                         turn))):
+      reply = TOK.encode(f"tool reply {r}-{turn}")
+      eps[r].tokens += ids + reply
+      eps[r].loss_mask += [1] * len(ids) + [0] * len(reply)
+      eps[r].logprobs += logps + [0.0] * len(reply)
+      appended[r] = reply
+    policy.append(appended)
+  return eps
+
+
+@pytest.fixture(scope="module")
+def sampled(moe):
+  cfg, params = moe
+  eps = _episodes(cfg, params)
+  batch = batch_lib.make_batch(eps, np.asarray([1.0, -1.0, 0.5, -0.5], np.float32),
+                               max_len=512, pad_id=TOK.pad_id, minimum=64)
+  return eps, batch
+
+
+def _real(eps, batch):
+  lengths = np.asarray([len(e.tokens) for e in eps])
+  return np.arange(batch.length)[None, :] < lengths[:, None]
+
+
+def _ref_logp(cfg, params, batch, real, experts_BxTxLxK=None):
+  """Log-probs of tokens 1.. from one uncached forward (routes given or re-routed)."""
+  given = None if experts_BxTxLxK is None else jnp.transpose(experts_BxTxLxK, (2, 0, 1, 3))
+  positions = np.broadcast_to(np.arange(batch.length), batch.tokens.shape)
+  logits, _, routing = models.forward(cfg, params, batch.tokens, positions, None, real,
+                                      experts_LxBxTxK=given, return_routing=True)
+  logp = losses.token_logprobs(logits[:, :-1] / TEMPERATURE, batch.tokens[:, 1:])
+  return np.asarray(logp), np.asarray(jnp.transpose(routing.experts_LxBxTxK, (1, 2, 0, 3)))
+
+
+def _step_metrics(cfg, params, batch, *, packed=False):
+  tx = optax.sgd(0.0)
+  step = ts.make_train_step(cfg, ts.LossConfig(temperature=TEMPERATURE, tis_cap=2.0), tx,
+                            max_tokens_per_micro=256 if packed else None)
+  state = ts.init_state(jax.tree.map(np.array, params), tx, jax.random.key(0))
+  return step(state, batch)[1]
+
+
+def test_sampler_records_the_routes_of_every_token(moe, sampled):
+  cfg, params = moe
+  eps, batch = sampled
+  for e in eps:  # Prompt, generated tokens and tool replies: one route per token.
+    assert e.experts.dtype == np.uint8 and e.experts.shape == (len(e.tokens), 2, 2)
+  assert batch.experts.shape == (4, batch.length, 2, 2) and batch.experts.dtype == np.uint8
+  real = _real(eps, batch)
+  # The routes equal those of one uncached forward over the whole sequences (f32).
+  _, routes = _ref_logp(cfg, params, batch, real)
+  np.testing.assert_array_equal(batch.experts[real], routes[real])
+  assert np.all(batch.experts[~real] == 0) and len(np.unique(routes[real])) == 8
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_replayed_train_step_recomputes_the_samplers_logprobs(moe, sampled, packed):
+  cfg, params = moe
+  _, batch = sampled
+  on = batch.loss_mask[:, 1:] > 0
+  assert on.sum() >= 60 and np.all(batch.sampler_logp[:, 1:][on] < 0)
+  m = _step_metrics(cfg.replace(routing_replay=True), params, batch, packed=packed)
+  assert float(m["mismatch_abs_logp"]) < 1e-5
+  assert 1 - 1e-5 < float(m["mismatch_ratio_min"]) <= float(m["mismatch_ratio_max"]) < 1 + 1e-5
+  assert float(m["tokens"]) == on.sum()
+
+
+def test_replay_uses_the_samplers_routes_when_the_router_drifts(moe, sampled):
+  """A router perturbed after sampling re-routes some tokens; replay keeps the sampler's."""
+  cfg, params = moe
+  eps, batch = sampled
+  noise = lambda x: x + 0.01 * jax.random.normal(jax.random.key(7), x.shape, x.dtype)
+  drifted = jax.tree_util.tree_map_with_path(
+      lambda p, x: noise(x) if "router" in sharding.path_str(p) else x, params)
+  real = _real(eps, batch)
+  on = batch.loss_mask[:, 1:] > 0
+  replayed, _ = _ref_logp(cfg, drifted, batch, real, batch.experts)
+  rerouted, routes = _ref_logp(cfg, drifted, batch, real)
+  flipped = np.any(routes != batch.experts, axis=(2, 3)) & real
+  assert flipped.sum() >= 20
+  assert np.abs(replayed - rerouted)[on].max() > 1e-3  # The two are far apart...
+  # ...and the step's log-probs are the replayed ones with replay on, else the re-routed
+  # ones (the metric compares them with whatever `sampler_logp` holds).
+  for replay, ref in [(True, replayed), (False, rerouted)]:
+    probe = batch.replace(sampler_logp=np.pad(ref, ((0, 0), (1, 0))).astype(np.float32))
+    m = _step_metrics(cfg.replace(routing_replay=replay), drifted, probe)
+    assert float(m["mismatch_abs_logp"]) < 1e-5, replay
+  # Replay brings the drifted trainer closer to the sampler than re-routing does.
+  err = lambda logp: np.abs(logp - batch.sampler_logp[:, 1:])[on].mean()
+  assert err(replayed) < err(rerouted)
+
+
+def test_routes_in_waves_and_on_an_expert_mesh_equal_the_resident_ones(moe, sampled):
+  cfg, params = moe
+  eps, _ = sampled
+  # A budget of one row's cache: every turn re-prefills its rows in waves.
+  waves = _episodes(cfg, params, kv_cache_budget_bytes=200_000)
+  mesh = sharding.make_mesh(dict(data=1, fsdp=2, tensor=1, expert=4))
+  meshed = _episodes(cfg, sharding.shard_params(params, mesh), mesh=mesh)
+  for a, b, c in zip(eps, waves, meshed):
+    assert a.tokens == b.tokens == c.tokens
+    # A last tool reply is routed by the next prefill, which waves never run for it.
+    n = len(b.experts)
+    assert not any(a.loss_mask[n:]) and n > len(a.tokens) - 25
+    np.testing.assert_array_equal(b.experts, a.experts[:n])
+    np.testing.assert_array_equal(c.experts, a.experts)
+    np.testing.assert_allclose(c.logprobs, a.logprobs, atol=2e-5)
+
+
+def test_replay_needs_recorded_routes(moe, sampled):
+  cfg, params = moe
+  _, batch = sampled
+  with pytest.raises(ValueError, match="routing_replay is on but the batch has no `experts`"):
+    _step_metrics(cfg.replace(routing_replay=True), params, batch.replace(experts=None))
+  with pytest.raises(models.ConfigError, match="routing_replay=True needs a mixture"):
+    models.get_preset("tiny", routing_replay=True)
