@@ -179,7 +179,7 @@ def make_policies(c, w: Wiring, env: Env, agents: dict, sampling_cfg, version: i
             top_k=sampling_cfg.top_k, version=version, chunk=sampling_cfg.chunk,
             kv_cache_budget_bytes=sampling_cfg.kv_cache_budget_bytes or None)
   return {role: rollout.LLMPolicy(agents[name].model_config, agents[name].state.params,
-                                  env.tokenizer, role, **kw)
+                                  env.tokenizer, role, mesh=agents[name].mesh, **kw)
           for role, name in w.agent_of.items() if name in agents}
 
 

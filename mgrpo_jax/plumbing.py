@@ -48,6 +48,7 @@ class Agent:
   state: ts.TrainState
   step_fn: Any
   nonfinite: str
+  mesh: Any = None  # The mesh its state lives on (its MoE sampler runs under it too).
 
 
 def loss_config(lc, temperature: float) -> ts.LossConfig:
@@ -137,7 +138,7 @@ def build_agent(name, mc, oc, lc, tokenizer, mesh, key, *, init_dir="", num_micr
                                max_tokens_per_micro=mc.max_tokens_per_micro or None,
                                logits_chunk=logits_chunk_tokens(mc.logits_chunk_mb,
                                                                 cfg.vocab_size))
-  return Agent(name, cfg, lcfg, state, step_fn, lc.nonfinite)
+  return Agent(name, cfg, lcfg, state, step_fn, lc.nonfinite, mesh)
 
 
 def update_agents(agents: dict, batches: dict, step: int) -> dict:

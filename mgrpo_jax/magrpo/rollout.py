@@ -8,6 +8,7 @@ chat (PAPERS.md 2.2). Orders follow `rl.joint`: samples `node * G + g`, joint ac
 `node * J + j`.
 """
 
+import contextlib
 import dataclasses
 from typing import Sequence
 
@@ -31,6 +32,8 @@ class Completion:
   gen_logprobs: list[float]
   text: str
   finish: str
+  # MoE samplers: [len(tokens), sparse layers, k] experts of every token (routing replay).
+  experts: np.ndarray | None = None
 
   @property
   def tokens(self) -> list[int]:
@@ -50,12 +53,14 @@ class PromptTooLongError(ValueError):
 
 
 class Policy:
-  """One agent's sampler over its current parameters."""
+  """One agent's sampler over its current parameters (a MoE one under `mesh`, see
+  `agents.rollout.LLMPolicy`)."""
 
   def __init__(self, model_config, params, tokenizer, *, max_new_tokens: int, max_len: int,
                temperature: float, top_p: float = 1.0, top_k: int = 0, chunk: int = 64,
-               kv_cache_budget_bytes: int | None = None):
+               kv_cache_budget_bytes: int | None = None, mesh=None):
     self.model_config, self.params, self.tokenizer = model_config, params, tokenizer
+    self.mesh = mesh if model_config.is_moe else None
     self.kw = dict(max_new_tokens=max_new_tokens, max_len=max_len, temperature=temperature,
                    top_p=top_p, top_k=top_k, chunk=chunk,
                    kv_cache_budget_bytes=kv_cache_budget_bytes)
@@ -69,15 +74,20 @@ class Policy:
           f"{self.kw['max_new_tokens']} within config.max_len={self.kw['max_len']}; raise "
           "max_len or lower max_new_tokens / num_turns.")
     tok = self.tokenizer
-    res = sampling.generate(self.model_config, self.params, prompts, key=key,
-                            stop_token_ids=tok.stop_ids, pad_id=tok.pad_id, **self.kw)
+    with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+      res = sampling.generate(self.model_config, self.params, prompts, key=key,
+                              stop_token_ids=tok.stop_ids, pad_id=tok.pad_id, **self.kw)
     out = []
     for i, prompt in enumerate(prompts):
       n = int(res.lengths[i])
       ids = [int(t) for t in res.tokens[i, :n]]
       body = ids[:-1] if ids and ids[-1] in tok.stop_ids else ids
+      routes = None
+      if res.experts is not None:
+        routes = np.concatenate([res.prompt_experts[i], res.experts[i, :n]])
       out.append(Completion(list(prompt), ids, [float(x) for x in res.logprobs[i, :n]],
-                            tok.decode(body, skip_special=True), res.finish_reasons[i]))
+                            tok.decode(body, skip_special=True), res.finish_reasons[i],
+                            routes))
     return out
 
 

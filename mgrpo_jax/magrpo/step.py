@@ -114,7 +114,8 @@ def policies(c, run: Run, sampling_cfg) -> list[rollout.Policy]:
                          max_new_tokens=c.max_new_tokens, max_len=c.max_len,
                          temperature=sampling_cfg.temperature, top_p=sampling_cfg.top_p,
                          top_k=sampling_cfg.top_k, chunk=sampling_cfg.chunk,
-                         kv_cache_budget_bytes=sampling_cfg.kv_cache_budget_bytes or None)
+                         kv_cache_budget_bytes=sampling_cfg.kv_cache_budget_bytes or None,
+                         mesh=run.mesh)
           for a in run.agents.values()]
 
 

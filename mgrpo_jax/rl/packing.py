@@ -10,7 +10,8 @@ micro-batch R = budget // L, so a step is [M, R, L] with few distinct shapes.
 The loss is unchanged: each sequence's first token is never a target (as position 0 of a
 padded row is not), every token carries its sequence's advantage and loss-token count
 (`seq_tokens`, for per-sequence means), and the denominator is counted here over the whole
-batch exactly as `losses.aggregate_terms` counts it on the padded batch.
+batch exactly as `losses.aggregate_terms` counts it on the padded batch. MoE routes
+(`experts`, [B, T, L, k]) move with their tokens and keep their integer type.
 """
 
 import numpy as np

@@ -10,6 +10,7 @@ import pytest
 from mgrpo_jax import models, sharding
 from mgrpo_jax import tokenizer as tk
 from mgrpo_jax.agents import rollout
+from mgrpo_jax.magrpo import rollout as magrpo_rollout
 from mgrpo_jax.rl import batch as batch_lib
 from mgrpo_jax.rl import losses
 from mgrpo_jax.rl import train_step as ts
@@ -153,3 +154,18 @@ def test_replay_needs_recorded_routes(moe, sampled):
     _step_metrics(cfg.replace(routing_replay=True), params, batch.replace(experts=None))
   with pytest.raises(models.ConfigError, match="routing_replay=True needs a mixture"):
     models.get_preset("tiny", routing_replay=True)
+
+
+def test_magrpo_completions_carry_their_routes(moe):
+  cfg, params = moe
+  policy = magrpo_rollout.Policy(cfg, params, TOK, max_new_tokens=10, max_len=128,
+                                 temperature=TEMPERATURE)
+  prompts = [TOK.encode("a prompt"), TOK.encode("another, longer prompt")]
+  comps = policy.complete(prompts, jax.random.key(1))
+  batch = batch_lib.make_batch(comps, np.ones(2, np.float32), max_len=128, pad_id=TOK.pad_id,
+                               minimum=32)
+  real = _real(comps, batch)
+  for c in comps:
+    assert c.experts.shape == (len(c.tokens), 2, 2)
+  _, routes = _ref_logp(cfg, params, batch, real)
+  np.testing.assert_array_equal(batch.experts[real], routes[real])
