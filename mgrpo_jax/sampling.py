@@ -36,6 +36,7 @@ import numpy as np
 from flax import nnx
 
 from mgrpo_jax.distributed import fetch
+from mgrpo_jax.models import moe
 from mgrpo_jax.models import qwen3
 from mgrpo_jax.models.config import Qwen3Config
 
@@ -92,17 +93,12 @@ def _bucket(n: int, minimum: int = 8) -> int:
   return max(minimum, 1 << max(0, int(n - 1).bit_length()))
 
 
-def route_dtype(config: Qwen3Config):
-  """The integer type of recorded expert ids: uint8 for up to 256 experts."""
-  return jnp.uint8 if config.num_experts <= 256 else jnp.int16
-
-
 def init_routes(config: Qwen3Config, batch: int, length: int) -> jax.Array | None:
   """An empty route buffer [B, length, sparse layers, k] for a MoE config; None if dense."""
   if not config.is_moe:
     return None
   shape = (batch, length, sum(config.sparse_layers()), config.num_experts_per_tok)
-  return jnp.zeros(shape, route_dtype(config))
+  return jnp.zeros(shape, moe.route_dtype(config.num_experts))
 
 
 def _record(experts_BxSxLxK, routing, positions_BxT):

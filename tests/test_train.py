@@ -139,6 +139,21 @@ def test_resume_is_bit_identical(tmp_path):
       np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.slow
+@pytest.mark.devices(8)
+def test_moe_step_on_an_expert_mesh_replays_the_samplers_routes(tmp_path):
+  # The whole pipeline: the MoE sampler under the agent's 2 data x 4 expert mesh records
+  # routes, episodes and the batch carry them, the sharded step replays them (the sub-agent,
+  # never called by a random model, gets an all-padding batch with zero routes).
+  c = _config("smoke,model=tiny_moe", num_steps=1)
+  c.mesh.expert = 4
+  c.main_model.routing_replay = c.sub_model.routing_replay = True
+  colocated.train_and_evaluate(c, str(tmp_path))
+  m = _lines(str(tmp_path))[0]
+  assert m["main/tokens"] > 50 and m["main/mismatch_abs_logp"] < 1e-5
+  assert m["main/mismatch_ratio_max"] < 1 + 1e-5
+
+
 def test_sft_resume_is_bit_identical_and_learns(tmp_path):
   def cfg(steps):
     c = sft_config.get_config("smoke,variant=single")

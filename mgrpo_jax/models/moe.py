@@ -34,6 +34,11 @@ class Routed:
   rows: jax.Array  # float32: weighted number of tokens
 
 
+def route_dtype(num_experts: int):
+  """The integer type recorded expert ids are kept in: uint8 for up to 256 experts."""
+  return jnp.uint8 if num_experts <= 256 else jnp.int16
+
+
 def route(x_NxD, router_DxE, k: int, norm_topk_prob: bool, experts_NxK=None):
   """(probabilities [N, E] float32, expert ids [N, K], weights [N, K] float32).
 

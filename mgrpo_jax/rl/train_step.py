@@ -22,6 +22,7 @@ import optax
 from flax import nnx
 
 from mgrpo_jax import sharding as shard_lib
+from mgrpo_jax.models import moe
 from mgrpo_jax.models import qwen3
 from mgrpo_jax.models.config import Qwen3Config
 from mgrpo_jax.rl import losses
@@ -192,6 +193,19 @@ def _replayed_routes(model_config: Qwen3Config, mb: Batch):
   return jnp.transpose(mb.experts[:, :-1], (2, 0, 1, 3)).astype(jnp.int32)
 
 
+def _routes_for_replay(model_config: Qwen3Config, batch: Batch) -> Batch:
+  """Host side, under `routing_replay`: a batch with no loss token and no routes (every row
+  padding: e.g. a sub-agent that was never called) gets zero routes, so that it compiles
+  like the others; one with loss tokens but no routes is refused."""
+  if not model_config.routing_replay or batch.experts is not None:
+    return batch
+  if np.any(np.asarray(batch.loss_mask) > 0):
+    _replayed_routes(model_config, batch)  # Raises, naming the missing field.
+  shape = (*np.shape(batch.tokens), sum(model_config.sparse_layers()),
+           model_config.num_experts_per_tok)
+  return batch.replace(experts=np.zeros(shape, moe.route_dtype(model_config.num_experts)))
+
+
 def _micro_batches(batch: Batch, num_micro: int, agg: str):
   """(micro-batches with a leading [M] axis, batch-global loss denominator)."""
   if batch.segment_ids is not None:
@@ -315,7 +329,8 @@ def make_train_step(model_config: Qwen3Config, loss_config: LossConfig,
       # Host batches are placed first: jit refuses numpy inputs with a sharding that spans
       # other processes' devices; device_put takes the (identical) batch on every process
       # and keeps each one's own rows.
-      return jitted(state, jax.device_put(Batch.of(batch), batch_sh))
+      batch = _routes_for_replay(model_config, Batch.of(batch))
+      return jitted(state, jax.device_put(batch, batch_sh))
 
     sharded_step.jitted, sharded_step.lower = jitted, jitted.lower
     return sharded_step
@@ -334,7 +349,8 @@ def make_train_step(model_config: Qwen3Config, loss_config: LossConfig,
     rows_sh = jax.sharding.NamedSharding(mesh, P(None, shard_lib.BATCH))
 
   def packed_step(state, batch):
-    packed = Batch(**packing.pack(Batch.of(batch).as_dict(),
+    batch = _routes_for_replay(model_config, Batch.of(batch))
+    packed = Batch(**packing.pack(batch.as_dict(),
                                   max_tokens_per_micro=max_tokens_per_micro,
                                   agg=loss_config.agg, rows_multiple=rows_multiple))
     if mesh is not None:

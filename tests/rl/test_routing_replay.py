@@ -152,6 +152,13 @@ def test_replay_needs_recorded_routes(moe, sampled):
   _, batch = sampled
   with pytest.raises(ValueError, match="routing_replay is on but the batch has no `experts`"):
     _step_metrics(cfg.replace(routing_replay=True), params, batch.replace(experts=None))
+  # The host-side step (packed here) gives an all-padding batch zero routes, and refuses
+  # real rows without them.
+  replay = cfg.replace(routing_replay=True)
+  empty = batch.replace(experts=None, loss_mask=np.zeros_like(batch.loss_mask))
+  assert float(_step_metrics(replay, params, empty, packed=True)["tokens"]) == 0
+  with pytest.raises(ValueError, match="routing_replay is on but the batch has no `experts`"):
+    _step_metrics(replay, params, batch.replace(experts=None), packed=True)
   with pytest.raises(models.ConfigError, match="routing_replay=True needs a mixture"):
     models.get_preset("tiny", routing_replay=True)
 
