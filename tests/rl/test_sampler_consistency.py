@@ -53,6 +53,8 @@ def test_trainer_recomputes_the_samplers_logprobs(tiny, temperature, top_k):
   eps = _episodes(cfg, params, temperature, top_k)
   batch = batch_lib.make_batch(eps, np.asarray([1.0, -1.0, 0.5, -0.5], np.float32),
                                max_len=512, pad_id=TOK.pad_id, minimum=64)
+  # A dense model records no routes (nothing to replay).
+  assert batch.experts is None and all(e.experts is None for e in eps)
   on = batch.loss_mask[:, 1:] > 0
   assert on.sum() >= 60 and np.all(batch.sampler_logp[:, 1:][on] < 0)
   # The trainer's forward: the whole sequence at once, no cache, float32. Under top-k the
