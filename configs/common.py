@@ -22,6 +22,12 @@ def model(preset: str = "tiny") -> ml_collections.ConfigDict:
       # MB of float32 logits scored at a time (tokens per chunk = this / (4 * vocab)): 2048 is
       # ~3500 tokens of Qwen3's 151,936-word vocabulary; a tiny vocabulary is one chunk.
       logits_chunk_mb=2048,
+      # LoRA (mgrpo_jax/models/lora.py): rank > 0 freezes the weights and trains rank-`rank`
+      # adapters, scaled by alpha / rank, on `targets` (HF/PEFT names); 0 trains every weight.
+      lora=ml_collections.ConfigDict(dict(
+          rank=0, alpha=16.0,
+          targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                   "down_proj"))),
   ))
 
 

@@ -65,6 +65,7 @@ PARAM_RULES: tuple[tuple[str, tuple], ...] = (
     (r"layers/mlp/(gate|up)$", (None, "fsdp", "tensor")),   # [L, D, F]
     (r"layers/mlp/down$", (None, "tensor", "fsdp")),        # [L, F, D]
     (r"scale$", None),                                      # norms: replicated
+    (r"_lora_(a|b)$", None),                                # LoRA factors: small, replicated
 )
 
 

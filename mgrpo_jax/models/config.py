@@ -21,6 +21,8 @@ _HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size",
             "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
             "head_dim": "head_dim", "max_position_embeddings": "max_position_embeddings"}
 _REQUIRED = object()
+# The projections a LoRA adapter may target, by their HF/PEFT module names.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class ConfigError(ValueError):
@@ -55,6 +57,12 @@ class Qwen3Config:
   # and the blockwise kernel's tile size. Runtime choices, not part of config.json.
   attention: str = "auto"
   attention_block: int = 512
+  # LoRA adapters (models/lora.py) on the projections named in `lora_targets` (LORA_TARGETS):
+  # rank 0 = none; the low-rank update A @ B is scaled by lora_alpha / lora_rank (as PEFT).
+  # Runtime fields too: the base checkpoint's config.json does not hold them.
+  lora_rank: int = 0
+  lora_alpha: float = 16.0
+  lora_targets: tuple[str, ...] = ()
 
   def __post_init__(self):
     for name, limit in _MAX.items():
@@ -84,6 +92,19 @@ class Qwen3Config:
           f"Qwen3Config.attention_block must be an int >= 8, got {self.attention_block!r}.")
     if not self.rope_theta > 0:
       raise ConfigError(f"Qwen3Config.rope_theta must be > 0, got {self.rope_theta!r}.")
+    self._check_lora()
+
+  def _check_lora(self):
+    rank = self.lora_rank
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+      raise ConfigError(f"Qwen3Config.lora_rank must be an int >= 0, got {self.lora_rank!r}.")
+    if not isinstance(self.lora_targets, tuple) or set(self.lora_targets) - set(LORA_TARGETS):
+      raise ConfigError(f"Qwen3Config.lora_targets={self.lora_targets!r}; expected a tuple of "
+                        f"names from {LORA_TARGETS}.")
+    if self.lora_rank and not self.lora_targets:
+      raise ConfigError(f"Qwen3Config.lora_rank={self.lora_rank} needs lora_targets.")
+    if self.lora_rank and not self.lora_alpha > 0:
+      raise ConfigError(f"Qwen3Config.lora_alpha must be > 0, got {self.lora_alpha!r}.")
 
   @property
   def param_jnp_dtype(self):
