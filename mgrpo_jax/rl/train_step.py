@@ -265,8 +265,8 @@ def make_train_step(model_config: Qwen3Config, loss_config: LossConfig,
       return _bind_frozen(jax.jit(step, donate_argnames=("state",)), frozen)
     batch_sh = jax.sharding.NamedSharding(mesh, P(shard_lib.BATCH))  # A prefix for every leaf.
     replicated = jax.sharding.NamedSharding(mesh, P())
-    return _bind_frozen(jax.jit(step, donate_argnames=("state",),
-                                in_shardings=(state_sharding, batch_sh, frozen_sh),
+    in_sh = (state_sharding, batch_sh) + (() if frozen is None else (frozen_sh,))
+    return _bind_frozen(jax.jit(step, donate_argnames=("state",), in_shardings=in_sh,
                                 out_shardings=(state_sharding, replicated)), frozen)
   if max_tokens_per_micro < 8:
     raise ValueError(f"max_tokens_per_micro must be >= 8, got {max_tokens_per_micro}.")
