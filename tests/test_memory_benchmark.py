@@ -25,3 +25,16 @@ def test_update_temporaries_grow_linearly_with_length():
   assert all(b / a < 2.2 for a, b in zip(temps, temps[1:])), temps
   assert temps[-1] < 20, temps  # 0.6B, 2 x 8192 tokens, remat: ~11 GB measured.
   assert cases[0]["arguments_gb"] > 7  # f32 params + Adam moments of 0.6B: really 0.6B.
+
+
+@pytest.mark.slow
+def test_lora_update_holds_the_base_once_and_state_for_adapters_only():
+  # Qwen3-0.6B, rank 16 on every projection: ~10M adapter parameters (f32, two Adam moments),
+  # beside a 2.4 GB f32 base that is an argument of the step and never comes back out.
+  memory = _memory_module()
+  case = memory.update_case("qwen3_0p6b", 16, 2048, lora_rank=16)
+  assert 9e6 < case["adapter_params"] < 12e6
+  assert abs(case["base_gb"] - 4 * case["params"] / 1e9) < 1e-6
+  assert case["state_gb"] < 0.15
+  assert case["arguments_gb"] < case["base_gb"] + case["state_gb"] + 0.05  # batch: ~1 MB
+  assert case["outputs_gb"] < case["state_gb"] + 0.01  # No base or gradient copy out.
