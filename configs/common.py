@@ -28,6 +28,12 @@ def model(preset: str = "tiny") -> ml_collections.ConfigDict:
       # bounds the dispatch buffers, which hold tokens x top-k x mesh.expert rows).
       router_aux_loss_coef=0.0,
       moe_chunk=0,
+      # LoRA (mgrpo_jax/models/lora.py): rank > 0 freezes the weights and trains rank-`rank`
+      # adapters, scaled by alpha / rank, on `targets` (HF/PEFT names); 0 trains every weight.
+      lora=ml_collections.ConfigDict(dict(
+          rank=0, alpha=16.0,
+          targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                   "down_proj"))),
   ))
 
 

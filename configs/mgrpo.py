@@ -9,9 +9,10 @@
 
 Arguments (comma-separated): variant=mgrpo|frozen_sub|single|shared, model=<preset> (default
 tiny; tiny_wide with runlocal), hf_path=<dir>, init=<sft workdir>, policy=model|expert,
-seed=<int>, runlocal, smoke, gpu (one 80 GB GPU at the paper's limits: Qwen3-0.6B preset
-unless model= or hf_path=, bf16 compute over f32 master weights, remat, packed token-budget
-updates, cuDNN attention where it applies, memory proved by benchmarks/memory.py).
+seed=<int>, lora=<rank> (LoRA agents: both models' lora.rank; 0 = full fine-tuning),
+runlocal, smoke, gpu (one 80 GB GPU at the paper's limits: Qwen3-0.6B preset unless model=
+or hf_path=, bf16 compute over f32 master weights, remat, packed token-budget updates, cuDNN
+attention where it applies, memory proved by benchmarks/memory.py).
 """
 
 import ml_collections
@@ -25,7 +26,7 @@ VARIANTS = ("mgrpo", "frozen_sub", "single", "shared")
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   args = common.parse_args(arg, dict(variant="mgrpo", model="", hf_path="", init="",
                                      policy="model", seed=0, runlocal=False, smoke=False,
-                                     gpu=False))
+                                     gpu=False, lora=0))
   if args["variant"] not in VARIANTS:
     raise ValueError(f"variant={args['variant']!r}; expected one of {VARIANTS}.")
   c = ml_collections.ConfigDict()
@@ -43,6 +44,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.main_model = common.model(preset)
   c.sub_model = common.model(preset)
   c.main_model.hf_path = c.sub_model.hf_path = args["hf_path"]
+  c.main_model.lora.rank = c.sub_model.lora.rank = args["lora"]
   c.init = args["init"]  # SFT workdir whose final weights start RL ("" = from the model).
   c.world = common.world(seed=0)
   c.retrieval = common.retrieval()
@@ -77,6 +79,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     _cpu(c)
   if args["runlocal"]:
     _demo(c)
+    if args["lora"]:
+      # Adapters take a larger step than full weights (the README's LoRA demo row: rank 8).
+      c.main_optim.learning_rate = c.sub_optim.learning_rate = 1e-3
   if args["smoke"]:
     c.num_steps, c.eval_every, c.num_eval_questions, c.checkpoint_every = 2, 1, 4, 1
     c.num_rollouts, c.align_d = 2, 2

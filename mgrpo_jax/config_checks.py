@@ -97,7 +97,8 @@ def model_fields(prefix: str) -> tuple[dict, dict]:
             f"{prefix}.attention_block": at_least(1),
             f"{prefix}.max_tokens_per_micro": at_least(0),
             f"{prefix}.logits_chunk_mb": at_least(1),
-            f"{prefix}.router_aux_loss_coef": NONNEGATIVE, f"{prefix}.moe_chunk": at_least(0)}
+            f"{prefix}.router_aux_loss_coef": NONNEGATIVE, f"{prefix}.moe_chunk": at_least(0),
+            f"{prefix}.lora.rank": at_least(0), f"{prefix}.lora.alpha": POSITIVE}
   return choices, ranges
 
 

@@ -140,14 +140,14 @@ def check_task(c: ml_collections.ConfigDict, w: Wiring, env: Env) -> None:
 
 def build_agents(c, w: Wiring, env: Env, mesh, key, *, only: str | None = None) -> dict:
   """The wiring's agents (or only agent `only`: a decoupled program owns just its own)."""
-  out = {}
+  out, bases = {}, {}  # LoRA agents on one checkpoint share its frozen copy.
   for name in w.agents:
     if only is None or name == only:
       section, i = _SECTIONS[name]
       out[name] = plumbing.build_agent(
           name, c[f"{section}_model"], c[f"{section}_optim"], c[f"{section}_loss"],
           env.tokenizer, mesh, jax.random.fold_in(key, i), init_dir=c.init,
-          num_micro=c.num_micro, temperature=c.sampling.temperature)
+          num_micro=c.num_micro, temperature=c.sampling.temperature, bases=bases)
   return out
 
 
@@ -178,7 +178,7 @@ def make_policies(c, w: Wiring, env: Env, agents: dict, sampling_cfg, version: i
   kw = dict(limits=limits(c), temperature=sampling_cfg.temperature, top_p=sampling_cfg.top_p,
             top_k=sampling_cfg.top_k, version=version, chunk=sampling_cfg.chunk,
             kv_cache_budget_bytes=sampling_cfg.kv_cache_budget_bytes or None)
-  return {role: rollout.LLMPolicy(agents[name].model_config, agents[name].state.params,
+  return {role: rollout.LLMPolicy(agents[name].model_config, agents[name].params,
                                   env.tokenizer, role, **kw)
           for role, name in w.agent_of.items() if name in agents}
 

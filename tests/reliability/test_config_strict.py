@@ -39,6 +39,7 @@ def _set(c, path: str, value):
     ("limits.max_delegations", 0, "an integer >= 1"),
     ("alpha", (-1.0, 2.0), "weights >= 0"),
     ("retrieval.backend", "faiss", "one of"),
+    ("sub_model.lora.rank", -1, "an integer >= 0"),
     ("retrieval.b", 1.5, "[0, 1]"),
 ])
 def test_mgrpo_field_is_named_with_its_range(path, value, expect):
