@@ -1,11 +1,13 @@
 """benchmarks/memory.py at a mid shape: update memory grows linearly with sequence length."""
 
+import functools
 import importlib.util
 import os
 
 import pytest
 
 
+@functools.cache  # Loaded once: the module defines absl flags.
 def _memory_module():
   path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "memory.py")
   spec = importlib.util.spec_from_file_location("memory_benchmark", path)
