@@ -119,7 +119,8 @@ def run_sub_agent(c, workdir: str, run, *, timeout_s: float = 600.0) -> None:
       policy = mgrpo_step.make_policies(c, w, env, agents, c.sampling, version=step)["sub"]
       svc = mgrpo_step.colocated_sub_agent(c, env, policy, key)
       outcome = delegation.serve_step(ex, svc, step, timeout_s=timeout_s)
-      batch, m = mgrpo_step.sub_side(c, env, svc.episodes, outcome, jax.random.fold_in(key, 2))
+      batch, m = mgrpo_step.sub_side(c, env, svc.episodes, outcome, jax.random.fold_in(key, 2),
+                                     align=w.align)
       m.update(mgrpo_step.update(w, agents, {"sub": batch}, step))  # frozen_sub: no update.
       return m
 

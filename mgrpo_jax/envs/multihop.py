@@ -82,39 +82,45 @@ def _comparison(world, spec, a: world_lib.Entity, b: world_lib.Entity) -> world_
                             side_hops=len(attrs))
 
 
+def _pairs(world, spec, rng: random.Random) -> list[tuple[world_lib.Entity, world_lib.Entity]]:
+  """Pairs of entities of `spec`'s kind in random order and orientation, comparable under it.
+
+  "same": pairs with equal values alternate with unequal ones while both last (equal values
+  are rare between random entities), then the rest of the larger side follows.
+  """
+  kind, attrs, op, _ = spec
+  of_kind = [e for e in world.entities if e.kind == kind]
+  value = [_side(world, e, attrs)[-1].answer for e in of_kind]
+  pairs = list(itertools.combinations(range(len(of_kind)), 2))
+  rng.shuffle(pairs)
+  if op == "same":
+    yes = [p for p in pairs if value[p[0]] == value[p[1]]]
+    no = [p for p in pairs if value[p[0]] != value[p[1]]]
+    pairs = [p for both in itertools.zip_longest(yes, no) for p in both if p]
+  else:  # "earlier" needs two different years.
+    pairs = [p for p in pairs if value[p[0]] != value[p[1]]]
+  return [(of_kind[i], of_kind[j]) if rng.random() < 0.5 else (of_kind[j], of_kind[i])
+          for i, j in pairs]
+
+
 def comparison_questions(world: world_lib.World, hops: int, num: int,
                          rng: random.Random) -> list[world_lib.Question]:
   """`num` distinct comparisons needing `hops` pages (2 or 4), spread over the templates.
 
-  "same" questions alternate yes and no while the world has both (pairs with equal values
-  are rare, so a large `num` takes more no than yes); the order of the two
-  names is random, so the answer is not always the first.
+  The order of the two names is random, so the answer is not always the first; "same"
+  questions are half yes while the world has enough equal pairs (`_pairs`).
   """
   specs = [s for s in COMPARISONS if 2 * len(s[1]) == hops]
-  if not specs or num == 0:
-    if num:
-      raise ValueError(f"no comparison needs {hops} pages; comparisons need 2 or 4")
+  if num == 0:
     return []
-  pools = []
-  for spec in specs:
-    of_kind = [e for e in world.entities if e.kind == spec[0]]
-    found = [q for a, b in itertools.combinations(of_kind, 2)
-             if (q := _comparison(world, spec, *((a, b) if rng.random() < 0.5 else (b, a))))]
-    if spec[2] == "same":  # Balance: equal values are rare between random entities.
-      yes, no = [q for q in found if q.answer == YES], [q for q in found if q.answer == NO]
-      rng.shuffle(yes)
-      rng.shuffle(no)
-      # Alternating yes and no while both last, then the rest of the larger side.
-      found = [q for pair in itertools.zip_longest(yes, no) for q in pair if q]
-    else:
-      rng.shuffle(found)
-    pools.append(found)
-  counts = world_lib.allocate(num, [1.0] * len(pools))
+  if not specs:
+    raise ValueError(f"no comparison needs {hops} pages; comparisons need 2 or 4")
   out = []
-  for pool, count in zip(pools, counts):
-    if count > len(pool):
-      raise ValueError(f"asked for {count} comparisons of one kind; the world has {len(pool)}")
-    out += pool[:count]
+  for spec, count in zip(specs, world_lib.allocate(num, [1.0] * len(specs))):
+    pairs = _pairs(world, spec, rng)
+    if count > len(pairs):
+      raise ValueError(f"asked for {count} comparisons {spec[3]!r}; the world has {len(pairs)}")
+    out += [_comparison(world, spec, a, b) for a, b in pairs[:count]]
   return out
 
 
@@ -141,11 +147,11 @@ def make_questions(world: world_lib.World, *, num: int,
     n_compare = round(count * compare_fraction) if level in (2, 4) else 0
     questions += comparison_questions(world, level, n_compare, rng)
     chains = world_lib.chain_questions(world, level) if count > n_compare else []
-    if level > 1:
-      chains = [q for q in chains if not _leaks(world, q)]
+    rng.shuffle(chains)
+    chains = [q for q in chains if level == 1 or not _leaks(world, q)][: count - n_compare]
     if count - n_compare > len(chains):
       raise ValueError(f"asked for {count - n_compare} {level}-hop chains; the world has "
-                       f"{len(chains)}")
-    questions += rng.sample(chains, count - n_compare)
+                       f"{len(chains)} whose answer is not on their first page")
+    questions += chains
   rng.shuffle(questions)
   return questions
