@@ -46,3 +46,35 @@ def test_every_variant_has_a_wiring():
   w = mgrpo_step.WIRINGS
   assert w["unaligned"].align == "pad" and w["mgrpo"].align == "sample"
   assert (w["unaligned"].roles, w["unaligned"].trained) == (w["mgrpo"].roles, w["mgrpo"].trained)
+
+
+def test_unaligned_sub_batch_holds_every_episode_once():
+  """variant=unaligned on real (expert) rollouts: each sub episode is one row, padding rows
+  are masked, and row count is a power of two; mgrpo's aligned batch is [Q*K*D] rows."""
+  import jax
+  import numpy as np
+
+  from mgrpo_jax import research_env
+
+  c = mgrpo_config.get_config("task=multihop,smoke,variant=unaligned,policy=expert")
+  env = research_env.build_env(c)
+  rows = {}
+  for variant in ("unaligned", "mgrpo"):
+    w = mgrpo_step.WIRINGS[variant]
+    policies = mgrpo_step.expert_policies(c, w, env, noise=0.3, seed=1)
+    eps, sub_eps = mgrpo_step.run_rollouts(c, w, env, policies, env.train[:c.num_queries],
+                                           num_rollouts=c.num_rollouts, key=jax.random.key(0),
+                                           step=0)
+    batches, m = mgrpo_step.batches(c, w, env, eps, sub_eps, jax.random.key(1))
+    b, n = batches["sub"], len(sub_eps)
+    rows[variant] = b.tokens.shape[0]
+    assert n > c.num_queries * c.num_rollouts  # multi-hop: several calls per rollout
+    if variant == "unaligned":
+      width = 1 << (n - 1).bit_length()
+      assert b.tokens.shape[0] == width
+      assert (b.loss_mask.sum(1) > 0).sum() == n and b.loss_mask[n:].sum() == 0
+      length, pad = b.tokens.shape[1], env.tokenizer.pad_id
+      want = sorted(tuple(e.tokens) + (pad,) * (length - len(e.tokens)) for e in sub_eps)
+      assert sorted(tuple(int(x) for x in t) for t in np.asarray(b.tokens)[:n]) == want
+    else:
+      assert rows[variant] == c.num_queries * c.num_rollouts * c.align_d
