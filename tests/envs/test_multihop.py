@@ -12,7 +12,7 @@ from mgrpo_jax import mgrpo_step, research_env
 from mgrpo_jax.agents import experts
 from mgrpo_jax.envs import multihop
 from mgrpo_jax.envs import world as world_lib
-from mgrpo_jax.envs.search import SearchIndex
+from mgrpo_jax.envs.retrieval import Bm25Retriever
 
 _SENTENCE = re.compile(r"(?<=[.!?])\s+")
 # Every slot of the world's templates as a loose pattern (written here, not taken from
@@ -45,7 +45,7 @@ def questions(world):
 
 def _digest(env) -> str:
   h = hashlib.sha256()
-  for d in env.index.documents:
+  for d in env.documents:
     h.update(f"{d.doc_id}|{d.title}|{d.text}\n".encode())
   for q in env.train + env.test:
     h.update(json.dumps([q.id, q.text, q.answer, q.difficulty, list(q.gold_doc_ids),
@@ -133,7 +133,7 @@ def test_multi_hop_questions_need_several_pages(world, questions):
 
 
 def test_noise_free_experts_answer_every_question(world, questions):
-  index = SearchIndex(world.documents)
+  index = Bm25Retriever.from_documents(world.documents)
   for q in questions:
     pair = experts.solve(q, index, think=False, search_k=2, max_chars=100_000)
     single = experts.solve_single(q, index, think=False, search_k=2, max_chars=100_000)
