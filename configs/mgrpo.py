@@ -176,7 +176,9 @@ def _multihop(c, size: str):
   H100/H200, Qwen3-0.6B preset), "cpu" (the same shape at about 1/16: pages of 75-160 tokens,
   max_len 320, tiny_wide; benchmarks/hierarchy_sweep.py), "smoke" (cpu's task, 2 steps).
   """
-  c.tokenizer = "byte+world"
+  # A real checkpoint reads its own tokenizer's ids (pages then count its tokens: check the
+  # budget with policy=expert, as tests/envs/test_multihop.py does for byte+world).
+  c.tokenizer = c.main_model.hf_path or "byte+world"
   c.world.update(kind="multihop", compare_fraction=0.5, hop_weights=(1.0, 2.0, 2.0, 2.0),
                  distractors_per_doc=2, visit_chars=100_000)  # Pages are shown whole.
   if size == "gpu":
@@ -190,9 +192,11 @@ def _multihop(c, size: str):
                  filler_sentences=(1, 2), num_questions=2000, search_k=2,
                  system_prompt=False)
   c.limits.update(max_turns=10, max_new_tokens=32, max_len=320, max_delegations=6)
-  c.num_queries, c.num_rollouts, c.align_d = 4, 8, 4
+  # D = 3: the experts delegate 2.75 times per question on average (1-4 pages).
+  c.num_queries, c.num_rollouts, c.align_d = 4, 8, 3
   c.main_optim.learning_rate = c.sub_optim.learning_rate = 2e-4
-  c.num_steps, c.eval_every, c.num_eval_questions, c.checkpoint_every = 40, 10, 200, 20
+  # Sized for the 5 x 3 sweep to take under 2 hours on 2 cores (estimate in the README).
+  c.num_steps, c.eval_every, c.num_eval_questions, c.checkpoint_every = 30, 10, 128, 10
   if size == "smoke":
     c.num_queries, c.num_rollouts = 2, 4
     c.num_steps, c.eval_every, c.num_eval_questions, c.checkpoint_every = 2, 1, 16, 1

@@ -57,8 +57,8 @@ def _multihop(c, size: str):
   overflow is not format-valid and, as for any variant, is not trained on (so the single
   agent learns from the one-page questions it can finish). The experts slip 30% of the time.
   """
-  c.sft.update(num_questions=3000, expert_noise=0.3, num_steps=400, batch_size=32,
-               learning_rate=2e-3, corpus_weight=1.0, eval_every=200, checkpoint_every=100)
+  c.sft.update(num_questions=3000, expert_noise=0.3, num_steps=300, batch_size=32,
+               learning_rate=2e-3, corpus_weight=1.0, eval_every=300, checkpoint_every=100)
   if size == "gpu":
     c.sft.update(num_questions=8000, num_steps=1000, batch_size=16, learning_rate=1e-5,
                  corpus_weight=0.0, eval_every=250, checkpoint_every=250)
