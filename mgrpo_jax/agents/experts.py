@@ -4,11 +4,11 @@
 answers), delegates one one-hop subquestion per hop and answers with the last sub-agent
 result; a later hop names whatever the previous result said, so a wrong sub-agent makes a
 wrong main agent, as with a real one. A comparison (`envs.multihop`) is two chains, each
-started from its named entity, and its answer compares their last results. `SubExpert` parses its subquestion, searches for the
-entity, visits the hit titled with that name and reads the answer out of the document text
-with the world's fact-sentence patterns. `SingleExpert`, the single-agent baseline
-(PAPERS.md 1.7), does both jobs itself: it walks the hop chain with search, visit and the
-sub-agent's reading, and answers. All are stateless: every call gets the task and the tool
+started from its named entity, and its answer compares their last results. `SubExpert`
+parses its subquestion, searches for the entity, visits the hit titled with that name and
+reads the answer out of the document text with the world's fact-sentence patterns.
+`SingleExpert`, the single-agent baseline (PAPERS.md 1.7), does both jobs itself: it walks
+the hop chain (or both chains) with search, visit and the sub-agent's reading, and answers. All are stateless: every call gets the task and the tool
 replies seen so far, and returns the next turn's text (`protocol.render_action`), so an
 engine can interleave many episodes. With `noise` > 0 each decision is, with that
 probability, a plausible mistake in a still valid turn. `solve` runs main and sub on one
@@ -225,8 +225,6 @@ def _final(question: world_lib.Question | str, values: Sequence[str]) -> str:
   answer = multihop.compare(question.compare, values[side - 1], values[-1],
                             question.hops[0].entity, question.hops[side].entity)
   return UNKNOWN if answer is None else answer
-
-
 
 
 @dataclasses.dataclass(frozen=True)
