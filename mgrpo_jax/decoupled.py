@@ -111,8 +111,10 @@ def run_sub_agent(c, workdir: str, run, *, timeout_s: float = 600.0) -> None:
       svc = mgrpo_step.colocated_sub_agent(c, env, policy, plumbing.eval_key(c, step))
       delegation.serve_step(ex, svc, delegation.EVAL_STEP_BASE + step, timeout_s=timeout_s,
                             read_outcome=False)
-      return {"eval/sub_format": float(np.mean([e.format_ok for e in svc.episodes]))
-              } if svc.episodes else {}
+      eps = svc.episodes
+      return {"eval/sub_format": float(np.mean([e.format_ok for e in eps])),
+              "eval/sub_overflow": float(np.mean([mgrpo_step.overflowed(e) for e in eps]))
+              } if eps else {}
 
     def update(step: int) -> dict:
       key = plumbing.step_key(c, step)
