@@ -1,8 +1,7 @@
 """The hierarchy ablation on multi-hop research over long pages (PAPERS.md 1.7, issue 18).
 
   python benchmarks/hierarchy_sweep.py --size=cpu --workdir=/tmp/hier     # the CPU sweep
-  python benchmarks/hierarchy_sweep.py --size=smoke --seeds=2 --workdir=/tmp/hs \
-      --out=/tmp/hs/sweep.json                                            # end to end, minutes
+  python benchmarks/hierarchy_sweep.py --size=smoke --seeds=2 --workdir=/tmp/hs # end to end
   python benchmarks/hierarchy_sweep.py --size=gpu --workdir=/w            # one H100/H200
 
 Runs `configs/mgrpo.py:hierarchy_sweep(size)`: M-GRPO, frozen sub-agent, shared weights,
@@ -39,7 +38,7 @@ _SIZE = flags.DEFINE_enum("size", "cpu", ["cpu", "gpu", "smoke"], "Task size (co
 _SEEDS = flags.DEFINE_integer("seeds", 3, "Seeds per variant.")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/hierarchy_sweep", "Runs go to subfolders.")
 _OUT = flags.DEFINE_string("out", "", "Results JSON (default benchmarks/results/"
-                           "hierarchy-sweep-<size>.json).")
+                           "hierarchy-sweep-<size>.json; smoke: in --workdir).")
 _PLOT = flags.DEFINE_string("plot", "", "Curves PNG (default: --out with .png).")
 _ONLY = flags.DEFINE_list("only", None, "Run only these variants (e.g. mgrpo,single).")
 _REUSE = flags.DEFINE_bool("reuse", False, "Keep finished warm starts and runs in --workdir.")
@@ -188,7 +187,9 @@ def _table(summary: dict) -> str:
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
-  out = _OUT.value or f"benchmarks/results/hierarchy-sweep-{_SIZE.value}.json"
+  # A smoke run proves the pipeline, it measures nothing: its JSON stays in the workdir.
+  results = _WORKDIR.value if _SIZE.value == "smoke" else "benchmarks/results"
+  out = _OUT.value or os.path.join(results, f"hierarchy-sweep-{_SIZE.value}.json")
   out_png = _PLOT.value or os.path.splitext(out)[0] + ".png"
   args = list(mgrpo_config.hierarchy_sweep(_SIZE.value, _SEEDS.value))
   if _ONLY.value:
