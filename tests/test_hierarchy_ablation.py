@@ -78,3 +78,25 @@ def test_unaligned_sub_batch_holds_every_episode_once():
       assert sorted(tuple(int(x) for x in t) for t in np.asarray(b.tokens)[:n]) == want
     else:
       assert rows[variant] == c.num_queries * c.num_rollouts * c.align_d
+
+
+def test_sweep_summary_intervals_by_hand():
+  """benchmarks/hierarchy_sweep.py: per variant, mean and 95% t-interval over seeds."""
+  import importlib.util
+  import os
+
+  path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "hierarchy_sweep.py")
+  spec = importlib.util.spec_from_file_location("hierarchy_sweep", path)
+  sweep = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(sweep)
+  run = lambda seed, accs: dict(kind="rl", variant="mgrpo", seed=seed, train_means={},
+                                evals=[{"step": s, "accuracy": a, "accuracy_hops2": a / 2}
+                                       for s, a in zip((0, 10), accs)])
+  records = [run(0, (0.1, 0.4)), run(1, (0.2, 0.5)), run(2, (0.3, 0.9)),
+             dict(kind="expert", variant="mgrpo", evals=[{"step": 0, "accuracy": 1.0}])]
+  s = sweep.summarize(records)["mgrpo"]
+  assert s["steps"] == [0, 10] and s["seeds"] == [0, 1, 2]
+  # Final accuracies (0.4, 0.5, 0.9): mean 0.6, s = 0.26458, t_{0.975, 2} = 4.302653.
+  assert abs(s["final"]["accuracy"]["mean"] - 0.6) < 1e-9
+  assert abs(s["final"]["accuracy"]["ci95"] - 4.302653 * 0.264575 / 3 ** 0.5) < 1e-3
+  assert s["curves"]["accuracy_hops2"]["mean"] == [0.1, 0.3]
