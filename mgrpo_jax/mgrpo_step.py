@@ -306,7 +306,7 @@ def sub_side(c, env: Env, sub_eps, outcome: hierarchy.MainOutcome, key, *,
 
   `align="pad"` (the `unaligned` variant) takes every episode once instead: D is
   `limits.max_delegations` (no rollout has more calls), rows past a rollout's calls are
-  invalid, and the batch keeps the valid rows, padded to a power of two (few shapes).
+  invalid, and the batch keeps the valid rows, padded to a multiple of Q*K (few shapes).
   """
   r_s = hierarchy.sub_rewards(sub_eps, outcome, beta=tuple(c.beta))
   if align == "pad":
@@ -319,7 +319,10 @@ def sub_side(c, env: Env, sub_eps, outcome: hierarchy.MainOutcome, key, *,
   rows = aligned.episodes
   if align == "pad":
     keep = [i for i, ep in enumerate(rows) if ep is not None]
-    width = 1 << max(len(keep) - 1, 0).bit_length()
+    # Rows in whole multiples of Q*K (the main batch's size, which the mesh divides): at
+    # most max_delegations shapes to compile.
+    unit = c.num_queries * c.num_rollouts
+    width = unit * max(1, -(-len(keep) // unit))
     rows = [rows[i] for i in keep] + [None] * (width - len(keep))
     adv_s = np.concatenate([adv_s[keep], np.zeros(width - len(keep), np.float32)])
   batch = batch_lib.make_batch(rows, adv_s, max_len=c.limits.max_len,
