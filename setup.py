@@ -38,6 +38,8 @@ setuptools.setup(
         # The parity references run torch on CPU; the pin keeps CI off CUDA wheels.
         "test": [
             "torch==2.13.0",
+            # Loads the exported LoRA adapters onto the HF base in the parity test.
+            "peft",
             "pytest",
             "pytest-xdist",
             "hypothesis",

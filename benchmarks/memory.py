@@ -17,6 +17,11 @@ chunked log-probs, remat, packed token-budget micro-batches):
                          trace per device per micro-batch, experts dispatched moe_chunk
                          tokens per device at a time
   decode/qwen3_30b_a3b/reached=1024  its decode loop on the same mesh, 64 rows (1 per device)
+  update/qwen3_1p7b/{main,sub}+lora16[+bf16base]  a LoRA agent (rank 16 on every projection,
+                         float32 adapters and moments) over a frozen float32 (or bf16) base
+  pair/qwen3_1p7b/{full,lora16,lora16+bf16base}  a colocated main + sub pair on one device:
+                         both states (LoRA: one shared base, two adapter states) plus the
+                         larger update's temporaries, from the update cases above
   decode/<preset>/reached=1024  the sampler's decode loop for 64 rows whose traces reached
                          1024 tokens with max_len=32768 (the cache is sized by need)
   scaling/T=<n>          the plain (unpacked) make_train_step on 4 x n padded rows, remat,
@@ -41,7 +46,7 @@ import jax.numpy as jnp  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from mgrpo_jax import models, sampling, sharding  # noqa: E402
-from mgrpo_jax.models import qwen3  # noqa: E402
+from mgrpo_jax.models import lora, qwen3  # noqa: E402
 from mgrpo_jax.rl import train_step as ts  # noqa: E402
 
 _CASES = flags.DEFINE_list("cases", ["update", "decode", "scaling"],
@@ -62,12 +67,14 @@ _MOE_MESH = dict(data=1, fsdp=8, tensor=1, expert=8)
 # Tokens per packed micro-batch per device: one 32k trace (main) or four 8k traces (sub).
 _BUDGET = 32768
 _LOGITS_CHUNK = 4096
+_LORA_RANK = 16
 
 
 def model_config(preset: str, **kw) -> models.Qwen3Config:
   """The real-scale policy: bf16 compute, f32 master weights, remat, blockwise attention."""
-  return models.get_preset(preset, param_dtype="float32", compute_dtype="bfloat16", remat=True,
-                           attention="blockwise", **kw)
+  kw = dict(param_dtype="float32", compute_dtype="bfloat16", remat=True,
+            attention="blockwise") | kw
+  return models.get_preset(preset, **kw)
 
 
 def _abstract(tree, shardings=None):
@@ -103,23 +110,41 @@ def _mesh(axes: dict):
   return sharding.make_mesh(axes, devices=jax.devices()[:devices]), devices
 
 
+def abstract_lora_state(cfg, tx):
+  """ShapeDtypeStructs of a LoRA agent's TrainState (adapters only) and of its frozen base."""
+  state = jax.eval_shape(lambda k: ts.init_state(lora.init_adapters(cfg, k), tx, k),
+                         jax.random.key(0))
+  return _abstract(state), _abstract(qwen3.abstract_params(lora.base_config(cfg)))
+
+
 def update_case(preset: str, rows: int, length: int, *, devices: int = 1,
-                mesh_axes: dict | None = None, moe_chunk: int = 0) -> dict:
-  """The packed update of `rows` traces of `length` tokens (one trace per row)."""
-  cfg = model_config(preset, moe_chunk=moe_chunk)
+                mesh_axes: dict | None = None, moe_chunk: int = 0, lora_rank: int = 0,
+                base_dtype: str = "float32") -> dict:
+  """The packed update of `rows` traces of `length` tokens (one trace per row).
+
+  With `lora_rank`, a LoRA agent's update (single device): rank-`lora_rank` adapters on every
+  projection, the frozen base in `base_dtype` passed beside the state.
+  """
+  cfg = model_config(preset, moe_chunk=moe_chunk, param_dtype=base_dtype)
   tx = ts.make_optimizer(learning_rate=1e-6)
-  mesh = None
+  mesh, frozen = None, None
   if mesh_axes is None and devices > 1:
     mesh_axes = dict(data=1, fsdp=devices, tensor=1)
   if mesh_axes is not None:
     mesh, devices = _mesh(mesh_axes)
-  state, st_sh = abstract_state(cfg, tx, mesh)
+  if lora_rank:
+    cfg = cfg.replace(lora_rank=lora_rank, lora_alpha=2.0 * lora_rank,
+                      lora_targets=models.config.LORA_TARGETS)
+    (state, frozen), st_sh = abstract_lora_state(cfg, tx), None
+  else:
+    state, st_sh = abstract_state(cfg, tx, mesh)
   # Rows per micro-batch: the token budget per device, at least one row per device, and no
   # more rows than the batch has (rounded up to whole rows per device; the packer pads).
   per_micro = min(max(devices, _BUDGET * devices // length), -(-rows // devices) * devices)
   shape = (max(1, rows // per_micro), per_micro, length)
   step = ts.make_train_step(cfg, ts.LossConfig(), tx, mesh=mesh, state_sharding=st_sh,
-                            max_tokens_per_micro=_BUDGET * devices, logits_chunk=_LOGITS_CHUNK)
+                            max_tokens_per_micro=_BUDGET * devices, logits_chunk=_LOGITS_CHUNK,
+                            frozen=frozen)
   rows_sh = None if mesh is None else jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec(None, sharding.BATCH))
   tok = lambda dt: jax.ShapeDtypeStruct(shape, dt, sharding=rows_sh)
@@ -128,7 +153,7 @@ def update_case(preset: str, rows: int, length: int, *, devices: int = 1,
            "seq_tokens": tok(jnp.float32), "loss_mask": tok(jnp.float32),
            "old_logp": tok(jnp.float32), "denominator": jax.ShapeDtypeStruct((), jnp.float32)}
   t0 = time.perf_counter()
-  compiled = step.jitted.lower(state, batch).compile()
+  compiled = step.jitted.lower(state, batch, frozen).compile()
   out = _stats(compiled, time.perf_counter() - t0)
   out.update(preset=preset, rows=rows, length=length, devices=devices,
              micro_batches=shape[0], rows_per_micro=shape[1], params=cfg.num_params())
@@ -136,7 +161,27 @@ def update_case(preset: str, rows: int, length: int, *, devices: int = 1,
     out.update(mesh={k: v for k, v in mesh_axes.items() if v > 1})
   if cfg.is_moe:
     out.update(active_params=cfg.num_active_params(), moe_chunk=moe_chunk)
+  gb = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)) / GB
+  out["state_gb"] = gb(state)  # What the agent keeps between updates (its own part).
+  if lora_rank:
+    out.update(lora_rank=lora_rank, base_dtype=base_dtype, base_gb=gb(frozen),
+               adapter_params=lora.num_adapter_params(cfg))
   return out
+
+
+def pair_case(results: dict, preset: str, suffix: str = "") -> dict:
+  """A colocated main + sub pair on one device, from the two agents' update cases.
+
+  Both agents' states stay resident; one update runs at a time, so the larger update's
+  temporaries (and gradients: outputs beyond the donated state) come on top. LoRA agents
+  on one checkpoint share its base (plumbing.build_agent's `bases`): it counts once.
+  """
+  main, sub = (results[f"update/{preset}/{r}{suffix}"] for r in ("main", "sub"))
+  resident = main["state_gb"] + sub["state_gb"] + main.get("base_gb", 0.0)
+  peak = max(r["temporaries_gb"] + r["outputs_gb"] - r["aliased_gb"] for r in (main, sub))
+  return {"preset": preset, "resident_gb": resident, "update_extra_gb": peak,
+          "total_gb": resident + peak, "from": [f"update/{preset}/main{suffix}",
+                                                f"update/{preset}/sub{suffix}"]}
 
 
 def scaling_case(preset: str, length: int, rows: int = 4) -> dict:
@@ -210,9 +255,26 @@ def all_cases() -> dict:
     cases[f"update/{p}/sub"] = lambda p=p: update_case(
         p, 64, 8192, mesh_axes=_MOE_MESH, moe_chunk=_MOE_CHUNK.value)
     cases[f"decode/{p}/reached=1024"] = lambda p=p: decode_case(p, mesh_axes=_MOE_MESH)
+  lora_preset = "qwen3_1p7b"
+  for suffix, dtype in ((f"+lora{_LORA_RANK}", "float32"),
+                        (f"+lora{_LORA_RANK}+bf16base", "bfloat16")):
+    for role, rows, length in (("main", 16, 32768), ("sub", 64, 8192)):
+      cases[f"update/{lora_preset}/{role}{suffix}"] = (
+          lambda r=rows, n=length, d=dtype: update_case(lora_preset, r, n,
+                                                        lora_rank=_LORA_RANK, base_dtype=d))
   for t in map(int, _SCALING_T.value):
     cases[f"scaling/T={t}"] = lambda t=t: scaling_case(_SCALING_PRESET.value, t)
   return cases
+
+
+def _add_pairs(results: dict) -> None:
+  """The pair entries whose two update cases (with their state sizes) are in `results`."""
+  for suffix, name in (("", "full"), (f"+lora{_LORA_RANK}", f"lora{_LORA_RANK}"),
+                       (f"+lora{_LORA_RANK}+bf16base", f"lora{_LORA_RANK}+bf16base")):
+    try:
+      results[f"pair/qwen3_1p7b/{name}"] = pair_case(results, "qwen3_1p7b", suffix)
+    except KeyError:  # Not run yet (or run before the cases recorded state_gb).
+      pass
 
 
 def main(argv):
@@ -236,6 +298,7 @@ def main(argv):
     r["command"] = "python benchmarks/memory.py " + " ".join(sys.argv[1:])
     print(f"  total {r['total_gb']:.2f} GB (arguments {r['arguments_gb']:.2f}, temporaries "
           f"{r['temporaries_gb']:.2f}), compiled in {r['compile_s']} s", flush=True)
+    _add_pairs(results)
     os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
     with open(_OUT.value, "w") as f:
       json.dump({"device": "cpu (compiled memory analysis; per device)",

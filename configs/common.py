@@ -31,6 +31,12 @@ def model(preset: str = "tiny") -> ml_collections.ConfigDict:
       # Routing replay: the update routes each token to the experts the sampler chose for
       # it (recorded per token by the sampler) instead of re-routing (MoE only).
       routing_replay=False,
+      # LoRA (mgrpo_jax/models/lora.py): rank > 0 freezes the weights and trains rank-`rank`
+      # adapters, scaled by alpha / rank, on `targets` (HF/PEFT names); 0 trains every weight.
+      lora=ml_collections.ConfigDict(dict(
+          rank=0, alpha=16.0,
+          targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                   "down_proj"))),
   ))
 
 
@@ -76,6 +82,12 @@ def world(seed: int = 0) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(dict(
       seed=seed, num_people=24, num_orgs=12, num_places=12, num_works=12, num_countries=4,
       num_rivers=5, distractors_per_doc=2, name_similarity=0.0,
+      # (low, high) filler sentences per document (envs.world.FILLER): long pages.
+      filler_sentences=(0, 0),
+      # "chains": envs.world.make_questions (link chains); "multihop": envs.multihop (chains
+      # and comparisons of two entities; hop_weights then weigh questions by pages needed).
+      kind="chains",
+      compare_fraction=0.0,  # multihop: share of comparisons among 2- and 4-page questions.
       num_questions=400,  # Generated, then split.
       hop_weights=(1.0, 1.0, 1.0),  # Relative frequency of 1-, 2-, 3-hop questions.
       test_fraction=0.25,

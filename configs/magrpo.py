@@ -7,7 +7,8 @@
 Arguments (comma-separated): task=pick|code|tldr|article, model=<preset>, hf_path=<dir>,
 init=<workdir with hf/<agent>>, path=<task jsonl>, turns=<int>, mode=align|cross, group=<G>,
 variant=magrpo|single, pipeline=parallel|sequential|discussion, agents=<N> (pick only),
-seed=<int>, runlocal (the CPU demo: pick task, warm start + MAGRPO), smoke (2 steps).
+seed=<int>, lora=<rank> (LoRA agents; 0 = full fine-tuning), runlocal (the CPU demo: pick
+task, warm start + MAGRPO), smoke (2 steps).
 """
 
 import ml_collections
@@ -21,7 +22,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   args = common.parse_args(arg, dict(task="", model="tiny", hf_path="", init="", path="",
                                      turns=1, mode="align", group=4, seed=0, runlocal=False,
                                      variant="magrpo", pipeline="parallel", agents=2,
-                                     smoke=False))
+                                     smoke=False, lora=0))
   # Default task: the CPU demo's for runlocal/smoke, else HumanEval code collaboration.
   args["task"] = args["task"] or ("pick" if args["runlocal"] or args["smoke"] else "code")
   if args["task"] not in TASKS:
@@ -48,6 +49,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.pipeline = args["pipeline"]
   c.model = common.model(args["model"])  # Every agent: the same architecture, its own weights.
   c.model.hf_path = args["hf_path"]
+  c.model.lora.rank = args["lora"]
   c.init = args["init"]  # Workdir whose hf/<agent> weights start the run ("" = c.model).
   c.num_prompts = 4  # P: prompts per step.
   c.group = args["group"]  # G: samples per agent per node (PAPERS.md 2.1: 4).

@@ -6,12 +6,16 @@
   python launch/demo.py --workdir=/tmp/demo # the CPU demo: warm start, then M-GRPO
   python benchmarks/mgrpo_demo.py --sweep   # its ablation: warm starts, then sweep() below
   python launch/train.py --config=configs/mgrpo.py:gpu,hf_path=/ckpt/Qwen3-0.6B --workdir=/w
+  python benchmarks/hierarchy_sweep.py --size=cpu   # the hierarchy ablation, hierarchy_sweep()
 
-Arguments (comma-separated): variant=mgrpo|frozen_sub|single|shared, model=<preset> (default
-tiny; tiny_wide with runlocal), hf_path=<dir>, init=<sft workdir>, policy=model|expert,
-seed=<int>, runlocal, smoke, gpu (one 80 GB GPU at the paper's limits: Qwen3-0.6B preset
+Arguments (comma-separated): variant=mgrpo|frozen_sub|single|shared|unaligned,
+model=<preset> (default tiny; tiny_wide with runlocal), hf_path=<dir>, init=<sft workdir>,
+policy=model|expert, seed=<int>, lora=<rank> (LoRA agents: both models' lora.rank; 0 = full
+fine-tuning), runlocal, smoke, gpu (one 80 GB GPU at the paper's limits: Qwen3-0.6B preset
 unless model= or hf_path=, bf16 compute over f32 master weights, remat, packed token-budget
-updates, cuDNN attention where it applies, memory proved by benchmarks/memory.py).
+updates, cuDNN attention where it applies, memory proved by benchmarks/memory.py),
+task=world|multihop (multihop: long pages, 1-4 hop bridge and comparison questions,
+`_multihop`; its size is gpu, smoke, or cpu for runlocal or no flag).
 """
 
 import ml_collections
@@ -19,20 +23,36 @@ import ml_collections
 from configs import common
 from mgrpo_jax import models
 
-VARIANTS = ("mgrpo", "frozen_sub", "single", "shared")
+VARIANTS = ("mgrpo", "frozen_sub", "single", "shared", "unaligned")
+TASKS = ("world", "multihop")
+
+
+def arguments(arg: str | None) -> dict:
+  """The typed arguments of `arg` (configs/sft.py takes the same)."""
+  args = common.parse_args(arg, dict(variant="mgrpo", model="", hf_path="", init="",
+                                     policy="model", seed=0, runlocal=False, smoke=False,
+                                     gpu=False, lora=0, task="world"))
+  if args["variant"] not in VARIANTS:
+    raise ValueError(f"variant={args['variant']!r}; expected one of {VARIANTS}.")
+  if args["task"] not in TASKS:
+    raise ValueError(f"task={args['task']!r}; expected one of {TASKS}.")
+  return args
+
+
+def multihop_size(args: dict) -> str:
+  """The multi-hop task's size: "gpu", "smoke" or "cpu" (runlocal, or no size flag)."""
+  return "gpu" if args["gpu"] else "smoke" if args["smoke"] else "cpu"
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  args = common.parse_args(arg, dict(variant="mgrpo", model="", hf_path="", init="",
-                                     policy="model", seed=0, runlocal=False, smoke=False,
-                                     gpu=False))
-  if args["variant"] not in VARIANTS:
-    raise ValueError(f"variant={args['variant']!r}; expected one of {VARIANTS}.")
+  args = arguments(arg)
   c = ml_collections.ConfigDict()
   c.program = "mgrpo"  # Which library entry point launch/train.py runs.
   c.seed = args["seed"]
   # mgrpo: both trained; frozen_sub: only main trained; single: one agent with every tool;
   # shared: one set of weights plays both roles.
+  # unaligned: mgrpo with the sub-agent trained on each rollout's own calls, none duplicated or
+  # dropped (PAPERS.md 1.4 off: rollouts weigh by their number of calls).
   c.variant = args["variant"]
   c.policy = args["policy"]  # "model", or "expert": evaluate the scripted experts.
   c.expert_think = True  # Scripted experts write a short <think> before each action.
@@ -43,6 +63,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.main_model = common.model(preset)
   c.sub_model = common.model(preset)
   c.main_model.hf_path = c.sub_model.hf_path = args["hf_path"]
+  c.main_model.lora.rank = c.sub_model.lora.rank = args["lora"]
   c.init = args["init"]  # SFT workdir whose final weights start RL ("" = from the model).
   c.world = common.world(seed=0)
   c.retrieval = common.retrieval()
@@ -73,10 +94,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.max_staleness = 0  # Sub-agent versions a result may lag (checked by the main program).
   if args["gpu"]:
     _gpu(c, preset=args["model"] or "qwen3_0p6b")
-  if args["runlocal"] or args["smoke"]:
+  if args["runlocal"] or args["smoke"] or (args["task"] == "multihop" and not args["gpu"]):
     _cpu(c)
+  if args["task"] == "multihop":
+    _multihop(c, multihop_size(args))
+    return c
   if args["runlocal"]:
     _demo(c)
+    if args["lora"]:
+      # Adapters take a larger step than full weights (the README's LoRA demo row: rank 8).
+      c.main_optim.learning_rate = c.sub_optim.learning_rate = 1e-3
   if args["smoke"]:
     c.num_steps, c.eval_every, c.num_eval_questions, c.checkpoint_every = 2, 1, 4, 1
     c.num_rollouts, c.align_d = 2, 2
@@ -136,8 +163,61 @@ def _demo(c):
   c.num_steps, c.eval_every, c.num_eval_questions, c.checkpoint_every = 40, 20, 376, 20
 
 
+def _multihop(c, size: str):
+  """Multi-hop research over long pages (envs.multihop), where the hierarchy can matter.
+
+  Bridge chains of 1-4 links and comparisons of two entities (2 or 4 pages) over long pages:
+  `limits.max_len` holds a search and one page (the sub-agent's episode, or a single agent's
+  on a one-page question) but not two pages, while the main agent's plan and short results
+  take a fraction of it; so a single agent that visits pages overflows at its second one.
+  Every variant has the same limits (PAPERS.md 1.1: one context size for every agent
+  episode); tests/envs/test_multihop.py checks both sides of the budget with the experts.
+  Sizes: "gpu" (pages of about 2-3k tokens of the byte+world tokenizer, max_len 4096; one
+  H100/H200, Qwen3-0.6B preset), "cpu" (the same shape at about 1/16: pages of 75-160 tokens,
+  max_len 320, tiny_wide; benchmarks/hierarchy_sweep.py), "smoke" (cpu's task, 2 steps).
+  """
+  # A real checkpoint reads its own tokenizer's ids (pages then count its tokens: check the
+  # budget with policy=expert, as tests/envs/test_multihop.py does for byte+world).
+  c.tokenizer = c.main_model.hf_path or "byte+world"
+  c.world.update(kind="multihop", compare_fraction=0.5, hop_weights=(1.0, 2.0, 2.0, 2.0),
+                 distractors_per_doc=2, visit_chars=100_000)  # Pages are shown whole.
+  if size == "gpu":
+    c.world.update(num_people=400, num_orgs=200, num_places=200, num_works=200,
+                   filler_sentences=(40, 56), num_questions=8000, search_k=3)
+    c.limits.update(max_turns=12, max_new_tokens=256, max_len=4096, max_delegations=6)
+    c.num_queries, c.num_rollouts, c.align_d = 8, 8, 4
+    c.num_steps, c.eval_every, c.num_eval_questions, c.checkpoint_every = 200, 20, 512, 20
+    return
+  c.world.update(num_people=80, num_orgs=40, num_places=40, num_works=40,
+                 filler_sentences=(1, 2), num_questions=2000, search_k=2,
+                 system_prompt=False)
+  c.limits.update(max_turns=10, max_new_tokens=32, max_len=320, max_delegations=6)
+  # D = 3: the experts delegate 2.75 times per question on average (1-4 pages). Q = 3 (not
+  # the demo's 4) keeps the 5 x 3 sweep under 2 hours on 2 cores (estimate in the README).
+  c.num_queries, c.num_rollouts, c.align_d = 3, 8, 3
+  c.main_optim.learning_rate = c.sub_optim.learning_rate = 2e-4
+  c.num_steps, c.eval_every, c.num_eval_questions, c.checkpoint_every = 30, 10, 128, 10
+  if size == "smoke":
+    c.num_queries, c.num_rollouts = 2, 4
+    c.num_steps, c.eval_every, c.num_eval_questions, c.checkpoint_every = 2, 1, 16, 1
+
+
 def sweep():
   """The paper's comparison on CPU: 3 variants x 3 seeds, from the same warm start."""
   for variant in ("mgrpo", "frozen_sub", "single"):
     for seed in range(3):
       yield f"runlocal,variant={variant},seed={seed}"
+
+
+HIERARCHY_VARIANTS = ("mgrpo", "frozen_sub", "shared", "single", "unaligned")
+
+
+def hierarchy_sweep(size: str = "cpu", seeds: int = 3):
+  """The hierarchy ablation on multi-hop research (benchmarks/hierarchy_sweep.py).
+
+  Every variant on the same task, limits and number of updates, `seeds` seeds each.
+  """
+  flag = {"cpu": "runlocal", "gpu": "gpu", "smoke": "smoke"}[size]
+  for variant in HIERARCHY_VARIANTS:
+    for seed in range(seeds):
+      yield f"task=multihop,{flag},variant={variant},seed={seed}"

@@ -1,6 +1,7 @@
 """The CPU demo of M-GRPO: warm start, then M-GRPO; held-out accuracy before and after.
 
   python launch/demo.py --workdir=/tmp/mgrpo_demo
+  python launch/demo.py --workdir=/tmp/mgrpo_demo --lora=8   # M-GRPO of LoRA agents instead
 
 Runs `configs/sft.py:runlocal` (supervised warm start on the scripted experts' traces) into
 WORKDIR/sft, then `configs/mgrpo.py:runlocal,init=WORKDIR/sft` into WORKDIR/mgrpo: exactly
@@ -24,15 +25,19 @@ from configs import sft as sft_config
 from mgrpo_jax import colocated, distributed, metrics, plotting, sft
 
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/mgrpo_demo", "Runs go to sft/ and mgrpo/ here.")
+_LORA = flags.DEFINE_integer("lora", 0, "> 0: the M-GRPO stage trains LoRA adapters of this "
+                             "rank over the (full) warm start, into mgrpo-lora<rank>/.")
 
 
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
   distributed.initialize_from_flags()  # Multi-host runs; a no-op for one process.
-  warm, rl = (os.path.join(_WORKDIR.value, name) for name in ("sft", "mgrpo"))
+  rl_name = f"mgrpo-lora{_LORA.value}" if _LORA.value else "mgrpo"
+  warm, rl = (os.path.join(_WORKDIR.value, name) for name in ("sft", rl_name))
   sft.train_sft(sft_config.get_config("runlocal"), warm)
-  colocated.train_and_evaluate(mgrpo_config.get_config(f"runlocal,init={warm}"), rl)
+  colocated.train_and_evaluate(
+      mgrpo_config.get_config(f"runlocal,init={warm},lora={_LORA.value}"), rl)
   if not distributed.is_primary():
     return  # Process 0 wrote the metrics; it alone plots them.
   evals = [m for m in metrics.read_metrics(rl) if "eval/accuracy" in m]

@@ -98,7 +98,8 @@ def model_fields(prefix: str) -> tuple[dict, dict]:
             f"{prefix}.attention_block": at_least(1),
             f"{prefix}.max_tokens_per_micro": at_least(0),
             f"{prefix}.logits_chunk_mb": at_least(1),
-            f"{prefix}.router_aux_loss_coef": NONNEGATIVE, f"{prefix}.moe_chunk": at_least(0)}
+            f"{prefix}.router_aux_loss_coef": NONNEGATIVE, f"{prefix}.moe_chunk": at_least(0),
+            f"{prefix}.lora.rank": at_least(0), f"{prefix}.lora.alpha": POSITIVE}
   return choices, ranges
 
 
@@ -141,6 +142,7 @@ def world_ranges(prefix: str = "world") -> dict:
                          "num_questions", "search_k", "visit_chars")}
   ranges.update({f"{prefix}.num_works": at_least(0), f"{prefix}.distractors_per_doc": at_least(0),
                  f"{prefix}.name_similarity": PROBABILITY,
+                 f"{prefix}.compare_fraction": PROBABILITY,
                  f"{prefix}.test_fraction": Range(low=0, high=1, low_open=True, high_open=True)})
   return ranges
 
@@ -150,6 +152,23 @@ def retrieval_fields(prefix: str = "retrieval") -> tuple[dict, dict]:
   return ({f"{prefix}.backend": ("bm25s", "http")},
           {f"{prefix}.k1": NONNEGATIVE, f"{prefix}.b": PROBABILITY,
            f"{prefix}.timeout_s": POSITIVE})
+
+
+WORLD_KINDS = ("chains", "multihop")
+
+
+def check_world(c, prefix: str = "world") -> None:
+  """The world's question kind, filler range and hop weights (multihop: at most 4 levels)."""
+  check_config(c, {f"{prefix}.kind": WORLD_KINDS})
+  filler = tuple(config_field(c, f"{prefix}.filler_sentences"))
+  if (len(filler) != 2 or any(x not in at_least(0) for x in filler)
+      or filler[0] > filler[1]):
+    raise ConfigValueError(f"config.{prefix}.filler_sentences={filler}; expected (low, high) "
+                           "integers with 0 <= low <= high.")
+  weights = tuple(config_field(c, f"{prefix}.hop_weights"))
+  if config_field(c, f"{prefix}.kind") == "multihop" and len(weights) > 4:
+    raise ConfigValueError(f"config.{prefix}.hop_weights={weights}; a multihop world asks "
+                           "questions of 1-4 pages: at most 4 weights.")
 
 
 def mesh_ranges(prefix: str = "mesh") -> dict:

@@ -111,15 +111,18 @@ def run_sub_agent(c, workdir: str, run, *, timeout_s: float = 600.0) -> None:
       svc = mgrpo_step.colocated_sub_agent(c, env, policy, plumbing.eval_key(c, step))
       delegation.serve_step(ex, svc, delegation.EVAL_STEP_BASE + step, timeout_s=timeout_s,
                             read_outcome=False)
-      return {"eval/sub_format": float(np.mean([e.format_ok for e in svc.episodes]))
-              } if svc.episodes else {}
+      eps = svc.episodes
+      return {"eval/sub_format": float(np.mean([e.format_ok for e in eps])),
+              "eval/sub_overflow": float(np.mean([mgrpo_step.overflowed(e) for e in eps]))
+              } if eps else {}
 
     def update(step: int) -> dict:
       key = plumbing.step_key(c, step)
       policy = mgrpo_step.make_policies(c, w, env, agents, c.sampling, version=step)["sub"]
       svc = mgrpo_step.colocated_sub_agent(c, env, policy, key)
       outcome = delegation.serve_step(ex, svc, step, timeout_s=timeout_s)
-      batch, m = mgrpo_step.sub_side(c, env, svc.episodes, outcome, jax.random.fold_in(key, 2))
+      batch, m = mgrpo_step.sub_side(c, env, svc.episodes, outcome, jax.random.fold_in(key, 2),
+                                     align=w.align)
       m.update(mgrpo_step.update(w, agents, {"sub": batch}, step))  # frozen_sub: no update.
       return m
 

@@ -12,6 +12,7 @@ that every function here takes; nothing else reads it:
   frozen_sub  the same rollouts, but the sub-agent's update is never run
   shared      one set of weights plays both roles; one update on both roles' rows
   single      one agent with every tool (single-agent GRPO), no sub-agent
+  unaligned   mgrpo without trajectory alignment: every sub-agent episode once
 Who serves the delegations is the caller's: the colocated program passes the in-process
 `ColocatedSubAgent`, the decoupled main program an `ExchangeSubAgent`.
 """
@@ -42,6 +43,9 @@ class Wiring:
   agent_of: Mapping[str, str]  # Role -> the agent whose weights play it.
   trained: tuple[str, ...]  # Agents whose update runs.
   merge: bool  # One update on both roles' rows (one agent plays both).
+  # Sub-agent rows: "sample" (trajectory alignment, PAPERS.md 1.4: D per rollout, drawn) or
+  # "pad" (each rollout's calls once, none duplicated or dropped; padding rows masked).
+  align: str = "sample"
 
   @property
   def lead(self) -> str:
@@ -63,6 +67,8 @@ WIRINGS = {
     "shared": Wiring(("main", "sub"), {"main": "main", "sub": "main"}, trained=("main",),
                      merge=True),
     "single": Wiring(("single",), {"single": "single"}, trained=("single",), merge=False),
+    "unaligned": Wiring(("main", "sub"), _PAIR, trained=("main", "sub"), merge=False,
+                        align="pad"),
 }
 
 
@@ -103,6 +109,7 @@ def resolve_wiring(c: ml_collections.ConfigDict, *, training: bool = True) -> Wi
   checks.check_weights(c, "alpha", 2)
   checks.check_weights(c, "beta", 3)
   checks.check_weights(c, "world.hop_weights")
+  checks.check_world(c)
   checks.check_mesh(c)
   checks.check_turn_fits(c)
   if c.retrieval.backend == "http" and not c.retrieval.url:
@@ -140,14 +147,14 @@ def check_task(c: ml_collections.ConfigDict, w: Wiring, env: Env) -> None:
 
 def build_agents(c, w: Wiring, env: Env, mesh, key, *, only: str | None = None) -> dict:
   """The wiring's agents (or only agent `only`: a decoupled program owns just its own)."""
-  out = {}
+  out, bases = {}, {}  # LoRA agents on one checkpoint share its frozen copy.
   for name in w.agents:
     if only is None or name == only:
       section, i = _SECTIONS[name]
       out[name] = plumbing.build_agent(
           name, c[f"{section}_model"], c[f"{section}_optim"], c[f"{section}_loss"],
           env.tokenizer, mesh, jax.random.fold_in(key, i), init_dir=c.init,
-          num_micro=c.num_micro, temperature=c.sampling.temperature)
+          num_micro=c.num_micro, temperature=c.sampling.temperature, bases=bases)
   return out
 
 
@@ -178,7 +185,7 @@ def make_policies(c, w: Wiring, env: Env, agents: dict, sampling_cfg, version: i
   kw = dict(limits=limits(c), temperature=sampling_cfg.temperature, top_p=sampling_cfg.top_p,
             top_k=sampling_cfg.top_k, version=version, chunk=sampling_cfg.chunk,
             kv_cache_budget_bytes=sampling_cfg.kv_cache_budget_bytes or None)
-  return {role: rollout.LLMPolicy(agents[name].model_config, agents[name].state.params,
+  return {role: rollout.LLMPolicy(agents[name].model_config, agents[name].params,
                                   env.tokenizer, role, mesh=agents[name].mesh, **kw)
           for role, name in w.agent_of.items() if name in agents}
 
@@ -213,11 +220,17 @@ def run_rollouts(c, w: Wiring, env: Env, policies: dict, questions, *, num_rollo
   return eps, getattr(service, "episodes", [])
 
 
+def overflowed(ep) -> bool:
+  """Whether the episode was ended because its context would overflow `limits.max_len`."""
+  return (ep.failure or "").startswith("aborted: context")
+
+
 def episode_metrics(prefix: str, eps, outcome=None) -> dict:
   """Rates and counts that say what the agents did."""
   m = {f"{prefix}/format": float(np.mean([e.format_ok for e in eps])) if eps else 0.0,
        f"{prefix}/turns": float(np.mean([len(e.turns) for e in eps])) if eps else 0.0,
-       f"{prefix}/gen_tokens": float(np.mean([e.num_generated for e in eps])) if eps else 0.0}
+       f"{prefix}/gen_tokens": float(np.mean([e.num_generated for e in eps])) if eps else 0.0,
+       f"{prefix}/overflow": float(np.mean([overflowed(e) for e in eps])) if eps else 0.0}
   if outcome is not None:
     m[f"{prefix}/reward"] = float(outcome.reward.mean())
     m[f"{prefix}/accuracy"] = float(outcome.correct.mean())
@@ -236,8 +249,28 @@ def evaluate(c, w: Wiring, env: Env, agents: dict, *, step: int, questions=None,
   outcome = hierarchy.main_outcomes(eps, [q.answer for q in questions], len(questions), 1,
                                     alpha=tuple(c.alpha))
   m = episode_metrics("eval", eps, outcome)
+  m.update(breakdown("eval", eps, outcome.correct[:, 0], questions))
   if sub_eps:
     m["eval/sub_format"] = float(np.mean([e.format_ok for e in sub_eps]))
+    m["eval/sub_overflow"] = float(np.mean([overflowed(e) for e in sub_eps]))
+  return m
+
+
+def breakdown(prefix: str, eps, correct_Q, questions) -> dict:
+  """Accuracy, context overflows and delegations by the pages a question needs (`hops<n>`),
+  and by kind (`bridge`, and each comparison) where a question set has more than one."""
+  groups: dict[str, list[int]] = {}
+  kinds = {q.compare or "bridge" for q in questions}
+  for i, q in enumerate(questions):
+    groups.setdefault(f"hops{len(q.hops)}", []).append(i)
+    if len(kinds) > 1:
+      groups.setdefault(q.compare or "bridge", []).append(i)
+  m = {}
+  for name, idx in sorted(groups.items()):
+    m[f"{prefix}/accuracy_{name}"] = float(np.mean([correct_Q[i] for i in idx]))
+    m[f"{prefix}/overflow_{name}"] = float(np.mean([overflowed(eps[i]) for i in idx]))
+    if eps[0].role == "main":
+      m[f"{prefix}/delegations_{name}"] = float(np.mean([eps[i].delegations for i in idx]))
   return m
 
 
@@ -267,14 +300,32 @@ def sub_advantages(aligned: hierarchy.AlignedSub, *, scale: str, eps: float) -> 
       eps=eps))
 
 
-def sub_side(c, env: Env, sub_eps, outcome: hierarchy.MainOutcome, key) -> tuple[
-    batch_lib.Batch, dict]:
-  """R_S from the main outcome, alignment to [Q, K, D] (drawn with `key`), A_S, sub batch."""
+def sub_side(c, env: Env, sub_eps, outcome: hierarchy.MainOutcome, key, *,
+             align: str = "sample") -> tuple[batch_lib.Batch, dict]:
+  """R_S from the main outcome, alignment to [Q, K, D] (drawn with `key`), A_S, sub batch.
+
+  `align="pad"` (the `unaligned` variant) takes every episode once instead: D is
+  `limits.max_delegations` (no rollout has more calls), rows past a rollout's calls are
+  invalid, and the batch keeps the valid rows, padded to a multiple of Q*K (few shapes).
+  """
   r_s = hierarchy.sub_rewards(sub_eps, outcome, beta=tuple(c.beta))
-  aligned = hierarchy.align_sub(sub_eps, r_s, c.num_queries, c.num_rollouts, c.align_d, key,
-                                on_empty=c.align_on_empty)
-  adv_s = sub_advantages(aligned, scale=c.adv_scale, eps=c.adv_eps)
-  batch = batch_lib.make_batch(aligned.episodes, adv_s.reshape(-1), max_len=c.limits.max_len,
+  if align == "pad":
+    aligned = hierarchy.pad_sub(sub_eps, r_s, c.num_queries, c.num_rollouts,
+                                c.limits.max_delegations)
+  else:
+    aligned = hierarchy.align_sub(sub_eps, r_s, c.num_queries, c.num_rollouts, c.align_d, key,
+                                  on_empty=c.align_on_empty)
+  adv_s = sub_advantages(aligned, scale=c.adv_scale, eps=c.adv_eps).reshape(-1)
+  rows = aligned.episodes
+  if align == "pad":
+    keep = [i for i, ep in enumerate(rows) if ep is not None]
+    # Rows in whole multiples of Q*K (the main batch's size, which the mesh divides): at
+    # most max_delegations shapes to compile.
+    unit = c.num_queries * c.num_rollouts
+    width = unit * max(1, -(-len(keep) // unit))
+    rows = [rows[i] for i in keep] + [None] * (width - len(keep))
+    adv_s = np.concatenate([adv_s[keep], np.zeros(width - len(keep), np.float32)])
+  batch = batch_lib.make_batch(rows, adv_s, max_len=c.limits.max_len,
                                pad_id=env.tokenizer.pad_id, minimum=MIN_LENGTH)
   m = episode_metrics("sub", sub_eps)
   m["sub/reward"] = float(r_s.mean()) if len(r_s) else 0.0
@@ -287,7 +338,7 @@ def batches(c, w: Wiring, env: Env, eps, sub_eps, key) -> tuple[dict, dict]:
   batch, outcome, m = main_side(c, w, env, eps)
   out = {w.lead: batch}
   if w.has_sub:
-    out["sub"], sub_m = sub_side(c, env, sub_eps, outcome, key)
+    out["sub"], sub_m = sub_side(c, env, sub_eps, outcome, key, align=w.align)
     m.update(sub_m)
   return out, m
 

@@ -55,6 +55,22 @@ def ema(values: np.ndarray, smooth: float) -> np.ndarray:
   return out
 
 
+def t_interval(values_RxN: np.ndarray, confidence: float = 0.95) -> tuple[np.ndarray, np.ndarray]:
+  """(mean, half-width) over runs (axis 0) of Student's t interval: t_{(1+c)/2, R-1} * s / sqrt(R).
+
+  s is the sample standard deviation (ddof=1); with a single run the half-width is NaN.
+  """
+  from scipy import stats  # A dependency of jax.
+
+  values_RxN = np.asarray(values_RxN, np.float64)
+  runs = values_RxN.shape[0]
+  mean = values_RxN.mean(axis=0)
+  if runs < 2:
+    return mean, np.full_like(mean, np.nan)
+  sem = values_RxN.std(axis=0, ddof=1) / np.sqrt(runs)
+  return mean, stats.t.ppf((1 + confidence) / 2, runs - 1) * sem
+
+
 def _grouper(group_by) -> Callable[[str], str]:
   if group_by is None:
     return lambda label: label
@@ -66,12 +82,13 @@ def _grouper(group_by) -> Callable[[str], str]:
 
 def plot_curves(workdirs_or_runs, keys: Sequence[str] | None, out_png: str, *,
                 smooth: float = 0.0, group_by: str | Callable[[str], str] | None = None,
-                ncols: int = 3, title: str | None = None) -> str:
+                ncols: int = 3, title: str | None = None, band: str = "minmax") -> str:
   """Plots `keys` of several runs into `out_png` and returns its path.
 
   `workdirs_or_runs` is a list of run directories (or {label: workdir or records}).
   With `group_by` (a separator such as "_seed", or label -> group), runs of a group
-  are drawn as their mean with a min-max band, over the steps all of them reached.
+  are drawn as their mean with a band over the steps all of them reached: min-max
+  (`band="minmax"`) or the 95% t-interval of the mean over the group's runs (`band="t95"`).
   `keys=None` plots every numeric key. Smoothing is applied per run, before grouping.
   """
   import matplotlib
@@ -103,8 +120,15 @@ def plot_curves(workdirs_or_runs, keys: Sequence[str] | None, out_png: str, *,
         ax.plot(steps, values, color=color, label=group, marker="." if len(steps) < 30 else None)
         continue
       steps, stack = _aligned(curves)
+      if band == "t95":
+        mean, half = t_interval(stack)
+        low, high = mean - half, mean + half
+      elif band == "minmax":
+        low, high = stack.min(0), stack.max(0)
+      else:
+        raise ValueError(f"band={band!r}; expected 'minmax' or 't95'.")
       ax.plot(steps, stack.mean(0), color=color, label=f"{group} (n={len(curves)})")
-      ax.fill_between(steps, stack.min(0), stack.max(0), color=color, alpha=0.2, linewidth=0)
+      ax.fill_between(steps, low, high, color=color, alpha=0.2, linewidth=0)
     ax.set_title(key)
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)

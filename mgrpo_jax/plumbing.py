@@ -23,6 +23,7 @@ from mgrpo_jax import distributed
 from mgrpo_jax import models
 from mgrpo_jax import tokenizer as tk
 from mgrpo_jax.config_checks import ConfigValueError, check_config, config_field  # noqa: F401
+from mgrpo_jax.models import lora
 from mgrpo_jax.rl import train_step as ts
 
 WORDS_FILE = "byte_tokenizer_words.json"  # Beside a saved model trained with ByteTokenizer words.
@@ -40,7 +41,11 @@ def check_batch_divides_mesh(rows: int, mesh, field: str) -> None:
 
 @dataclasses.dataclass
 class Agent:
-  """One trainable policy: its model, objective, optimizer and jitted update."""
+  """One trainable policy: its model, objective, optimizer and jitted update.
+
+  A LoRA agent (`model_config.lora_rank > 0`) trains, optimises and checkpoints only its
+  adapters (`state.params`); its base parameters are `frozen`.
+  """
 
   name: str
   model_config: models.Qwen3Config
@@ -48,7 +53,14 @@ class Agent:
   state: ts.TrainState
   step_fn: Any
   nonfinite: str
+  frozen: Any = None
+  base_path: str = ""  # The HF checkpoint the base came from ("" for a random preset).
   mesh: Any = None  # The mesh its state lives on (its MoE sampler runs under it too).
+
+  @property
+  def params(self):
+    """The parameters its model runs with (a LoRA agent's base and adapters, uncopied)."""
+    return self.state.params if self.frozen is None else lora.join(self.frozen, self.state.params)
 
 
 def loss_config(lc, temperature: float) -> ts.LossConfig:
@@ -79,6 +91,22 @@ def _runtime(mc) -> dict:
               routing_replay=mc.routing_replay)
 
 
+def lora_fields(mc, where: str) -> dict:
+  """The Qwen3Config LoRA fields of a model section's `lora` block (rank 0: full training)."""
+  lc = mc.lora
+  targets = (lc.targets,) if isinstance(lc.targets, str) else tuple(lc.targets)
+  bad = sorted(set(targets) - set(lora.LORA_TARGETS))
+  if bad or (lc.rank and not targets):
+    raise ConfigValueError(f"config.{where}.lora.targets={targets!r}; expected names from "
+                           f"{lora.LORA_TARGETS}.")
+  if not isinstance(lc.rank, int) or lc.rank < 0 or (lc.rank and not lc.alpha > 0):
+    raise ConfigValueError(f"config.{where}.lora: rank={lc.rank!r} must be an int >= 0 and "
+                           f"alpha={lc.alpha!r} > 0.")
+  if not lc.rank:
+    return {}
+  return dict(lora_rank=lc.rank, lora_alpha=float(lc.alpha), lora_targets=targets)
+
+
 def logits_chunk_tokens(megabytes: int, vocab_size: int) -> int:
   """Tokens per log-prob chunk so that its float32 logits take about `megabytes`."""
   if megabytes < 1:
@@ -86,13 +114,22 @@ def logits_chunk_tokens(megabytes: int, vocab_size: int) -> int:
   return max(1, megabytes * 2**20 // (4 * vocab_size))
 
 
-def _model_params(mc, tokenizer, key, mesh, init_dir: str, name: str):
-  """Parameters from a warm start's final weights, an HF checkpoint, or a random preset."""
+def _model_params(mc, tokenizer, key, mesh, init_dir: str, name: str, bases=None):
+  """Parameters from a warm start's final weights, an HF checkpoint, or a random preset.
+
+  `bases` ({(path, dtypes): (config, params)}) lets LoRA agents on the same checkpoint
+  share one frozen copy of it.
+  """
   path = os.path.join(init_dir, "hf", name) if init_dir else mc.hf_path
   if path:
-    cfg, params = models.load_hf(path, mesh=mesh, dtype=jnp.dtype(mc.param_dtype),
-                                 compute_dtype=jnp.dtype(mc.compute_dtype))
-    _check_vocabulary(path, cfg.vocab_size, tokenizer)
+    cache_key = (os.path.abspath(path), mc.param_dtype, mc.compute_dtype)
+    if bases is None or cache_key not in bases:
+      cfg, params = models.load_hf(path, mesh=mesh, dtype=jnp.dtype(mc.param_dtype),
+                                   compute_dtype=jnp.dtype(mc.compute_dtype))
+      _check_vocabulary(path, cfg.vocab_size, tokenizer)
+      if bases is not None:
+        bases[cache_key] = cfg, params
+    cfg, params = bases[cache_key] if bases is not None else (cfg, params)
     return cfg.replace(**_runtime(mc)), params
   vocab = tokenizer.vocab_size if mc.vocab_size == -1 else mc.vocab_size
   models.check_vocab_size(vocab, tokenizer.vocab_size, f"config.{name}_model.vocab_size")
@@ -118,13 +155,21 @@ def _check_vocabulary(path: str, vocab_size: int, tokenizer: tk.Tokenizer) -> No
 
 
 def build_agent(name, mc, oc, lc, tokenizer, mesh, key, *, init_dir="", num_micro=1,
-                temperature=1.0) -> Agent:
+                temperature=1.0, bases=None) -> Agent:
   """An agent with its state placed on `mesh` and its train step jitted once.
 
   `mc`, `oc`, `lc`: the config's model, optimizer and loss sections; `init_dir`: a run
-  whose final weights (`<init_dir>/hf/<name>`) start this one.
+  whose final weights (`<init_dir>/hf/<name>`) start this one. With `mc.lora.rank > 0` the
+  loaded (or random) weights are the frozen base and fresh adapters are trained; LoRA
+  agents given the same `bases` dict share a checkpoint they both start from.
   """
-  cfg, params = _model_params(mc, tokenizer, jax.random.fold_in(key, 0), mesh, init_dir, name)
+  fields = lora_fields(mc, f"{name} agent's model")
+  cfg, params = _model_params(mc, tokenizer, jax.random.fold_in(key, 0), mesh, init_dir, name,
+                              bases if fields else None)
+  frozen = None
+  if fields:
+    cfg, frozen = cfg.replace(**fields), params
+    params = lora.init_adapters(cfg, jax.random.fold_in(key, 2), mesh=mesh)
   tx = ts.make_optimizer(learning_rate=oc.learning_rate, b1=oc.b1, b2=oc.b2, eps=oc.eps,
                          weight_decay=oc.weight_decay, grad_clip=oc.grad_clip)
   init = functools.partial(ts.init_state, tx=tx)
@@ -137,8 +182,10 @@ def build_agent(name, mc, oc, lc, tokenizer, mesh, key, *, init_dir="", num_micr
                                state_sharding=st_sh,
                                max_tokens_per_micro=mc.max_tokens_per_micro or None,
                                logits_chunk=logits_chunk_tokens(mc.logits_chunk_mb,
-                                                                cfg.vocab_size))
-  return Agent(name, cfg, lcfg, state, step_fn, lc.nonfinite, mesh)
+                                                                cfg.vocab_size),
+                               frozen=frozen)
+  base_path = os.path.join(init_dir, "hf", name) if init_dir else mc.hf_path
+  return Agent(name, cfg, lcfg, state, step_fn, lc.nonfinite, frozen, base_path, mesh)
 
 
 def update_agents(agents: dict, batches: dict, step: int) -> dict:
@@ -181,14 +228,26 @@ def write_config(workdir: str, c: ml_collections.ConfigDict) -> None:
 def save_final_hf(workdir: str, agents: dict, tokenizer: tk.Tokenizer | None = None) -> None:
   """Final weights as HF checkpoints under workdir/hf/<agent> (an `init=` for later runs).
 
-  Every process takes part in gathering the weights; process 0 writes them.
+  A LoRA agent's checkpoint has its adapters merged in, and the adapters alone go to
+  workdir/lora/<agent> as a PEFT directory for its base (`Agent.base_path`). Every process
+  takes part in gathering the weights; process 0 writes them.
   """
   for name, agent in agents.items():
     path = os.path.join(workdir, "hf", name)
-    params = distributed.fetch_tree(agent.state.params)
+    cfg = agent.model_config
+    if agent.frozen is None:
+      params = distributed.fetch_tree(agent.state.params)
+    else:
+      params = lora.merged_params(cfg, distributed.fetch_tree(agent.params))  # On the host.
+      adapters = distributed.fetch_tree(agent.state.params)
     if not distributed.is_primary():
       continue
-    models.save_hf(path, agent.model_config, params)
+    if agent.frozen is None:
+      models.save_hf(path, cfg, params)
+    else:
+      models.save_hf(path, lora.base_config(cfg), params)
+      lora.save_peft(os.path.join(workdir, "lora", name), cfg, adapters,
+                     base_model=agent.base_path)
     if getattr(tokenizer, "words", ()):
       with open(os.path.join(path, WORDS_FILE), "w") as f:
         json.dump({"words": list(tokenizer.words)}, f)

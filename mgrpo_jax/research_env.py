@@ -1,6 +1,7 @@
 """The deep-research task of M-GRPO and its warm start, built from a config.
 
-The offline world (`envs.world`), its train/test question split, the search/visit/python
+The offline world (`envs.world`; `world.kind="multihop"`: long pages asked the bridge and
+comparison questions of `envs.multihop`), its train/test question split, the search/visit/python
 tools over the configured retriever (`envs.retrieval`; by default the world's documents) and
 the tokenizer, whose words may come from the world (`tokenizer_words`).
 """
@@ -11,7 +12,7 @@ import ml_collections
 
 from mgrpo_jax import tokenizer as tk
 from mgrpo_jax.agents import protocol
-from mgrpo_jax.envs import python_tool, retrieval, search, world
+from mgrpo_jax.envs import multihop, python_tool, retrieval, search, world
 
 
 @dataclasses.dataclass
@@ -33,10 +34,16 @@ def build_env(c: ml_collections.ConfigDict) -> Env:
                            num_places=w.num_places, num_works=w.num_works,
                            num_countries=w.num_countries, num_rivers=w.num_rivers,
                            distractors_per_doc=w.distractors_per_doc,
-                           name_similarity=w.name_similarity)
+                           name_similarity=w.name_similarity,
+                           filler_sentences=tuple(w.filler_sentences))
   the_world = world.generate_world(wcfg)
-  questions = world.make_questions(the_world, num=w.num_questions,
-                                   hop_weights=tuple(w.hop_weights), seed=w.seed)
+  if w.kind == "multihop":
+    questions = multihop.make_questions(the_world, num=w.num_questions,
+                                        hop_weights=tuple(w.hop_weights),
+                                        compare_fraction=w.compare_fraction, seed=w.seed)
+  else:
+    questions = world.make_questions(the_world, num=w.num_questions,
+                                     hop_weights=tuple(w.hop_weights), seed=w.seed)
   train, test = world.split_questions(questions, w.test_fraction, seed=w.seed)
   index = retrieval.make_retriever(c.retrieval, the_world.documents)
   tools = dict(search.local_tools(index, k=w.search_k, max_chars=w.visit_chars),

@@ -76,6 +76,7 @@ PARAM_RULES: tuple[tuple[str, tuple], ...] = (
     (r"moe_layers/moe/(gate|up)$", (None, "expert", "fsdp", "tensor")),  # [L, E, D, F]
     (r"moe_layers/moe/down$", (None, "expert", "tensor", "fsdp")),       # [L, E, F, D]
     (r"scale$", None),                                      # norms: replicated
+    (r"_lora_(a|b)$", None),                                # LoRA factors: small, replicated
 )
 
 

@@ -1,11 +1,13 @@
 """benchmarks/memory.py at a mid shape: update memory grows linearly with sequence length."""
 
+import functools
 import importlib.util
 import os
 
 import pytest
 
 
+@functools.cache  # Loaded once: the module defines absl flags.
 def _memory_module():
   path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "memory.py")
   spec = importlib.util.spec_from_file_location("memory_benchmark", path)
@@ -41,3 +43,15 @@ def test_moe_cases_compile_on_an_expert_mesh():
   assert update["arguments_gb"] * 1e9 < 0.5 * 12 * update["params"]
   decode = memory.decode_case("tiny_moe", rows=8, reached=64, max_len=128, mesh_axes=axes)
   assert decode["total_gb"] > 0 and decode["mesh"] == {"fsdp": 2, "expert": 4}
+
+
+def test_lora_update_holds_the_base_once_and_state_for_adapters_only():
+  # Qwen3-0.6B, rank 16 on every projection: ~10M adapter parameters (f32, two Adam moments),
+  # beside a 2.4 GB f32 base that is an argument of the step and never comes back out.
+  memory = _memory_module()
+  case = memory.update_case("qwen3_0p6b", 16, 2048, lora_rank=16)
+  assert 9e6 < case["adapter_params"] < 12e6
+  assert abs(case["base_gb"] - 4 * case["params"] / 1e9) < 1e-6
+  assert case["state_gb"] < 0.15
+  assert case["arguments_gb"] < case["base_gb"] + case["state_gb"] + 0.05  # batch: ~1 MB
+  assert case["outputs_gb"] < case["state_gb"] + 0.01  # No base or gradient copy out.

@@ -149,3 +149,25 @@ def test_series_skips_missing_and_nonfinite():
 def test_ema_debiased():
   np.testing.assert_allclose(plotting.ema(np.array([2.0, 2.0, 2.0]), 0.9), [2.0, 2.0, 2.0])
   np.testing.assert_allclose(plotting.ema(np.array([0.0, 1.0]), 0.5), [0.0, 0.5 / 0.75])
+
+
+def test_t_interval_by_hand():
+  # Runs (1, 2, 3) at one step: mean 2, s = 1, t_{0.975, 2} = 4.302653 (tables).
+  mean, half = plotting.t_interval(np.array([[1.0, 5.0], [2.0, 5.0], [3.0, 5.0]]))
+  np.testing.assert_allclose(mean, [2.0, 5.0])
+  np.testing.assert_allclose(half, [4.302653 / np.sqrt(3), 0.0], rtol=1e-6)
+  # Two runs (0, 1): s = 0.7071, t_{0.975, 1} = 12.7062.
+  _, half = plotting.t_interval(np.array([[0.0], [1.0]]))
+  np.testing.assert_allclose(half, [12.7062 * 0.70711 / np.sqrt(2)], rtol=1e-4)
+  assert np.isnan(plotting.t_interval(np.array([[0.5]]))[1][0])
+
+
+def test_plot_t95_band(tmp_path):
+  runs = [_fake_run(tmp_path, f"single_seed{i}", 6, 0.1 * (i + 1)) for i in range(2)]
+  out = plotting.plot_curves(runs, ["eval/accuracy"], str(tmp_path / "t.png"), group_by="_seed",
+                             band="t95")
+  with open(out, "rb") as f:
+    assert f.read(4) == b"\x89PNG"
+  with pytest.raises(ValueError, match="band="):
+    plotting.plot_curves(runs, ["eval/accuracy"], str(tmp_path / "x.png"), group_by="_seed",
+                         band="sd")

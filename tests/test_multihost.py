@@ -1,6 +1,7 @@
 """Multi-host: launch/train.py as two `jax.distributed` processes on localhost (4 CPUs each).
 
-The pair trains colocated M-GRPO (`configs/mgrpo.py:smoke`) on one 8-device mesh that spans
+The pair trains colocated M-GRPO (`configs/mgrpo.py:smoke` with a tiny MoE whose experts
+are split over 2 devices) on one 8-device mesh that spans
 both processes, is restarted from its checkpoint to train one step further, and must write
 the metrics and final weights of one process with 8 devices (this test's own, see
 conftest.py). Cross-process CPU collectives run over gloo.
@@ -23,7 +24,10 @@ from configs import sft as sft_config
 from mgrpo_jax import colocated, distributed, metrics, sft
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG = "configs/mgrpo.py:smoke"
+# A tiny mixture of experts with its experts split over 2 devices (mesh: 4 data x 2 expert),
+# so the pair also runs the MoE dispatch across the process boundary.
+CONFIG = "configs/mgrpo.py:smoke,model=tiny_moe"
+EXPERT = "--config.mesh.expert=2"
 TIMEOUT_S = 400
 _DROP = ("time/", "tokens_per_s")
 
@@ -100,17 +104,19 @@ def _assert_same_rows(got, want):
 @pytest.mark.devices(8)
 def test_two_processes_train_save_restore_like_one(tmp_path):
   ref = tmp_path / "one_process"
-  colocated.train_and_evaluate(mgrpo.get_config("smoke"), str(ref))  # 8 devices, here.
+  c = mgrpo.get_config("smoke,model=tiny_moe")
+  c.mesh.expert = 2
+  colocated.train_and_evaluate(c, str(ref))  # 8 devices, here.
   env = _env(tmp_path / "xla_cache")
   pair = tmp_path / "two_processes"
   os.makedirs(pair)
-  _train_pair(str(pair), env, "--config.num_steps=1")  # Steps 0, checkpoint 1, eval 1.
+  _train_pair(str(pair), env, EXPERT, "--config.num_steps=1")  # Step 0, checkpoint 1, eval 1.
   assert [r["step"] for r in _rows(pair)] == [0, 1]
   # A crash between orbax's commit of step 2 and its digests left this: every process must
   # agree to drop it (process 0 deletes it) before saving step 2 again.
   shutil.copytree(pair / "checkpoints" / "1", pair / "checkpoints" / "2")
   os.remove(pair / "checkpoints" / "2" / "_DIGESTS")
-  _train_pair(str(pair), env)  # Restores step 1, trains it, evaluates step 2.
+  _train_pair(str(pair), env, EXPERT)  # Restores step 1, trains it, evaluates step 2.
   assert "Deleting uncommitted checkpoint directory" in open(pair / "process0.log").read()
   assert "Restored" in open(pair / "process1.log").read()
   _assert_same_rows(_rows(pair), _rows(ref))

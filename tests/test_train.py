@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -11,6 +12,9 @@ import pytest
 from flax import nnx
 
 from configs import mgrpo, sft as sft_config
+from mgrpo_jax import checkpoint as ckpt_lib
+from mgrpo_jax import models
+from mgrpo_jax.models import lora
 from mgrpo_jax import (colocated, delegation, evaluate, metrics, mgrpo_step, plumbing,
                        research_env, sft, sharding)
 from mgrpo_jax.envs import search
@@ -41,7 +45,8 @@ def test_two_steps_of_each_variant(variant, tmp_path):
   role = "single" if variant == "single" else "main"
   assert f"{role}/reward" in lines[0] and f"{role}/loss" in lines[0]
   trained_sub = "sub/loss" in lines[0]
-  assert trained_sub == (variant == "mgrpo")  # frozen_sub never runs the sub's step.
+  # frozen_sub never runs the sub's step; unaligned runs it on unaligned rows.
+  assert trained_sub == (variant in ("mgrpo", "unaligned"))
   hf = sorted(os.listdir(tmp_path / "hf"))
   assert hf == {"single": ["single"], "shared": ["main"]}.get(variant, ["main", "sub"])
   assert os.listdir(tmp_path / "tb")
@@ -167,6 +172,59 @@ def test_sft_resume_is_bit_identical_and_learns(tmp_path):
   a, b = _lines(straight), _lines(resumed)
   assert [m["step"] for m in b] == [0, 1, 2, 3, 4] and a == b
   assert a[3]["sft/single/nll"] < a[0]["sft/single/nll"]
+
+
+def _adapter_bytes(workdir, name):
+  return (Path(workdir) / "lora" / name / lora.ADAPTER_WEIGHTS).read_bytes()
+
+
+def test_lora_resume_is_bit_identical_and_checkpoints_only_the_adapters(tmp_path):
+  def cfg(steps):
+    c = _config("smoke,lora=4", num_steps=steps, eval_every=4)
+    c.sub_model.lora.rank = 0  # One LoRA agent beside a fully trained one.
+    # The smoke model's rewards are all 0 (no advantage), so weight decay is what moves
+    # the adapters here; test_sft_lora_resume_... has a gradient.
+    c.main_optim.weight_decay = 1.0
+    return c
+  straight, resumed = str(tmp_path / "a"), str(tmp_path / "b")
+  colocated.train_and_evaluate(cfg(2), straight)
+  colocated.train_and_evaluate(cfg(1), resumed)
+  colocated.train_and_evaluate(cfg(2), resumed)
+  assert _lines(straight) == _lines(resumed)
+  assert _adapter_bytes(straight, "main") == _adapter_bytes(resumed, "main")
+  assert not (Path(resumed) / "lora" / "sub").exists()  # The full agent has no adapter.
+  with ckpt_lib.Checkpointer(os.path.join(resumed, "checkpoints")) as ckpt:
+    states, _ = ckpt.restore()
+  main = jax.tree_util.tree_leaves_with_path(states["main"]["params"])
+  assert main and all("_lora_" in jax.tree_util.keystr(p) for p, _ in main)
+  fresh = mgrpo_step.build_agents(cfg(2), mgrpo_step.resolve_wiring(cfg(2)),
+                                  research_env.build_env(cfg(2)),
+                                  sharding.make_mesh(dict(cfg(2).mesh)),
+                                  jax.random.fold_in(jax.random.key(0), 0), only="main")
+  moved = [np.any(np.asarray(x) != np.asarray(y)) for (_, x), y in
+           zip(main, jax.tree.leaves(fresh["main"].state.params))]
+  assert len(moved) == len(main) and all(moved[::2])  # Every A factor (B starts at 0).
+  for name in ("main", "sub"):
+    _, pa = models.load_hf(os.path.join(straight, "hf", name))
+    _, pb = models.load_hf(os.path.join(resumed, "hf", name))
+    for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_sft_lora_resume_is_bit_identical_and_learns(tmp_path):
+  def cfg(steps):
+    c = sft_config.get_config("smoke,variant=single,lora=8")
+    c.sft.update(num_steps=steps, eval_every=100, checkpoint_every=1, batch_size=8,
+                 num_questions=6, learning_rate=1e-2)
+    return c
+  straight, resumed = str(tmp_path / "a"), str(tmp_path / "b")
+  sft.train_sft(cfg(3), straight)
+  sft.train_sft(cfg(1), resumed)
+  sft.train_sft(cfg(3), resumed)
+  a, b = _lines(straight), _lines(resumed)
+  assert [m["step"] for m in b] == [0, 1, 2, 3] and a == b
+  assert a[2]["sft/single/nll"] < a[0]["sft/single/nll"]
+  assert _adapter_bytes(straight, "single") == _adapter_bytes(resumed, "single")
 
 
 def test_sft_loss_weights_own_context_and_other_roles():

@@ -3,11 +3,12 @@
 `MainExpert` plans a world question from its hop chain (the decomposition, never the
 answers), delegates one one-hop subquestion per hop and answers with the last sub-agent
 result; a later hop names whatever the previous result said, so a wrong sub-agent makes a
-wrong main agent, as with a real one. `SubExpert` parses its subquestion, searches for the
-entity, visits the hit titled with that name and reads the answer out of the document text
-with the world's fact-sentence patterns. `SingleExpert`, the single-agent baseline
-(PAPERS.md 1.7), does both jobs itself: it walks the hop chain with search, visit and the
-sub-agent's reading, and answers. All are stateless: every call gets the task and the tool
+wrong main agent, as with a real one. A comparison (`envs.multihop`) is two chains, each
+started from its named entity, and its answer compares their last results. `SubExpert`
+parses its subquestion, searches for the entity, visits the hit titled with that name and
+reads the answer out of the document text with the world's fact-sentence patterns.
+`SingleExpert`, the single-agent baseline (PAPERS.md 1.7), does both jobs itself: it walks
+the hop chain (or both chains) with search, visit and the sub-agent's reading, and answers. All are stateless: every call gets the task and the tool
 replies seen so far, and returns the next turn's text (`protocol.render_action`), so an
 engine can interleave many episodes. With `noise` > 0 each decision is, with that
 probability, a plausible mistake in a still valid turn. `solve` runs main and sub on one
@@ -24,6 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from mgrpo_jax.agents import protocol
+from mgrpo_jax.envs import multihop
 from mgrpo_jax.envs import search as search_lib
 from mgrpo_jax.envs import world as world_lib
 from mgrpo_jax.rl.rewards import exact_match, normalize_answer
@@ -205,6 +207,26 @@ def _failed(observation: str) -> bool:
 # --------------------------------------------------------------------------------- experts
 
 
+def _step_entity(question: world_lib.Question, step: int, values: Sequence[str]) -> str:
+  """Whom hop `step` asks about: a named entity where a chain starts, else the last value.
+
+  A chain starts at hop 0 and, in a comparison, at hop `side_hops` (the second entity).
+  """
+  if step == 0 or (question.compare and step == question.side_hops):
+    return question.hops[step].entity
+  return values[step - 1]
+
+
+def _final(question: world_lib.Question | str, values: Sequence[str]) -> str:
+  """The answer from every hop's value: the last one, or a comparison of the two chains'."""
+  if isinstance(question, str) or not question.compare:
+    return values[-1]
+  side = question.side_hops
+  answer = multihop.compare(question.compare, values[side - 1], values[-1],
+                            question.hops[0].entity, question.hops[side].entity)
+  return UNKNOWN if answer is None else answer
+
+
 @dataclasses.dataclass(frozen=True)
 class MainExpert:
   """Delegates one subquestion per hop, then answers with the last result (see module doc).
@@ -239,8 +261,8 @@ class MainExpert:
     if fails > self.retries:
       return _render("answer", UNKNOWN, f"Step {step + 1} of {n} failed; giving up.", think)
     if step >= n:
-      return _render("answer", results[-1], "All steps done.", think)
-    entity = results[-1] if step else plan[0][1]
+      return _render("answer", _final(question, results), "All steps done.", think)
+    entity = _step_entity(question, step, results) if hops else plan[0][1]
     attr = hops[step].attribute if hops else None
     if _slip(self.noise, rng):
       if step and _uniform(rng) < 0.5:  # early answers need a result to answer with
@@ -331,17 +353,24 @@ class SingleExpert:
     entity, steps = chain
     n = len(steps)
     hop, searched = divmod(len(observations), 2)
+    has_hops = not isinstance(question, str) and bool(question.hops)
+    values = []
     for j in range(min(hop, n)):
+      if has_hops:
+        entity = _step_entity(question, j, values)
       fresh = j == hop - 1 and not searched  # this turn is the first to read page j
       last = j == n - 1
       value, sentence = _read_fact(entity, steps[j][1], observations[2 * j + 1],
                                    self.noise if fresh and last else 0.0, rng)
       if value is None:
         return _render("answer", UNKNOWN, sentence, think)
+      values.append(value)
       if last or (fresh and _slip(self.noise, rng)):
         thought = sentence if last else f"Step {j + 1} of {n} is enough."
-        return _render("answer", value, thought, think)
+        return _render("answer", _final(question, values) if last else value, thought, think)
       entity = value
+    if has_hops and hop < n:
+      entity = _step_entity(question, hop, values)
     if not searched:
       goal = fill_template(steps[hop][0], entity)
       return _render("search", entity, f"Step {hop + 1} of {n}: {goal}", think)

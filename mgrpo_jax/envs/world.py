@@ -79,6 +79,16 @@ _DISTRACTORS = (
   "Little is recorded about any link between {name} and {other}.",
   "Visitors who ask about {name} often ask about {other} as well.",
 )
+# Filler prose for long documents: never a fact about the page's subject (no `FACTS` pattern
+# matches it), and no word of an organisation suffix or a title noun, which names contain.
+FILLER = (
+  "A catalogue compiled in {year} lists {other} among a long run of entries.",
+  "Notes written in {year} mention {other} in passing, with little detail.",
+  "A regional almanac of {year} has a short paragraph on {other}.",
+  "An exhibition in {year} showed maps and papers connected with {other}.",
+  "Travellers in {year} described {other} at some length in their diaries.",
+  "A later survey returned to {other} in {year} and found much unchanged.",
+)
 # Questions: `ASK` asks for the final attribute of a noun phrase; `_NP` wraps a phrase in a link.
 ASK: Mapping[str, str] = {
   "birth_year": "In what year was {np} born?", "birthplace": "Where was {np} born?",
@@ -109,6 +119,9 @@ class WorldConfig:
   num_rivers: int = 5
   distractors_per_doc: int = 2  # sentences naming other entities, mixed into each document
   name_similarity: float = 0.0  # chance a new name reuses the first syllable of an earlier one
+  # (low, high): each document gets a number of filler sentences in this range, prose naming
+  # other entities (`FILLER`), drawn from a stream of its own: (0, 0) leaves the world as it was.
+  filler_sentences: tuple[int, int] = (0, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +168,10 @@ class Question:
   gold_doc_ids: tuple[str, ...] = ()
   difficulty: str = ""
   source: str = "world"
+  # Comparison questions (`envs.multihop`): "earlier" or "same" over two chains, the first
+  # `side_hops` hops about the first named entity and the rest about the second; "" = a chain.
+  compare: str = ""
+  side_hops: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,12 +277,33 @@ def _document(rng: random.Random, record: dict, doc_id: str, names: list[str], k
   return Document(doc_id, record["name"], " ".join(sentences))
 
 
+def _lengthen(rng: random.Random, doc: Document, record: dict, names: list[str],
+              count: tuple[int, int]) -> Document:
+  """`doc` with filler sentences (`FILLER`, naming other entities) inserted at random places.
+
+  Their years never equal one of the subject's own, so no year on a page is a false fact.
+  """
+  sentences = re.split(r"(?<=[.!?]) ", doc.text)
+  own_years = {v for v in record.values() if v.isdigit()}
+  others = [n for n in names if n != record["name"]]
+  for _ in range(rng.randint(*count) if others else 0):
+    year = str(rng.randint(1800, 2010))
+    while year in own_years:
+      year = str(rng.randint(1800, 2010))
+    filler = rng.choice(FILLER).format(other=rng.choice(others), year=year)
+    sentences.insert(rng.randint(0, len(sentences)), filler)
+  return dataclasses.replace(doc, text=" ".join(sentences))
+
+
 def generate_world(cfg: WorldConfig = WorldConfig()) -> World:
   """Builds the world of `cfg`: same config, same entities and documents, byte for byte."""
   if min(cfg.num_people, cfg.num_orgs, cfg.num_places) < 1 or cfg.num_works < 0:
     raise ValueError(f"need at least one person, organisation and place: {cfg}")
   if min(cfg.num_countries, cfg.num_rivers) < 1 or cfg.distractors_per_doc < 0:
     raise ValueError(f"need a country and a river, and distractors >= 0: {cfg}")
+  low, high = cfg.filler_sentences
+  if not 0 <= low <= high:
+    raise ValueError(f"filler_sentences must be (low, high) with 0 <= low <= high: {cfg}")
   rng = random.Random(cfg.seed)
   namer = _Namer(rng, cfg.name_similarity)
   countries = [namer.word(2) + rng.choice(("ia", "land", "mark")) for _ in range(cfg.num_countries)]
@@ -289,6 +327,11 @@ def generate_world(cfg: WorldConfig = WorldConfig()) -> World:
     attrs = {a: record[a] for a in ATTRIBUTES[record["kind"]]}
     entities.append(Entity(record["name"], record["kind"], attrs, doc_id))
     documents.append(_document(rng, record, doc_id, names, cfg.distractors_per_doc))
+  if high > 0:
+    # Its own stream: the entities and the base pages stay those of the world without filler.
+    filler_rng = random.Random(f"{cfg.seed}-filler")
+    documents = [_lengthen(filler_rng, doc, record, names, cfg.filler_sentences)
+                 for doc, record in zip(documents, records)]
   documents.sort(key=lambda d: d.doc_id)
   return World(cfg, tuple(entities), tuple(documents))
 
@@ -341,23 +384,32 @@ def _words(entity: Entity) -> dict[str, str]:
   return _medium_words(entity.attributes["medium"]) if entity.kind == "work" else {}
 
 
+def one_hop(entity: Entity, attr: str) -> Hop:
+  """The one-hop step asking for `entity`'s `attr`, in the world's wording."""
+  return Hop(entity.name, attr, entity.attributes[attr], entity.doc_id,
+             ASK[attr].format(np=entity.name, **_words(entity)))
+
+
 def _question(path: tuple[Entity, ...], attrs: tuple[str, ...]) -> Question:
   """Nests one noun phrase per link ("the birthplace of the founder of X"), then asks."""
   phrase = path[0].name
   hops = []
   for entity, attr in zip(path, attrs):
-    words = _words(entity)
-    hops.append(Hop(entity.name, attr, entity.attributes[attr], entity.doc_id,
-                    ASK[attr].format(np=entity.name, **words)))  # fmt: skip
+    hops.append(one_hop(entity, attr))
     if len(hops) < len(attrs):
-      phrase = _NP[attr].format(np=phrase, **words)
+      phrase = _NP[attr].format(np=phrase, **_words(entity))
   text = ASK[attrs[-1]].format(np=phrase, **_words(path[-1]))
   qid = "q" + hashlib.sha1(text.encode()).hexdigest()[:10]
   return Question(qid, text, hops[-1].answer, tuple(hops), tuple(h.doc_id for h in hops),
                   DIFFICULTY.get(len(hops), "hard"))  # fmt: skip
 
 
-def _allocate(num: int, weights: Sequence[float]) -> list[int]:
+def chain_questions(world: World, hops: int) -> list[Question]:
+  """Every question of exactly `hops` links (bridge questions), in a stable order."""
+  return [_question(*chain) for chain in _chains(world, hops)]
+
+
+def allocate(num: int, weights: Sequence[float]) -> list[int]:
   """Splits `num` by `weights` with largest remainders (deterministic, sums to `num`)."""
   total = float(sum(weights))
   if total <= 0 or min(weights) < 0:
@@ -379,7 +431,7 @@ def make_questions(world: World, *, num: int, hop_weights: Sequence[float] = (1.
   """
   rng = random.Random(seed)
   questions = []
-  for level, count in enumerate(_allocate(num, hop_weights), start=1):
+  for level, count in enumerate(allocate(num, hop_weights), start=1):
     if count == 0:
       continue
     chains = _chains(world, level)

@@ -89,12 +89,12 @@ class Run:
 
 def build_agents(c, task, tokenizer, mesh, key, *, optim=None, loss=None) -> dict:
   """One Agent per role, each with its own weights (`init` or the model config)."""
-  out = {}
+  out, bases = {}, {}  # LoRA agents on one checkpoint share its frozen copy.
   for i, name in enumerate(task.agent_names):
     out[name] = plumbing.build_agent(
         name, c.model, optim or c.optim, loss or c.loss, tokenizer, mesh,
         jax.random.fold_in(key, i), init_dir=c.init, num_micro=c.num_micro,
-        temperature=c.sampling.temperature)
+        temperature=c.sampling.temperature, bases=bases)
   return out
 
 
@@ -110,7 +110,7 @@ def setup(c) -> Run:
 
 
 def policies(c, run: Run, sampling_cfg) -> list[rollout.Policy]:
-  return [rollout.Policy(a.model_config, a.state.params, run.tokenizer,
+  return [rollout.Policy(a.model_config, a.params, run.tokenizer,
                          max_new_tokens=c.max_new_tokens, max_len=c.max_len,
                          temperature=sampling_cfg.temperature, top_p=sampling_cfg.top_p,
                          top_k=sampling_cfg.top_k, chunk=sampling_cfg.chunk,

@@ -22,6 +22,8 @@ _HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size",
             "head_dim": "head_dim", "max_position_embeddings": "max_position_embeddings"}
 _MAX_EXPERTS = 4096
 _REQUIRED = object()
+# The projections a LoRA adapter may target, by their HF/PEFT module names.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class ConfigError(ValueError):
@@ -75,6 +77,12 @@ class Qwen3Config:
   # Routing replay (runtime): the train step routes each token to the experts the sampler
   # chose for it (`Batch.experts`) instead of re-routing, so that both score one network.
   routing_replay: bool = False
+  # LoRA adapters (models/lora.py) on the projections named in `lora_targets` (LORA_TARGETS):
+  # rank 0 = none; the low-rank update A @ B is scaled by lora_alpha / lora_rank (as PEFT).
+  # Runtime fields too: the base checkpoint's config.json does not hold them.
+  lora_rank: int = 0
+  lora_alpha: float = 16.0
+  lora_targets: tuple[str, ...] = ()
 
   def __post_init__(self):
     for name, limit in _MAX.items():
@@ -105,6 +113,7 @@ class Qwen3Config:
     if not self.rope_theta > 0:
       raise ConfigError(f"Qwen3Config.rope_theta must be > 0, got {self.rope_theta!r}.")
     self._check_moe()
+    self._check_lora()
 
   def _check_moe(self):
     for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "moe_chunk"):
@@ -150,6 +159,21 @@ class Qwen3Config:
     """Per layer: True where it holds the sparse MoE block (transformers' rule)."""
     return tuple(self.num_experts > 0 and (i + 1) % self.decoder_sparse_step == 0
                  and i not in self.mlp_only_layers for i in range(self.num_layers))
+
+  def _check_lora(self):
+    rank = self.lora_rank
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+      raise ConfigError(f"Qwen3Config.lora_rank must be an int >= 0, got {self.lora_rank!r}.")
+    if not isinstance(self.lora_targets, tuple) or set(self.lora_targets) - set(LORA_TARGETS):
+      raise ConfigError(f"Qwen3Config.lora_targets={self.lora_targets!r}; expected a tuple of "
+                        f"names from {LORA_TARGETS}.")
+    if self.lora_rank and not self.lora_targets:
+      raise ConfigError(f"Qwen3Config.lora_rank={self.lora_rank} needs lora_targets.")
+    if self.lora_rank and not self.lora_alpha > 0:
+      raise ConfigError(f"Qwen3Config.lora_alpha must be > 0, got {self.lora_alpha!r}.")
+    if self.lora_rank and self.num_experts:
+      raise ConfigError(f"Qwen3Config.lora_rank={self.lora_rank}: LoRA adapters on a mixture of "
+                        "experts (num_experts > 0) are not supported yet; train it fully.")
 
   @property
   def param_jnp_dtype(self):

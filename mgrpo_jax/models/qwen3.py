@@ -91,6 +91,40 @@ def _rows_sharded(x):
       x, jax.sharding.PartitionSpec(axes, *([None] * (x.ndim - 1))))
 
 
+def _add_adapters(module, cfg: Qwen3Config, shapes: dict, rngs: nnx.Rngs):
+  """LoRA factors `<name>_lora_a` [*in, r] and `<name>_lora_b` [r, *out] of the targeted
+  projections in `shapes` ({name: (hf name, in dims, out dims)}).
+
+  A is uniform(+-1/sqrt(fan_in)) and B zero, as PEFT initialises them, so a fresh adapter
+  changes nothing. Float32 whatever the base's dtype (the trained master weights, as PEFT's
+  default); drawn from the `lora` stream, so the base weights of a key do not change.
+  """
+  r = cfg.lora_rank
+  for name, (hf_name, in_dims, out_dims) in shapes.items():
+    if r and hf_name in cfg.lora_targets:
+      bound = 1.0 / math.sqrt(math.prod(in_dims))
+      a = jax.random.uniform(rngs.lora(), (*in_dims, r), jnp.float32, -bound, bound)
+      setattr(module, f"{name}_lora_a", nnx.LoRAParam(a))
+      setattr(module, f"{name}_lora_b", nnx.LoRAParam(jnp.zeros((r, *out_dims), jnp.float32)))
+
+
+def _adapted(module, name: str, y, x, eq_a: str, eq_b: str, a_shape=None, b_shape=None):
+  """`y` (the projection of `x`) plus its adapter's (x A) B * alpha/r, when it has one.
+
+  Computed on the fly from the two thin factors: the merged weight never exists, in the
+  sampler or in the train step, and the gradient reaches only A and B.
+  """
+  if not hasattr(module, f"{name}_lora_a"):  # Structure, fixed at setup: no traced branch.
+    return y
+  cfg = module.cfg
+  a = getattr(module, f"{name}_lora_a")[...].astype(x.dtype)
+  b = getattr(module, f"{name}_lora_b")[...].astype(x.dtype)
+  a = a if a_shape is None else a.reshape(a_shape)
+  b = b if b_shape is None else b.reshape(b_shape)
+  delta = jnp.einsum(eq_b, jnp.einsum(eq_a, x, a), b)
+  return y + (delta * (cfg.lora_alpha / cfg.lora_rank)).astype(y.dtype)
+
+
 def _write_rows(cache_BxKxSxH, new_BxKxTxH, start_B):
   """Writes row b's T new slots at start_b.. (contiguous positions); slots past S are dropped.
 
@@ -131,6 +165,9 @@ class Attention(nnx.Module):
     self.o = nnx.Param(init(rngs.params(), (h, dh, d), pd))
     self.q_norm = RMSNorm(dh, cfg.rms_norm_eps, param_dtype=pd)
     self.k_norm = RMSNorm(dh, cfg.rms_norm_eps, param_dtype=pd)
+    _add_adapters(self, cfg, {"q": ("q_proj", (d,), (h, dh)), "k": ("k_proj", (d,), (k, dh)),
+                              "v": ("v_proj", (d,), (k, dh)), "o": ("o_proj", (h, dh), (d,))},
+                  rngs)
 
   def __call__(self, x_BxTxD, sin, cos, positions_BxT, key_mask_BxS, cache_kv=None,
                segment_ids_BxT=None):
@@ -146,9 +183,13 @@ class Attention(nnx.Module):
     b, t, _ = x_BxTxD.shape
     kv, g = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
     q = self.q[...].astype(dt).reshape(-1, kv, g, cfg.head_dim)
-    q = self.q_norm(jnp.einsum("btd,dkgh->bkgth", x_BxTxD, q))
-    k = self.k_norm(jnp.einsum("btd,dkh->bkth", x_BxTxD, self.k[...].astype(dt)))
+    q = jnp.einsum("btd,dkgh->bkgth", x_BxTxD, q)
+    q = self.q_norm(_adapted(self, "q", q, x_BxTxD, "btd,dr->btr", "btr,rkgh->bkgth",
+                             b_shape=(-1, kv, g, cfg.head_dim)))
+    k = jnp.einsum("btd,dkh->bkth", x_BxTxD, self.k[...].astype(dt))
+    k = self.k_norm(_adapted(self, "k", k, x_BxTxD, "btd,dr->btr", "btr,rkh->bkth"))
     v = jnp.einsum("btd,dkh->bkth", x_BxTxD, self.v[...].astype(dt))
+    v = _adapted(self, "v", v, x_BxTxD, "btd,dr->btr", "btr,rkh->bkth")
     q = _apply_rope(q.reshape(b, kv * g, t, -1), sin, cos).reshape(q.shape)
     k = _apply_rope(k, sin, cos)
     new_cache = None
@@ -170,7 +211,9 @@ class Attention(nnx.Module):
                            impl=cfg.attention, cached=cache_kv is not None,
                            block=cfg.attention_block)
     o = self.o[...].astype(dt).reshape(kv, g, cfg.head_dim, -1)
-    return jnp.einsum("bkgth,kghd->btd", out, o), new_cache
+    y = jnp.einsum("bkgth,kghd->btd", out, o)
+    return _adapted(self, "o", y, out, "bkgth,kghr->btr", "btr,rd->btd",
+                    a_shape=(kv, g, cfg.head_dim, -1)), new_cache
 
 
 class MLP(nnx.Module):
@@ -178,14 +221,18 @@ class MLP(nnx.Module):
 
   def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs):
     d, f, pd, init = cfg.hidden_size, cfg.intermediate_size, cfg.param_jnp_dtype, _normal(0.02)
+    self.cfg = cfg
     self.gate = nnx.Param(init(rngs.params(), (d, f), pd))
     self.up = nnx.Param(init(rngs.params(), (d, f), pd))
     self.down = nnx.Param(init(rngs.params(), (f, d), pd))
+    _add_adapters(self, cfg, {"gate": ("gate_proj", (d,), (f,)), "up": ("up_proj", (d,), (f,)),
+                              "down": ("down_proj", (f,), (d,))}, rngs)
 
   def __call__(self, x_BxTxD):
     dt = x_BxTxD.dtype
-    gate = jax.nn.silu(x_BxTxD @ self.gate[...].astype(dt))
-    return (gate * (x_BxTxD @ self.up[...].astype(dt))) @ self.down[...].astype(dt)
+    proj = lambda name, x: _adapted(self, name, x @ getattr(self, name)[...].astype(dt), x,
+                                    "btd,dr->btr", "btr,rf->btf")
+    return proj("down", jax.nn.silu(proj("gate", x_BxTxD)) * proj("up", x_BxTxD))
 
 
 class Block(nnx.Module):
@@ -339,7 +386,10 @@ def graphdef(config: Qwen3Config) -> nnx.GraphDef:
 def _init_fn(config: Qwen3Config, mesh):
   """The jitted initialiser of a config (cached, so a second model compiles nothing)."""
   def init(key):
-    return nnx.split(Qwen3(config, rngs=nnx.Rngs(params=key)))[1]
+    # LoRA factors (if the config has them) draw from their own stream: the base weights of
+    # a key are the same with or without adapters.
+    rngs = nnx.Rngs(params=key, lora=jax.random.fold_in(key, 1))
+    return nnx.split(Qwen3(config, rngs=rngs))[1]
 
   out_shardings = None
   if mesh is not None:

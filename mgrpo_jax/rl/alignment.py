@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["align", "align_borrow", "alignment_stats", "suggest_d"]
+__all__ = ["align", "align_borrow", "alignment_stats", "pad", "suggest_d"]
 
 
 def _uniform_below(bits, n):
@@ -137,6 +137,25 @@ def align_borrow(counts_QxK, D: int, key):
   index = jnp.where(borrowed_QxKxD, pos_QxKxD - start_QxKxD.reshape(Q, K, D), pos_QxKxD)
   valid = jnp.broadcast_to((eff_QxK > 0)[..., None], (Q, K, D))
   return src_k, jnp.where(valid, index, 0).astype(jnp.int32), valid
+
+
+def pad(counts_QxK, D: int) -> tuple[np.ndarray, np.ndarray]:
+  """No alignment (the `unaligned` ablation): each rollout's d_k episodes once, in order.
+
+  Returns (index_QxKxD, valid_QxKxD) with index = the slot and valid = slot < d_k, so the
+  rows of a rollout are exactly its own episodes and the rest are padding; nothing is
+  duplicated or dropped. D must be at least every d_k (e.g. the delegation limit).
+  """
+  counts_QxK = np.asarray(counts_QxK)
+  if counts_QxK.ndim != 2:
+    raise ValueError(f"counts must be [Q, K], got shape {counts_QxK.shape}")
+  if counts_QxK.size and counts_QxK.max() > D:
+    raise ValueError(f"a rollout has {counts_QxK.max()} episodes, more than D={D}: padding "
+                     "never drops; raise D")
+  slots_D = np.arange(D, dtype=np.int32)
+  valid = slots_D[None, None, :] < counts_QxK[..., None]
+  index = np.where(valid, slots_D[None, None, :], 0).astype(np.int32)
+  return index, valid
 
 
 def alignment_stats(counts_QxK, D: int) -> dict[str, float]:

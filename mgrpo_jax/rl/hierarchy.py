@@ -74,23 +74,19 @@ class AlignedSub:
   src_k_QxKxD: np.ndarray  # The source rollout (= k unless borrowing).
 
 
-def align_sub(sub_episodes: Sequence[Any], sub_rewards_N: np.ndarray, q: int, k: int, d: int,
-              key: jax.Array, *, on_empty: str = "mask") -> AlignedSub:
-  """Trajectory alignment: each rollout's D rows drawn from its own calls (PAPERS.md 1.4)."""
+def _calls(sub_episodes, sub_rewards_N, q: int, k: int) -> tuple[list, np.ndarray]:
+  """Per rollout (q, k), its (call, episode, R_S) in call order; and the counts [Q, K]."""
   calls = [[[] for _ in range(k)] for _ in range(q)]
   for ep, r in zip(sub_episodes, sub_rewards_N):
     calls[ep.q][ep.k].append((ep.call, ep, float(r)))
   for row in calls:
     for c in row:
       c.sort(key=lambda t: t[0])  # Call order, whatever order the service returned them in.
-  counts = np.array([[len(c) for c in row] for row in calls], np.int32)
-  if on_empty == "borrow":
-    src_k, index, valid = alignment.align_borrow(jnp.asarray(counts), d, key)
-    src_k = np.asarray(src_k)
-  else:
-    index, valid = alignment.align(jnp.asarray(counts), d, key, on_empty=on_empty)
-    src_k = np.broadcast_to(np.arange(k)[None, :, None], (q, k, d))
-  index, valid = np.asarray(index), np.asarray(valid)
+  return calls, np.array([[len(c) for c in row] for row in calls], np.int32)
+
+
+def _rows(calls, index, valid, src_k, stats) -> AlignedSub:
+  q, k, d = index.shape
   eps_rows, rew = [], np.zeros((q, k, d), np.float32)
   for qi in range(q):
     for ki in range(k):
@@ -101,5 +97,32 @@ def align_sub(sub_episodes: Sequence[Any], sub_rewards_N: np.ndarray, q: int, k:
           rew[qi, ki, di] = r
         else:
           eps_rows.append(None)
-  stats = {f"align/{k_}": v for k_, v in alignment.alignment_stats(counts, d).items()}
+  counts = np.array([[len(c) for c in row] for row in calls], np.int32)
   return AlignedSub(eps_rows, rew, valid, stats, counts, index, np.asarray(src_k))
+
+
+def pad_sub(sub_episodes: Sequence[Any], sub_rewards_N: np.ndarray, q: int, k: int,
+            d: int) -> AlignedSub:
+  """No alignment: each rollout's own calls once, padded with invalid rows to `d`."""
+  calls, counts = _calls(sub_episodes, sub_rewards_N, q, k)
+  index, valid = alignment.pad(counts, d)
+  src_k = np.broadcast_to(np.arange(k)[None, :, None], (q, k, d))
+  stats = {"align/mean_count": float(counts.mean()) if counts.size else 0.0,
+           "align/max_count": int(counts.max()) if counts.size else 0,
+           "align/empty_rate": float((counts == 0).mean()) if counts.size else 0.0}
+  return _rows(calls, index, valid, src_k, stats)
+
+
+def align_sub(sub_episodes: Sequence[Any], sub_rewards_N: np.ndarray, q: int, k: int, d: int,
+              key: jax.Array, *, on_empty: str = "mask") -> AlignedSub:
+  """Trajectory alignment: each rollout's D rows drawn from its own calls (PAPERS.md 1.4)."""
+  calls, counts = _calls(sub_episodes, sub_rewards_N, q, k)
+  if on_empty == "borrow":
+    src_k, index, valid = alignment.align_borrow(jnp.asarray(counts), d, key)
+    src_k = np.asarray(src_k)
+  else:
+    index, valid = alignment.align(jnp.asarray(counts), d, key, on_empty=on_empty)
+    src_k = np.broadcast_to(np.arange(k)[None, :, None], (q, k, d))
+  index, valid = np.asarray(index), np.asarray(valid)
+  stats = {f"align/{k_}": v for k_, v in alignment.alignment_stats(counts, d).items()}
+  return _rows(calls, index, valid, src_k, stats)

@@ -22,6 +22,7 @@ import optax
 from flax import nnx
 
 from mgrpo_jax import sharding as shard_lib
+from mgrpo_jax.models import lora
 from mgrpo_jax.models import moe
 from mgrpo_jax.models import qwen3
 from mgrpo_jax.models.config import Qwen3Config
@@ -143,8 +144,10 @@ LOSS_TERMS = {"clipped": clipped_terms, "clipped_tis": clipped_tis_terms,
 
 
 def _micro_terms(model_config: Qwen3Config, loss_config: LossConfig, terms, logits_chunk: int,
-                 params, mb: Batch, aux_weight):
+                 params, frozen, mb: Batch, aux_weight):
   """(numerator, metric sums) of one micro-batch; the denominator is batch-global.
+
+  `params` are what is trained; with a frozen base (`frozen`, LoRA) they are its adapters.
 
   Position t of the batch describes token t, so the model reads tokens[:, :-1] and scores
   tokens[:, 1:]. A packed micro-batch (`segment_ids` present, see rl.packing) also brings
@@ -153,6 +156,8 @@ def _micro_terms(model_config: Qwen3Config, loss_config: LossConfig, terms, logi
   weighted by `aux_weight` (denominator / micro-batches: the step's loss gets the mean).
   With `routing_replay`, the inputs take the experts the sampler chose (`mb.experts`).
   """
+  if frozen is not None:
+    params = lora.join(frozen, params)
   tokens = mb.tokens
   inputs = tokens[:, :-1]
   packed = mb.segment_ids is not None  # Batch structure (static), not a config value.
@@ -220,8 +225,9 @@ def _micro_batches(batch: Batch, num_micro: int, agg: str):
   return micro, denominator
 
 
-def train_step(state: TrainState, batch: Batch | dict, *, model_config: Qwen3Config,
-               loss_config: LossConfig, tx: optax.GradientTransformation, num_micro: int = 1,
+def train_step(state: TrainState, batch: Batch | dict, frozen=None, *,
+               model_config: Qwen3Config, loss_config: LossConfig,
+               tx: optax.GradientTransformation, num_micro: int = 1,
                logits_chunk: int = 4096, param_sharding=None, terms):
   """One optimizer step over `batch`, accumulating gradients over micro-batches.
 
@@ -234,7 +240,8 @@ def train_step(state: TrainState, batch: Batch | dict, *, model_config: Qwen3Con
   `param_sharding` (with a mesh) pins each micro-batch's gradients and their running sum
   to the parameters' shards: reduce-scattered, never a full replicated copy per device.
   `terms` is the objective, chosen at setup (`make_train_step` binds
-  `LOSS_TERMS[loss_config.terms]`).
+  `LOSS_TERMS[loss_config.terms]`). `frozen`: the base parameters of a LoRA agent, whose
+  `state.params` are then only its adapters (gradients and moments exist only for those).
   """
   micro, denominator = _micro_batches(Batch.of(batch), num_micro, loss_config.agg)
   grad_fn = jax.grad(functools.partial(_micro_terms, model_config, loss_config, terms,
@@ -245,7 +252,7 @@ def train_step(state: TrainState, batch: Batch | dict, *, model_config: Qwen3Con
   aux_weight = denominator / jax.tree.leaves(micro)[0].shape[0]
 
   def body(grad_acc, mb):
-    grads, sums = grad_fn(state.params, mb, aux_weight)
+    grads, sums = grad_fn(state.params, frozen, mb, aux_weight)
     return pin(jax.tree.map(jnp.add, grad_acc, pin(grads))), sums
 
   zeros = jax.tree.map(jnp.zeros_like, state.params)
@@ -292,7 +299,7 @@ def state_shardings(state: TrainState, mesh):
 def make_train_step(model_config: Qwen3Config, loss_config: LossConfig,
                     tx: optax.GradientTransformation, *, num_micro: int = 1, mesh=None,
                     state_sharding=None, max_tokens_per_micro: int | None = None,
-                    logits_chunk: int = 4096):
+                    logits_chunk: int = 4096, frozen=None):
   """`train_step` with its static pieces bound, jitted once, state donated.
 
   With a mesh, the state keeps `state_sharding` (default: `state_shardings` of the
@@ -302,6 +309,10 @@ def make_train_step(model_config: Qwen3Config, loss_config: LossConfig,
   With `max_tokens_per_micro`, the returned function takes the same padded numpy batch,
   packs it on the host (`rl.packing.pack`: [M, R, L] with R * L <= the budget) and runs
   the packed step; `num_micro` is then ignored. The jitted step is its `.jitted`.
+
+  With `frozen` (a LoRA agent's base parameters; the state then holds its adapters) the
+  jitted step takes the base as a third argument, never donated nor copied, and the
+  returned function passes it: callers still call `step(state, batch)`.
   """
   if mesh is not None and state_sharding is None:
     raise ValueError("make_train_step(mesh=...) needs state_sharding=state_shardings(...).")
@@ -312,17 +323,21 @@ def make_train_step(model_config: Qwen3Config, loss_config: LossConfig,
   if mesh is not None:
     unmeshed = step
 
-    def step(state, batch):
+    def step(state, batch, frozen=None):
       # The model pins activations to the batch axes of the mesh in scope (FSDP layout).
       with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        return unmeshed(state, batch)
+        return unmeshed(state, batch, frozen)
   P = jax.sharding.PartitionSpec
+  frozen_sh = None
+  if mesh is not None and frozen is not None:
+    frozen_sh = shard_lib.param_shardings(frozen, mesh)
   if max_tokens_per_micro is None:
     if mesh is None:
-      return jax.jit(step, donate_argnames=("state",))
+      return _bind_frozen(jax.jit(step, donate_argnames=("state",)), frozen)
     batch_sh = jax.sharding.NamedSharding(mesh, P(shard_lib.BATCH))  # A prefix for every leaf.
     replicated = jax.sharding.NamedSharding(mesh, P())
-    jitted = jax.jit(step, donate_argnames=("state",), in_shardings=(state_sharding, batch_sh),
+    in_sh = (state_sharding, batch_sh) + (() if frozen is None else (frozen_sh,))
+    jitted = jax.jit(step, donate_argnames=("state",), in_shardings=in_sh,
                      out_shardings=(state_sharding, replicated))
 
     def sharded_step(state, batch):
@@ -330,9 +345,12 @@ def make_train_step(model_config: Qwen3Config, loss_config: LossConfig,
       # other processes' devices; device_put takes the (identical) batch on every process
       # and keeps each one's own rows.
       batch = _routes_for_replay(model_config, Batch.of(batch))
-      return jitted(state, jax.device_put(batch, batch_sh))
+      placed = jax.device_put(batch, batch_sh)
+      return jitted(state, placed) if frozen is None else jitted(state, placed, frozen)
 
-    sharded_step.jitted, sharded_step.lower = jitted, jitted.lower
+    sharded_step.jitted = jitted
+    sharded_step.lower = (jitted.lower if frozen is None
+                          else lambda state, batch: jitted.lower(state, batch, frozen))
     return sharded_step
   if max_tokens_per_micro < 8:
     raise ValueError(f"max_tokens_per_micro must be >= 8, got {max_tokens_per_micro}.")
@@ -356,10 +374,23 @@ def make_train_step(model_config: Qwen3Config, loss_config: LossConfig,
     if mesh is not None:
       packed = jax.tree.map(lambda v: jax.device_put(v, replicated if np.ndim(v) == 0
                                                      else rows_sh), packed)
-    return jitted(state, packed)
+    return jitted(state, packed, frozen)
 
   packed_step.jitted = jitted
   return packed_step
+
+
+def _bind_frozen(jitted, frozen):
+  """`jitted(state, batch, frozen)` as `step(state, batch)` (itself when there is no base)."""
+  if frozen is None:
+    return jitted
+
+  def step(state, batch):
+    return jitted(state, batch, frozen)
+
+  step.jitted = jitted
+  step.lower = lambda state, batch: jitted.lower(state, batch, frozen)
+  return step
 
 
 class NonFiniteError(FloatingPointError):

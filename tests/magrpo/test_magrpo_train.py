@@ -132,3 +132,35 @@ def test_agents_start_from_a_real_hf_checkpoint_and_tokenizer(tmp_path):
   _, start = models.load_hf(str(ckpt))
   # Warm start + one update moved the weights away from the checkpoint they started from.
   assert not np.allclose(np.asarray(out_params["embed"][...]), np.asarray(start["embed"][...]))
+
+
+def test_lora_agents_share_one_hf_base_and_export_merged_and_peft(tmp_path):
+  import jax
+  from mgrpo_jax import models
+  from mgrpo_jax import tokenizer as tk
+  from mgrpo_jax.models import lora
+  ckpt = tmp_path / "qwen3"
+  tok = tk.load_tokenizer(str(tk.write_test_hf_tokenizer(ckpt, vocab_size=400)))
+  cfg = models.get_preset("tiny", vocab_size=tok.vocab_size)
+  models.save_hf(str(ckpt), cfg, models.init_params(cfg, jax.random.key(3)))
+  c = magrpo_config.get_config(f"smoke,hf_path={ckpt},lora=4")
+  c.model.lora.targets = ("q_proj", "v_proj")
+  c.num_steps = 1
+  run = magrpo_step.setup(c)
+  a, b = run.agents["a"], run.agents["b"]
+  assert a.frozen is b.frozen  # One copy of the base for both agents.
+  assert jax.tree.leaves(a.state.params)[0] is not jax.tree.leaves(b.state.params)[0]
+  workdir = str(tmp_path / "run")
+  magrpo_program.train_and_evaluate(c, workdir)
+  _, start = models.load_hf(str(ckpt))
+  _, merged = models.load_hf(os.path.join(workdir, "hf", "b"))
+  # Untargeted weights are the base's, bit for bit; the targeted ones moved.
+  np.testing.assert_array_equal(np.asarray(merged["embed"][...]), np.asarray(start["embed"][...]))
+  np.testing.assert_array_equal(np.asarray(merged["layers"]["attn"]["k"][...]),
+                                np.asarray(start["layers"]["attn"]["k"][...]))
+  assert not np.allclose(np.asarray(merged["layers"]["attn"]["q"][...]),
+                         np.asarray(start["layers"]["attn"]["q"][...]))
+  with open(os.path.join(workdir, "lora", "b", lora.ADAPTER_CONFIG)) as f:
+    adapter = json.load(f)
+  assert adapter["base_model_name_or_path"] == str(ckpt) and adapter["r"] == 4
+  assert adapter["target_modules"] == ["q_proj", "v_proj"]

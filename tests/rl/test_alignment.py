@@ -165,3 +165,11 @@ def test_suggest_d():
   assert alignment.suggest_d(np.array([0, 0] + list(range(1, 11)))) == 10
   assert alignment.suggest_d(np.array([2, 2, 2, 0]), percentile=50) == 2
   assert alignment.suggest_d(np.zeros(5, int)) == 1
+
+
+def test_pad_by_hand():
+  index, valid = alignment.pad(np.array([[3, 0], [1, 2]]), 3)
+  np.testing.assert_array_equal(valid, [[[1, 1, 1], [0, 0, 0]], [[1, 0, 0], [1, 1, 0]]])
+  np.testing.assert_array_equal(index, [[[0, 1, 2], [0, 0, 0]], [[0, 0, 0], [0, 1, 0]]])
+  with pytest.raises(ValueError, match="more than D=2"):
+    alignment.pad(np.array([[3]]), 2)

@@ -87,3 +87,25 @@ def test_make_batch_masks_invalid_rows_and_checks_length():
   # Padded to a row multiple (mesh shards, micro-batches) with masked rows.
   b = batch_lib.make_batch(eps[:1], np.array([2.0]), max_len=64, pad_id=0, minimum=8, multiple=4)
   assert b.tokens.shape == (4, 8) and b.loss_mask[1:].sum() == 0 and list(b.adv) == [2, 0, 0, 0]
+
+
+def test_pad_sub_keeps_every_call_once_and_normalises_over_them():
+  """No alignment (variant=unaligned): each rollout's calls once, in call order, the rest
+  padding; A_S per query over exactly the episodes that happened."""
+  subs = [Ep(0, 0, c) for c in (2, 0, 1)] + [Ep(1, 0, 0), Ep(1, 1, 0), Ep(1, 1, 1)]
+  rewards = np.array([0.3, 0.1, 0.2, 1.0, 0.0, 0.5], np.float32)
+  out = hierarchy.pad_sub(subs, rewards, 2, 2, 3)
+  eps = np.array(out.episodes, dtype=object).reshape(2, 2, 3)
+  assert list(eps[0, 0]) == [subs[1], subs[2], subs[0]]  # call order 0, 1, 2
+  assert list(eps[0, 1]) == [None] * 3
+  assert list(eps[1, 0]) == [subs[3], None, None] and list(eps[1, 1]) == [subs[4], subs[5], None]
+  np.testing.assert_allclose(out.rewards_QxKxD[0, 0], [0.1, 0.2, 0.3])
+  adv = mgrpo_step.sub_advantages(out, scale="std", eps=1e-6)
+  # Query 0: rewards (0.1, 0.2, 0.3): mean 0.2, unbiased std 0.1.
+  np.testing.assert_allclose(adv[0, 0], [-1.0, 0.0, 1.0], rtol=1e-4)
+  # Query 1: (1.0, 0.0, 0.5): mean 0.5, std 0.5.
+  np.testing.assert_allclose([adv[1, 0, 0], adv[1, 1, 0], adv[1, 1, 1]], [1.0, -1.0, 0.0],
+                             atol=1e-4)
+  assert np.all(adv[~out.valid_QxKxD] == 0)
+  with pytest.raises(ValueError, match="more than D=2"):
+    hierarchy.pad_sub(subs, rewards, 2, 2, 2)

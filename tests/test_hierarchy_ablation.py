@@ -1,0 +1,102 @@
+"""The hierarchy ablation's configs: every variant runs the same experiment but for its wiring."""
+
+import pytest
+
+from configs import mgrpo as mgrpo_config
+from configs import sft as sft_config
+from mgrpo_jax import mgrpo_step
+
+
+def _flat(c, prefix=""):
+  out = {}
+  for k, v in c.items():
+    if hasattr(v, "items"):
+      out.update(_flat(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+@pytest.mark.parametrize("module", [mgrpo_config, sft_config])
+@pytest.mark.parametrize("size", ["cpu", "gpu", "smoke"])
+def test_variants_share_data_budgets_recipe_and_updates(module, size):
+  """Resolved configs field by field: only `variant` differs from M-GRPO's (same world and
+  questions, limits, sampling, optimisers, steps, evaluation, warm-start recipe)."""
+  args = list(mgrpo_config.hierarchy_sweep(size, seeds=1))
+  assert [mgrpo_config.get_config(a).variant for a in args] == list(
+      mgrpo_config.HIERARCHY_VARIANTS)
+  configs = {a: _flat(module.get_config(a)) for a in args}
+  reference = configs[args[0]]
+  assert reference["variant"] == "mgrpo" and reference["world.kind"] == "multihop"
+  for arg, flat in configs.items():
+    assert flat.keys() == reference.keys()
+    differ = {k for k in flat if flat[k] != reference[k]}
+    assert differ <= {"variant"}, (arg, {k: (flat[k], reference[k]) for k in differ})
+    mgrpo_step.resolve_wiring(module.get_config(arg), training=module is mgrpo_config)
+
+
+def test_seeds_differ_only_in_seed():
+  a, b = (_flat(mgrpo_config.get_config(f"task=multihop,runlocal,variant=single,seed={s}"))
+          for s in (0, 2))
+  assert {k for k in a if a[k] != b[k]} == {"seed"}
+
+
+def test_every_variant_has_a_wiring():
+  assert set(mgrpo_config.VARIANTS) == set(mgrpo_step.WIRINGS)
+  w = mgrpo_step.WIRINGS
+  assert w["unaligned"].align == "pad" and w["mgrpo"].align == "sample"
+  assert (w["unaligned"].roles, w["unaligned"].trained) == (w["mgrpo"].roles, w["mgrpo"].trained)
+
+
+def test_unaligned_sub_batch_holds_every_episode_once():
+  """variant=unaligned on real (expert) rollouts: each sub episode is one row, padding rows
+  are masked, and the row count is a multiple of Q*K; mgrpo's aligned batch is [Q*K*D] rows."""
+  import jax
+  import numpy as np
+
+  from mgrpo_jax import research_env
+
+  c = mgrpo_config.get_config("task=multihop,smoke,variant=unaligned,policy=expert")
+  env = research_env.build_env(c)
+  rows = {}
+  for variant in ("unaligned", "mgrpo"):
+    w = mgrpo_step.WIRINGS[variant]
+    policies = mgrpo_step.expert_policies(c, w, env, noise=0.3, seed=1)
+    eps, sub_eps = mgrpo_step.run_rollouts(c, w, env, policies, env.train[:c.num_queries],
+                                           num_rollouts=c.num_rollouts, key=jax.random.key(0),
+                                           step=0)
+    batches, m = mgrpo_step.batches(c, w, env, eps, sub_eps, jax.random.key(1))
+    b, n = batches["sub"], len(sub_eps)
+    rows[variant] = b.tokens.shape[0]
+    assert n > c.num_queries * c.num_rollouts  # multi-hop: several calls per rollout
+    if variant == "unaligned":
+      unit = c.num_queries * c.num_rollouts
+      assert b.tokens.shape[0] == unit * -(-n // unit)
+      assert (b.loss_mask.sum(1) > 0).sum() == n and b.loss_mask[n:].sum() == 0
+      length, pad = b.tokens.shape[1], env.tokenizer.pad_id
+      want = sorted(tuple(e.tokens) + (pad,) * (length - len(e.tokens)) for e in sub_eps)
+      assert sorted(tuple(int(x) for x in t) for t in np.asarray(b.tokens)[:n]) == want
+    else:
+      assert rows[variant] == c.num_queries * c.num_rollouts * c.align_d
+
+
+def test_sweep_summary_intervals_by_hand():
+  """benchmarks/hierarchy_sweep.py: per variant, mean and 95% t-interval over seeds."""
+  import importlib.util
+  import os
+
+  path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "hierarchy_sweep.py")
+  spec = importlib.util.spec_from_file_location("hierarchy_sweep", path)
+  sweep = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(sweep)
+  run = lambda seed, accs: dict(kind="rl", variant="mgrpo", seed=seed, train_means={},
+                                evals=[{"step": s, "accuracy": a, "accuracy_hops2": a / 2}
+                                       for s, a in zip((0, 10), accs)])
+  records = [run(0, (0.1, 0.4)), run(1, (0.2, 0.5)), run(2, (0.3, 0.9)),
+             dict(kind="expert", variant="mgrpo", evals=[{"step": 0, "accuracy": 1.0}])]
+  s = sweep.summarize(records)["mgrpo"]
+  assert s["steps"] == [0, 10] and s["seeds"] == [0, 1, 2]
+  # Final accuracies (0.4, 0.5, 0.9): mean 0.6, s = 0.26458, t_{0.975, 2} = 4.302653.
+  assert abs(s["final"]["accuracy"]["mean"] - 0.6) < 1e-9
+  assert abs(s["final"]["accuracy"]["ci95"] - 4.302653 * 0.264575 / 3 ** 0.5) < 1e-3
+  assert s["curves"]["accuracy_hops2"]["mean"] == [0.1, 0.3]
