@@ -203,3 +203,34 @@ def s3_endpoint():
   finally:
     proc.terminate()
     proc.wait(10)
+
+
+def _load_benchmark(name: str):
+  """benchmarks/<name>.py as a module, loaded once per process.
+
+  Benchmarks define absl flags at import, and two of them may share a name (`--out`): a
+  benchmark's flags replace earlier same-named ones, which only its own `main` reads.
+  """
+  import importlib.util
+  import re
+  import sys
+
+  from absl import flags
+  key = f"_benchmark_{name}"
+  if key in sys.modules:
+    return sys.modules[key]
+  path = pathlib.Path(__file__).parent.parent / "benchmarks" / f"{name}.py"
+  for flag in re.findall(r'flags\.DEFINE_\w+\(\s*"(\w+)"', path.read_text()):
+    if flag in flags.FLAGS:
+      delattr(flags.FLAGS, flag)
+  spec = importlib.util.spec_from_file_location(key, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  sys.modules[key] = module
+  return module
+
+
+@pytest.fixture(scope="session")
+def load_benchmark():
+  """`load_benchmark("memory")`: a benchmark script's functions, for tests."""
+  return _load_benchmark

@@ -80,15 +80,9 @@ def test_unaligned_sub_batch_holds_every_episode_once():
       assert rows[variant] == c.num_queries * c.num_rollouts * c.align_d
 
 
-def test_sweep_summary_intervals_by_hand():
+def test_sweep_summary_intervals_by_hand(load_benchmark):
   """benchmarks/hierarchy_sweep.py: per variant, mean and 95% t-interval over seeds."""
-  import importlib.util
-  import os
-
-  path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "hierarchy_sweep.py")
-  spec = importlib.util.spec_from_file_location("hierarchy_sweep", path)
-  sweep = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(sweep)
+  sweep = load_benchmark("hierarchy_sweep")
   run = lambda seed, accs: dict(kind="rl", variant="mgrpo", seed=seed, train_means={},
                                 evals=[{"step": s, "accuracy": a, "accuracy_hops2": a / 2}
                                        for s, a in zip((0, 10), accs)])

@@ -1,27 +1,14 @@
 """benchmarks/memory.py at a mid shape: update memory grows linearly with sequence length."""
 
-import functools
-import importlib.util
-import os
-
 import pytest
 
 
-@functools.cache  # Loaded once: the module defines absl flags.
-def _memory_module():
-  path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "memory.py")
-  spec = importlib.util.spec_from_file_location("memory_benchmark", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
 @pytest.mark.slow
-def test_update_temporaries_grow_linearly_with_length():
+def test_update_temporaries_grow_linearly_with_length(load_benchmark):
   # The plain padded make_train_step of Qwen3-0.6B (real vocabulary and widths), compiled
   # with abstract inputs: with [T, T] scores or [B, T, V] logits each doubling of T would
   # cost ~4x / 2x of a large term (at 2819582: 14.0 -> 25.0 -> 62.5 GB at 2k/4k/8k).
-  memory = _memory_module()
+  memory = load_benchmark("memory")
   cases = [memory.scaling_case("qwen3_0p6b", t, rows=2) for t in (2048, 4096, 8192)]
   temps = [c["temporaries_gb"] for c in cases]
   assert all(b / a < 2.2 for a, b in zip(temps, temps[1:])), temps
@@ -31,11 +18,11 @@ def test_update_temporaries_grow_linearly_with_length():
 
 @pytest.mark.slow
 @pytest.mark.devices(8)
-def test_moe_cases_compile_on_an_expert_mesh():
+def test_moe_cases_compile_on_an_expert_mesh(load_benchmark):
   # The 64-device Qwen3-30B-A3B cases' code path at tiny size on 2 fsdp x 4 expert: the
   # update and decode steps compile with abstract sharded inputs, and the expert weights
   # really are split (arguments per device well below the unsharded state).
-  memory = _memory_module()
+  memory = load_benchmark("memory")
   axes = dict(data=1, fsdp=2, tensor=1, expert=4)
   update = memory.update_case("tiny_moe", 8, 64, mesh_axes=axes, moe_chunk=16)
   assert update["mesh"] == {"fsdp": 2, "expert": 4} and update["rows_per_micro"] == 8
@@ -45,10 +32,10 @@ def test_moe_cases_compile_on_an_expert_mesh():
   assert decode["total_gb"] > 0 and decode["mesh"] == {"fsdp": 2, "expert": 4}
 
 
-def test_lora_update_holds_the_base_once_and_state_for_adapters_only():
+def test_lora_update_holds_the_base_once_and_state_for_adapters_only(load_benchmark):
   # Qwen3-0.6B, rank 16 on every projection: ~10M adapter parameters (f32, two Adam moments),
   # beside a 2.4 GB f32 base that is an argument of the step and never comes back out.
-  memory = _memory_module()
+  memory = load_benchmark("memory")
   case = memory.update_case("qwen3_0p6b", 16, 2048, lora_rank=16)
   assert 9e6 < case["adapter_params"] < 12e6
   assert abs(case["base_gb"] - 4 * case["params"] / 1e9) < 1e-6
