@@ -9,7 +9,6 @@ import pytest
 
 from mgrpo_jax import models, sharding
 from mgrpo_jax import tokenizer as tk
-from mgrpo_jax.agents import rollout
 from mgrpo_jax.magrpo import rollout as magrpo_rollout
 from mgrpo_jax.rl import batch as batch_lib
 from mgrpo_jax.rl import losses
@@ -25,33 +24,10 @@ def moe():
   return cfg, models.init_params(cfg, jax.random.key(0))
 
 
-def _episodes(cfg, params, **policy_kw):
-  """Three turns of four episodes, tool replies in between (as tests/rl/
-  test_sampler_consistency.py, with a MoE policy)."""
-  limits = rollout.Limits(max_turns=3, max_new_tokens=12, max_len=512)
-  policy = rollout.LLMPolicy(cfg, params, TOK, "sub", limits=limits, temperature=TEMPERATURE,
-                             top_k=20, **policy_kw)
-  prompts = ["find the river", "who built it?", "why not", "find the river"]
-  eps = [rollout.new_episode(TOK, "sub", [{"role": "user", "content": p}], q=i, k=0, call=0,
-                             task=None, max_turns=3) for i, p in enumerate(prompts)]
-  policy.begin(eps)
-  for turn, rows in enumerate([[0, 1, 2, 3], [0, 2, 3], [1, 3]]):
-    appended = {}
-    for r, (ids, logps) in zip(rows, policy.act(rows, jax.random.fold_in(jax.random.key(3),
-                                                                         turn))):
-      reply = TOK.encode(f"tool reply {r}-{turn}")
-      eps[r].tokens += ids + reply
-      eps[r].loss_mask += [1] * len(ids) + [0] * len(reply)
-      eps[r].logprobs += logps + [0.0] * len(reply)
-      appended[r] = reply
-    policy.append(appended)
-  return eps
-
-
 @pytest.fixture(scope="module")
-def sampled(moe):
+def sampled(moe, multi_turn_episodes):
   cfg, params = moe
-  eps = _episodes(cfg, params)
+  eps = multi_turn_episodes(cfg, params, temperature=TEMPERATURE)
   batch = batch_lib.make_batch(eps, np.asarray([1.0, -1.0, 0.5, -0.5], np.float32),
                                max_len=512, pad_id=TOK.pad_id, minimum=64)
   return eps, batch
@@ -130,13 +106,16 @@ def test_replay_uses_the_samplers_routes_when_the_router_drifts(moe, sampled):
   assert err(replayed) < err(rerouted)
 
 
-def test_routes_in_waves_and_on_an_expert_mesh_equal_the_resident_ones(moe, sampled):
+def test_routes_in_waves_and_on_an_expert_mesh_equal_the_resident_ones(moe, sampled,
+                                                                      multi_turn_episodes):
   cfg, params = moe
   eps, _ = sampled
   # A budget of one row's cache: every turn re-prefills its rows in waves.
-  waves = _episodes(cfg, params, kv_cache_budget_bytes=200_000)
+  waves = multi_turn_episodes(cfg, params, temperature=TEMPERATURE,
+                              kv_cache_budget_bytes=200_000)
   mesh = sharding.make_mesh(dict(data=1, fsdp=2, tensor=1, expert=4))
-  meshed = _episodes(cfg, sharding.shard_params(params, mesh), mesh=mesh)
+  meshed = multi_turn_episodes(cfg, sharding.shard_params(params, mesh),
+                               temperature=TEMPERATURE, mesh=mesh)
   for a, b, c in zip(eps, waves, meshed):
     assert a.tokens == b.tokens == c.tokens
     # A last tool reply is routed by the next prefill, which waves never run for it.

@@ -7,7 +7,6 @@ import pytest
 
 from mgrpo_jax import models
 from mgrpo_jax import tokenizer as tk
-from mgrpo_jax.agents import rollout
 from mgrpo_jax.rl import batch as batch_lib
 from mgrpo_jax.rl import losses
 from mgrpo_jax.rl import train_step as ts
@@ -21,36 +20,11 @@ def tiny():
   return cfg, models.init_params(cfg, jax.random.key(0))
 
 
-def _episodes(cfg, params, temperature, top_k):
-  """Three turns of four episodes through the KV-cache sampler, tool replies in between.
-
-  As the rollout engine builds them: generated tokens (loss mask 1, the sampler's
-  log-probs), then a tool reply (mask 0) that `extend` appends to the live cache.
-  """
-  limits = rollout.Limits(max_turns=3, max_new_tokens=12, max_len=512)
-  policy = rollout.LLMPolicy(cfg, params, TOK, "sub", limits=limits, temperature=temperature,
-                             top_k=top_k)
-  prompts = ["find the river", "who built it?", "why not", "find the river"]
-  eps = [rollout.new_episode(TOK, "sub", [{"role": "user", "content": p}], q=i, k=0, call=0,
-                             task=None, max_turns=3) for i, p in enumerate(prompts)]
-  policy.begin(eps)
-  for turn, rows in enumerate([[0, 1, 2, 3], [0, 2, 3], [1, 3]]):
-    appended = {}
-    for r, (ids, logps) in zip(rows, policy.act(rows, jax.random.fold_in(jax.random.key(3),
-                                                                         turn))):
-      reply = TOK.encode(f"tool reply {r}-{turn}")
-      eps[r].tokens += ids + reply
-      eps[r].loss_mask += [1] * len(ids) + [0] * len(reply)
-      eps[r].logprobs += logps + [0.0] * len(reply)
-      appended[r] = reply
-    policy.append(appended)
-  return eps
-
-
 @pytest.mark.parametrize("temperature,top_k", [(0.7, 20)])
-def test_trainer_recomputes_the_samplers_logprobs(tiny, temperature, top_k):
+def test_trainer_recomputes_the_samplers_logprobs(tiny, temperature, top_k,
+                                                 multi_turn_episodes):
   cfg, params = tiny
-  eps = _episodes(cfg, params, temperature, top_k)
+  eps = multi_turn_episodes(cfg, params, temperature=temperature, top_k=top_k)
   batch = batch_lib.make_batch(eps, np.asarray([1.0, -1.0, 0.5, -0.5], np.float32),
                                max_len=512, pad_id=TOK.pad_id, minimum=64)
   # A dense model records no routes (nothing to replay).
