@@ -136,6 +136,11 @@ def _write_rows(cache_BxKxSxH, new_BxKxTxH, start_B):
   s, t = cache_BxKxSxH.shape[2], new_BxKxTxH.shape[2]
   if t > s:
     raise ValueError(f"Cannot write {t} positions per row into a cache of {s} slots.")
+  if t == 1:
+    # Decode: one scatter of one slot per row, in place; a slot past the end is dropped.
+    # (The per-row update below would add a gather, a roll and a select per layer and step.)
+    rows = jnp.arange(cache_BxKxSxH.shape[0])
+    return cache_BxKxSxH.at[rows, :, start_B].set(new_BxKxTxH[:, :, 0], mode="drop")
 
   def row(c_KxSxH, n_KxTxH, p):
     at = jnp.minimum(p, s - t)
