@@ -11,11 +11,13 @@ def model(preset: str = "tiny") -> ml_collections.ConfigDict:
       vocab_size=-1,  # -1: the tokenizer's vocabulary size (presets only).
       param_dtype="float32",  # Master weights.
       compute_dtype="float32",  # Activations / matmuls ("bfloat16" on GPU).
-      remat=False,  # Recompute layers in the backward pass.
+      remat=False,  # Recompute layers in the backward pass,
+      remat_policy="nothing",  # keeping nothing, or "save_dots": the weight matmuls' outputs.
       # Attention kernel: "auto" (cuDNN on GPU for padded batches, else the einsum reference
       # for small [T, T], else blockwise), "cudnn", "blockwise" or "reference".
       attention="auto",
       attention_block=512,  # Tokens per tile of the blockwise kernel.
+      decode_splits=0,  # > 1: decode attention reads the cache in this many chunks at once.
       # Update memory: > 0 packs the batch's episodes into rows under this many tokens per
       # micro-batch (rl/packing.py; num_micro is then unused); 0 keeps one padded batch.
       max_tokens_per_micro=0,

@@ -14,6 +14,7 @@ import ml_collections
 
 from mgrpo_jax import sharding
 from mgrpo_jax.models import attention
+from mgrpo_jax.models.config import REMAT_POLICIES
 
 
 class ConfigValueError(ValueError):
@@ -93,9 +94,10 @@ def model_fields(prefix: str) -> tuple[dict, dict]:
   """Choices and ranges of one `configs/common.model()` section."""
   choices = {f"{prefix}.attention": attention.IMPLEMENTATIONS,
              f"{prefix}.param_dtype": DTYPES, f"{prefix}.compute_dtype": DTYPES,
-             f"{prefix}.routing_replay": (False, True)}
+             f"{prefix}.routing_replay": (False, True),
+             f"{prefix}.remat_policy": REMAT_POLICIES}
   ranges = {f"{prefix}.vocab_size": Range(low=1, integer=True, also=(-1,)),
-            f"{prefix}.attention_block": at_least(1),
+            f"{prefix}.attention_block": at_least(1), f"{prefix}.decode_splits": at_least(0),
             f"{prefix}.max_tokens_per_micro": at_least(0),
             f"{prefix}.logits_chunk_mb": at_least(1),
             f"{prefix}.router_aux_loss_coef": NONNEGATIVE, f"{prefix}.moe_chunk": at_least(0),

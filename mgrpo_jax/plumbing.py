@@ -86,7 +86,8 @@ def nll_objective(lc, oc, *, learning_rate: float, weight_decay: float):
 
 def _runtime(mc) -> dict:
   """The model config's runtime fields (how it computes, not what it is)."""
-  return dict(remat=mc.remat, attention=mc.attention, attention_block=mc.attention_block,
+  return dict(remat=mc.remat, remat_policy=mc.remat_policy, attention=mc.attention,
+              attention_block=mc.attention_block, decode_splits=mc.decode_splits,
               router_aux_loss_coef=mc.router_aux_loss_coef, moe_chunk=mc.moe_chunk,
               routing_replay=mc.routing_replay)
 

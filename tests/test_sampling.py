@@ -164,6 +164,16 @@ def test_greedy_matches_hf_generate(tiny, name):
     assert len(set(res.tokens.ravel().tolist())) > 20
 
 
+def test_split_decode_attention_matches_hf_generate(tiny):
+    # Flash-decoding (the cache read in 3 chunks at once) must pick the same greedy tokens.
+    m = tiny["untied"]
+    prompts = _prompts(m.vocab, seed=3)[:2]
+    cfg = m.config.replace(decode_splits=3)
+    res = sampling.generate(cfg, m.params, prompts, max_new_tokens=N_NEW, temperature=0.0)
+    for i, p in enumerate(prompts):
+        assert res.tokens[i].tolist() == _hf_greedy(m.hf, p, N_NEW), f"row {i}"
+
+
 # ------------------------------------------------------------- 2. behaviour log-probs
 
 

@@ -215,6 +215,39 @@ def blockwise(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, q_idx_BxT, kv_valid_BxS, q_seg_
   return out[:, :, :, :t]
 
 
+def split_kv(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, q_idx_BxT, kv_valid_BxS, *, splits: int):
+  """Flash-decoding for cached queries: the keys cut into `splits` chunks whose partial
+  softmaxes are computed side by side, then merged by their maxima and sums.
+
+  With one or few queries per row, the reference reduces over the whole window in one
+  pass; split, the reductions are `splits` times shorter and `splits` times as many, which
+  gives a GPU more blocks to spread the cache read over. Same masking rule (no segments:
+  cached rows hold one sequence); queries that see no key return 0.
+  """
+  b, kv, g, t, h = q_BxKxGxTxH.shape
+  s = k_BxKxSxH.shape[2]
+  n = max(1, min(splits, s))
+  c = -(-s // n)
+  k = _pad_axis(k_BxKxSxH, 2, n * c, 0).reshape(b, kv, n, c, h)
+  v = _pad_axis(v_BxKxSxH, 2, n * c, 0).reshape(b, kv, n, c, h)
+  valid = _pad_axis(kv_valid_BxS.astype(bool), 1, n * c, False).reshape(b, 1, n, c)
+  vis = (jnp.arange(n * c).reshape(n, c) <= q_idx_BxT[:, :, None, None]) & valid
+  scores = jnp.einsum("bkgth,bknch->bkgtnc", q_BxKxGxTxH, k,
+                      preferred_element_type=jnp.float32) * h ** -0.5
+  scores = jnp.where(vis[:, None, None], scores, -jnp.inf)
+  m = jnp.max(scores, axis=-1)  # Per chunk: [B, K, G, T, N].
+  m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+  p = jnp.exp(scores - m_safe[..., None])  # Masked scores give exp(-inf) = 0.
+  l = jnp.sum(p, axis=-1)
+  # Unnormalised chunk outputs in the compute dtype, as the reference's probs @ v.
+  o = jnp.einsum("bkgtnc,bknch->bkgtnh", p.astype(v.dtype), v).astype(jnp.float32)
+  top = jnp.max(m, axis=-1, keepdims=True)
+  w = jnp.where(jnp.isfinite(m), jnp.exp(m - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
+  total = jnp.sum(l * w, axis=-1)
+  out = jnp.sum(o * w[..., None], axis=-2) / jnp.where(total > 0, total, 1.0)[..., None]
+  return out.astype(q_BxKxGxTxH.dtype)
+
+
 def cudnn(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, lengths_B, *, implementation: str = "cudnn"):
   """cuDNN's fused causal attention over right-padded rows of `lengths_B` real tokens.
 
@@ -250,13 +283,18 @@ def resolve(impl: str, *, cached: bool, packed: bool, t: int, s: int) -> str:
 
 
 def attend(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, *, q_idx_BxT, kv_valid_BxS, q_seg_BxT=None,
-           kv_seg_BxS=None, impl: str = "auto", cached: bool = False, block: int = 512):
+           kv_seg_BxS=None, impl: str = "auto", cached: bool = False, block: int = 512,
+           decode_splits: int = 0):
   """Attention under the shared masking rule, by the implementation `impl` resolves to.
 
   Without a cache, rows must be right-padded (`kv_valid` a prefix) for cuDNN to apply.
+  A decode step (cached, one query per row) with `decode_splits` > 1 takes `split_kv`.
   """
   t, s = q_BxKxGxTxH.shape[3], k_BxKxSxH.shape[2]
   packed = q_seg_BxT is not None
+  if cached and t == 1 and decode_splits > 1 and not packed:
+    return split_kv(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, q_idx_BxT, kv_valid_BxS,
+                    splits=decode_splits)
   which = resolve(impl, cached=cached, packed=packed, t=t, s=s)
   if which == "reference":
     return reference(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, q_idx_BxT, kv_valid_BxS, q_seg_BxT,

@@ -23,6 +23,7 @@ _HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size",
 _MAX_EXPERTS = 4096
 _REQUIRED = object()
 # The projections a LoRA adapter may target, by their HF/PEFT module names.
+REMAT_POLICIES = ("nothing", "save_dots")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -52,12 +53,18 @@ class Qwen3Config:
   # `compute_dtype`; norms, softmax and logits are always float32.
   param_dtype: str = "float32"
   compute_dtype: str = "float32"
-  # Rematerialise each layer in the backward pass (trades FLOPs for memory).
+  # Rematerialise each layer in the backward pass (trades FLOPs for memory), keeping what
+  # `remat_policy` (REMAT_POLICIES) names: "nothing", or "save_dots" (the weight matmuls'
+  # outputs, recomputing norms, activations and attention).
   remat: bool = False
+  remat_policy: str = "nothing"
   # Attention kernel (models/attention.py): "auto" | "cudnn" | "blockwise" | "reference",
   # and the blockwise kernel's tile size. Runtime choices, not part of config.json.
   attention: str = "auto"
   attention_block: int = 512
+  # Decode attention over the cache in this many chunks at once (flash-decoding,
+  # attention.split_kv); 0 or 1: one pass. Runtime.
+  decode_splits: int = 0
   # Mixture of experts (Qwen3-MoE); num_experts = 0 is the dense Qwen3. A layer i is sparse
   # when num_experts > 0, (i + 1) % decoder_sparse_step == 0 and i not in mlp_only_layers
   # (transformers' rule); a dense layer keeps the SwiGLU of width intermediate_size.
@@ -110,6 +117,12 @@ class Qwen3Config:
     if not isinstance(self.attention_block, int) or self.attention_block < 8:
       raise ConfigError(
           f"Qwen3Config.attention_block must be an int >= 8, got {self.attention_block!r}.")
+    if self.remat_policy not in REMAT_POLICIES:
+      raise ConfigError(f"Qwen3Config.remat_policy={self.remat_policy!r}; expected one of "
+                        f"{REMAT_POLICIES}.")
+    if not isinstance(self.decode_splits, int) or self.decode_splits < 0:
+      raise ConfigError(
+          f"Qwen3Config.decode_splits must be an int >= 0, got {self.decode_splits!r}.")
     if not self.rope_theta > 0:
       raise ConfigError(f"Qwen3Config.rope_theta must be > 0, got {self.rope_theta!r}.")
     self._check_moe()

@@ -22,6 +22,13 @@ from mgrpo_jax.models import moe
 from mgrpo_jax.models.config import Qwen3Config
 
 
+# What a remat'd layer keeps for the backward pass (Qwen3Config.remat_policy): nothing (all
+# of the layer is recomputed), or the outputs of its weight matmuls ("save_dots": the
+# projections are not recomputed; attention scores, a batched dot, still are).
+_REMAT_POLICIES = {"nothing": jax.checkpoint_policies.nothing_saveable,
+                   "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
 @flax.struct.dataclass
 class KVCache:
   """Keys and values of every layer; slot s of row b holds position s of row b."""
@@ -214,7 +221,7 @@ class Attention(nnx.Module):
     out = attention.attend(q, k, v, q_idx_BxT=q_idx_BxT, kv_valid_BxS=key_mask_BxS,
                            q_seg_BxT=segment_ids_BxT, kv_seg_BxS=segment_ids_BxT,
                            impl=cfg.attention, cached=cache_kv is not None,
-                           block=cfg.attention_block)
+                           block=cfg.attention_block, decode_splits=cfg.decode_splits)
     o = self.o[...].astype(dt).reshape(kv, g, cfg.head_dim, -1)
     y = jnp.einsum("bkgth,kghd->btd", out, o)
     return _adapted(self, "o", y, out, "bkgth,kghr->btr", "btr,rd->btd",
@@ -350,7 +357,7 @@ class Qwen3(nnx.Module):
         given = jax.lax.slice_in_dim(experts_LxBxTxK, start, start + count)
       run = functools.partial(body, graphdef)
       if cfg.remat:
-        run = jax.checkpoint(run, prevent_cse=False)
+        run = jax.checkpoint(run, prevent_cse=False, policy=_REMAT_POLICIES[cfg.remat_policy])
       (x, kv), ys = jax.lax.scan(run, (x, kv), (state, first + jnp.arange(count), given))
       if sparse:
         routed.append(ys)

@@ -82,6 +82,35 @@ def test_blockwise_cached_queries():
   np.testing.assert_allclose(o_blk, o_ref, atol=2e-6)
 
 
+@pytest.mark.parametrize("splits", [1, 2, 5, 53, 64])
+def test_split_kv_decode_equals_reference(splits):
+  # One query per row at its own position (the decode step), against a cache of 53 slots
+  # (prime: chunks do not divide it); row 1 has invalid slots at its end.
+  s = 53
+  q, k, v = _qkv(s=s)
+  q = q[:, :, :, :1]
+  pos = jnp.asarray([[40], [51]])
+  valid = jnp.arange(s)[None] < jnp.asarray([[53], [47]])
+  o_ref = attention.reference(q, k, v, pos, valid)
+  o = jax.jit(attention.split_kv, static_argnames="splits")(q, k, v, pos, valid,
+                                                             splits=splits)
+  np.testing.assert_allclose(o, o_ref, atol=2e-6)
+  via = attention.attend(q, k, v, q_idx_BxT=pos, kv_valid_BxS=valid, cached=True,
+                         decode_splits=splits)
+  np.testing.assert_allclose(via, o_ref, atol=2e-6)
+
+
+def test_split_kv_bf16_close_to_reference():
+  s = 53
+  q, k, v = _qkv(jnp.bfloat16, s=s)
+  q, pos, valid = q[:, :, :, :1], jnp.asarray([[30], [52]]), jnp.ones((B, s), bool)
+  up = lambda x: x.astype(jnp.float32)
+  o_ref = attention.reference(up(q), up(k), up(v), pos, valid)
+  o = jax.jit(attention.split_kv, static_argnames="splits")(q, k, v, pos, valid, splits=4)
+  assert o.dtype == jnp.bfloat16
+  assert float(jnp.abs(up(o) - o_ref).max()) < 3e-2
+
+
 def test_cudnn_call_layout_matches_reference():
   # The cuDNN wrapper's transposes, GQA grouping and lengths, run through XLA on CPU.
   q_idx, valid, _, _, live = _cases()["padded"]
@@ -160,3 +189,8 @@ def test_cache_writes_in_place_and_drop_past_the_end():
   np.testing.assert_array_equal(out, want)
   stopped = qwen3._write_rows(cache, new[:, :, :1], jnp.asarray([s, s]))  # Slot s: nowhere.
   np.testing.assert_array_equal(stopped, cache)
+  # A decode step (one slot per row) writes each row at its own position.
+  one = qwen3._write_rows(cache, new[:, :, :1], jnp.asarray([s - 1, 0]))
+  want = np.array(cache)
+  want[0, 0, s - 1, 0], want[1, 0, 0, 0] = -1, -5
+  np.testing.assert_array_equal(one, want)
