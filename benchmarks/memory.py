@@ -61,6 +61,10 @@ _SCALING_PRESET = flags.DEFINE_string("scaling_preset", "qwen3_0p6b", "Preset of
 _MOE_PRESETS = flags.DEFINE_list("moe_presets", ["qwen3_30b_a3b"],
                                  "MoE presets of the 64-device update/decode cases.")
 _MOE_CHUNK = flags.DEFINE_integer("moe_chunk", 512, "Tokens per device per expert dispatch.")
+_REMAT_POLICY = flags.DEFINE_enum("remat_policy", "nothing", models.config.REMAT_POLICIES,
+                                  "What a remat'd layer keeps (Qwen3Config.remat_policy).")
+_MU_DTYPE = flags.DEFINE_enum("mu_dtype", "float32", ["float32", "bfloat16"],
+                              "Adam's first-moment dtype (configs/common.optimizer).")
 
 GB = 1e9
 _MOE_MESH = dict(data=1, fsdp=8, tensor=1, expert=8)
@@ -73,7 +77,7 @@ _LORA_RANK = 16
 def model_config(preset: str, **kw) -> models.Qwen3Config:
   """The real-scale policy: bf16 compute, f32 master weights, remat, blockwise attention."""
   kw = dict(param_dtype="float32", compute_dtype="bfloat16", remat=True,
-            attention="blockwise") | kw
+            remat_policy=_REMAT_POLICY.value, attention="blockwise") | kw
   return models.get_preset(preset, **kw)
 
 
@@ -126,7 +130,7 @@ def update_case(preset: str, rows: int, length: int, *, devices: int = 1,
   projection, the frozen base in `base_dtype` passed beside the state.
   """
   cfg = model_config(preset, moe_chunk=moe_chunk, param_dtype=base_dtype)
-  tx = ts.make_optimizer(learning_rate=1e-6)
+  tx = ts.make_optimizer(learning_rate=1e-6, mu_dtype=_MU_DTYPE.value)
   mesh, frozen = None, None
   if mesh_axes is None and devices > 1:
     mesh_axes = dict(data=1, fsdp=devices, tensor=1)
@@ -187,7 +191,7 @@ def pair_case(results: dict, preset: str, suffix: str = "") -> dict:
 def scaling_case(preset: str, length: int, rows: int = 4) -> dict:
   """The plain make_train_step (no packing) on one padded [rows, length] batch."""
   cfg = model_config(preset)
-  tx = ts.make_optimizer(learning_rate=1e-6)
+  tx = ts.make_optimizer(learning_rate=1e-6, mu_dtype=_MU_DTYPE.value)
   state, _ = abstract_state(cfg, tx)
   step = ts.make_train_step(cfg, ts.LossConfig(), tx, logits_chunk=_LOGITS_CHUNK)
   tok = lambda dt: jax.ShapeDtypeStruct((rows, length), dt)
@@ -291,10 +295,13 @@ def main(argv):
   if os.path.exists(_OUT.value):
     with open(_OUT.value) as f:
       results = json.load(f).get("cases", {})
+  # Cases under a non-default policy are recorded beside the default ones.
+  suffix = "".join(f"+{v}" for v, default in ((_REMAT_POLICY.value, "nothing"),
+                                              (f"mu_{_MU_DTYPE.value}", "mu_float32"))
+                   if v != default)
   for name in chosen:
-    print(f"{name} ...", flush=True)
-    results[name] = cases[name]()
-    r = results[name]
+    print(f"{name}{suffix} ...", flush=True)
+    r = results[name + suffix] = cases[name]()
     r["command"] = "python benchmarks/memory.py " + " ".join(sys.argv[1:])
     print(f"  total {r['total_gb']:.2f} GB (arguments {r['arguments_gb']:.2f}, temporaries "
           f"{r['temporaries_gb']:.2f}), compiled in {r['compile_s']} s", flush=True)

@@ -60,7 +60,10 @@ def sampling() -> ml_collections.ConfigDict:
 def optimizer(lr: float = 1e-6) -> ml_collections.ConfigDict:
   """Adam(W) as in the M-GRPO reference: constant lr, wd 0.1, betas (0.9, 0.98), clip 1.0."""
   return ml_collections.ConfigDict(dict(
-      learning_rate=lr, b1=0.9, b2=0.98, eps=1e-8, weight_decay=0.1, grad_clip=1.0))
+      learning_rate=lr, b1=0.9, b2=0.98, eps=1e-8, weight_decay=0.1, grad_clip=1.0,
+      # Adam's first moment in "bfloat16" halves its memory (optax's mu_dtype); the second
+      # moment stays float32.
+      mu_dtype="float32"))
 
 
 def loss() -> ml_collections.ConfigDict:

@@ -118,11 +118,13 @@ def sampling_ranges(prefix: str, *, training: bool) -> dict:
           f"{prefix}.kv_cache_budget_bytes": at_least(0)}
 
 
-def optimizer_ranges(prefix: str) -> dict:
+def optimizer_fields(prefix: str) -> tuple[dict, dict]:
+  """Choices and ranges of one `configs/common.optimizer()` section."""
   unit = Range(low=0, high=1, high_open=True)
-  return {f"{prefix}.learning_rate": POSITIVE, f"{prefix}.b1": unit, f"{prefix}.b2": unit,
-          f"{prefix}.eps": POSITIVE, f"{prefix}.weight_decay": NONNEGATIVE,
-          f"{prefix}.grad_clip": NONNEGATIVE}
+  return {f"{prefix}.mu_dtype": ("float32", "bfloat16")}, {
+      f"{prefix}.learning_rate": POSITIVE, f"{prefix}.b1": unit, f"{prefix}.b2": unit,
+      f"{prefix}.eps": POSITIVE, f"{prefix}.weight_decay": NONNEGATIVE,
+      f"{prefix}.grad_clip": NONNEGATIVE}
 
 
 def loss_fields(prefix: str) -> tuple[dict, dict]:

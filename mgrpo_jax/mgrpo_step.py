@@ -84,10 +84,10 @@ def _fields(training: bool) -> tuple[dict, dict]:
                                "num_eval_questions", "checkpoint_every", "num_micro",
                                "log_every"), checks.at_least(1)))
   for role in ("main", "sub"):
-    for section in (checks.model_fields(f"{role}_model"), checks.loss_fields(f"{role}_loss")):
+    for section in (checks.model_fields(f"{role}_model"), checks.loss_fields(f"{role}_loss"),
+                    checks.optimizer_fields(f"{role}_optim")):
       choices.update(section[0])
       ranges.update(section[1])
-    ranges.update(checks.optimizer_ranges(f"{role}_optim"))
   choices.update(checks.retrieval_fields()[0])
   ranges.update(checks.retrieval_fields()[1])
   ranges.update(checks.limits_ranges(), **checks.world_ranges(), **checks.mesh_ranges(),

@@ -172,7 +172,8 @@ def build_agent(name, mc, oc, lc, tokenizer, mesh, key, *, init_dir="", num_micr
     cfg, frozen = cfg.replace(**fields), params
     params = lora.init_adapters(cfg, jax.random.fold_in(key, 2), mesh=mesh)
   tx = ts.make_optimizer(learning_rate=oc.learning_rate, b1=oc.b1, b2=oc.b2, eps=oc.eps,
-                         weight_decay=oc.weight_decay, grad_clip=oc.grad_clip)
+                         weight_decay=oc.weight_decay, grad_clip=oc.grad_clip,
+                         mu_dtype=oc.mu_dtype)
   init = functools.partial(ts.init_state, tx=tx)
   # Built by a jit with the state's shardings: on many hosts a process-local key or step
   # cannot be device_put onto the global mesh, and the moments are born sharded.

@@ -28,7 +28,8 @@ def _fields() -> tuple[dict, dict]:
              "variant": ("magrpo", "single"), "pipeline": rollout.PIPELINES}
   model_choices, model_ranges = checks.model_fields("model")
   loss_choices, loss_ranges = checks.loss_fields("loss")
-  choices.update(model_choices, **loss_choices)
+  optim_choices, optim_ranges = checks.optimizer_fields("optim")
+  choices.update(model_choices, **loss_choices, **optim_choices)
   # G >= 2: a group of one sample has every advantage 0 and trains nothing.
   ranges = {"group": checks.at_least(2), "gamma": checks.PROBABILITY,
             "adv_eps": checks.POSITIVE, "max_to_keep": checks.at_least(1),
@@ -42,7 +43,7 @@ def _fields() -> tuple[dict, dict]:
   ranges.update(dict.fromkeys(("num_prompts", "num_turns", "eval_every", "num_eval",
                                "checkpoint_every", "max_new_tokens", "max_len", "num_micro"),
                               checks.at_least(1)))
-  ranges.update(model_ranges, **loss_ranges, **checks.optimizer_ranges("optim"),
+  ranges.update(model_ranges, **loss_ranges, **optim_ranges,
                 **checks.sampling_ranges("sampling", training=True),
                 **checks.sampling_ranges("eval_sampling", training=False),
                 **checks.mesh_ranges())

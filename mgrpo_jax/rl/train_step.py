@@ -83,8 +83,12 @@ class LossConfig:
 
 def make_optimizer(*, learning_rate: float = 1e-6, b1: float = 0.9, b2: float = 0.98,
                    eps: float = 1e-8, weight_decay: float = 0.1, grad_clip: float = 1.0,
-                   max_consecutive_nonfinite: int = 1_000_000) -> optax.GradientTransformation:
+                   max_consecutive_nonfinite: int = 1_000_000,
+                   mu_dtype: str = "float32") -> optax.GradientTransformation:
   """AdamW with global-norm clipping (M-GRPO reference settings by default).
+
+  `mu_dtype="bfloat16"` stores the first moment in bfloat16 (half its memory); the
+  second moment, whose small values bfloat16's 8-bit mantissa would round, stays float32.
 
   Weight decay skips vectors (norm scales). Updates whose gradients are not finite
   are skipped (and counted in the optimizer state) so parameters never turn NaN;
@@ -94,7 +98,7 @@ def make_optimizer(*, learning_rate: float = 1e-6, b1: float = 0.9, b2: float = 
   tx = optax.chain(
       optax.clip_by_global_norm(grad_clip) if grad_clip > 0 else optax.identity(),
       optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
-                  mask=decay_mask),
+                  mask=decay_mask, mu_dtype=jnp.dtype(mu_dtype)),
   )
   return optax.apply_if_finite(tx, max_consecutive_errors=max_consecutive_nonfinite)
 

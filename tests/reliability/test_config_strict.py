@@ -44,6 +44,9 @@ def _set(c, path: str, value):
     ("world.compare_fraction", 1.5, "[0, 1]"),
     ("world.kind", "trees", "one of"),
     ("world.filler_sentences", (3, 1), "0 <= low <= high"),
+    ("sub_optim.mu_dtype", "float16", "one of"),
+    ("main_model.remat_policy", "everything", "one of"),
+    ("main_model.decode_splits", -2, "an integer >= 0"),
 ])
 def test_mgrpo_field_is_named_with_its_range(path, value, expect):
   c = mgrpo.get_config("smoke")
@@ -102,7 +105,8 @@ def test_sft_section_is_checked(tmp_path):
 
 
 @pytest.mark.parametrize("path, value", [("group", 1), ("gamma", 1.5), ("max_len", 8),
-                                         ("optim.learning_rate", 0.0)])
+                                         ("optim.learning_rate", 0.0),
+                                         ("optim.mu_dtype", "int8")])
 def test_magrpo_field_is_named(tmp_path, path, value):
   c = magrpo.get_config("smoke")
   _set(c, path, value)
