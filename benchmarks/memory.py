@@ -234,8 +234,8 @@ def decode_case(preset: str, rows: int = 64, reached: int = 1024,
   key = jax.eval_shape(lambda: jax.random.key(0))
   t0 = time.perf_counter()
   with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-    compiled = sampling._decode_chunk.lower(cfg, params, state, sp, s((), jnp.int32), key,
-                                            capacity).compile()
+    compiled = sampling.decode_jit(jax.default_backend()).lower(
+        cfg, params, state, sp, s((), jnp.int32), key, capacity).compile()
   out = _stats(compiled, time.perf_counter() - t0)
   if mesh_axes is not None:
     out.update(mesh={k: v for k, v in mesh_axes.items() if v > 1},

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mgrpo_jax import xla_options
 from mgrpo_jax.distributed import fetch
 from mgrpo_jax.models import moe
 from mgrpo_jax.models import qwen3
@@ -217,7 +218,14 @@ class _LoopState:
   budget_B: jax.Array  # max_new_tokens per row.
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6), donate_argnames=("state",))
+@functools.cache
+def decode_jit(backend: str | None = None, *, options: bool = True):
+  """The jitted decode loop (`_decode_chunk`) with the compiler options the project sets on
+  `backend` (`xla_options.decode`; default: JAX's default backend); `options=False`: none."""
+  return jax.jit(_decode_chunk, static_argnums=(0, 6), donate_argnames=("state",),
+                 compiler_options=(xla_options.decode(backend) if options else None) or None)
+
+
 def _decode_chunk(config, params, state: _LoopState, sp: _SamplingParams, steps, key,
                   window: int):
   """Up to `steps` (traced) decode steps; exits early once every row has finished.
@@ -518,7 +526,8 @@ def _decode_some(config, params, state: _LoopState, sp, key, longest: int,
   steps = min(chunk, capacity - longest)
   # Attend to just the slots this chunk can reach.
   window = _window(longest + steps + 1, capacity)
-  return _decode_chunk(config, params, state, sp, jnp.int32(steps), key, window)
+  return decode_jit(jax.default_backend())(config, params, state, sp, jnp.int32(steps), key,
+                                           window)
 
 
 def _apply_stop_strings(state: _LoopState, stop_strings, tokenizer, start_lengths, was_active,

@@ -174,6 +174,27 @@ def test_split_decode_attention_matches_hf_generate(tiny):
         assert res.tokens[i].tolist() == _hf_greedy(m.hf, p, N_NEW), f"row {i}"
 
 
+def test_gpu_decode_options_compile_and_keep_the_tokens(tiny, monkeypatch):
+    # The options the project sets on a GPU's decode loop are real XLA options (a misspelt
+    # one fails to compile) that change no token: run them here, on this backend.
+    assert sampling.xla_options.decode("gpu") and not sampling.xla_options.decode("cpu")
+    m = tiny["untied"]
+    prompts = _prompts(m.vocab, seed=3)[:2]
+    want = sampling.generate(m.config, m.params, prompts, max_new_tokens=N_NEW,
+                             temperature=0.0).tokens
+    gpu_options = sampling.xla_options.decode("gpu")
+    monkeypatch.setattr(sampling.xla_options, "decode", lambda backend=None: gpu_options)
+    sampling.decode_jit.cache_clear()
+    try:
+        jitted = sampling.decode_jit(jax.default_backend())
+        got = sampling.generate(m.config, m.params, prompts, max_new_tokens=N_NEW,
+                                temperature=0.0).tokens
+        assert jitted._cache_size() >= 1  # The optioned loop is the one that ran.
+    finally:
+        sampling.decode_jit.cache_clear()
+    np.testing.assert_array_equal(got, want)
+
+
 # ------------------------------------------------------------- 2. behaviour log-probs
 
 
@@ -218,13 +239,14 @@ def test_sampling_settings_do_not_recompile(tiny):
         return sampling.generate(m.config, m.params, prompts, max_new_tokens=N_NEW, **kw)
 
     run(temperature=0.0)
-    sizes = (sampling._decode_chunk._cache_size(), sampling._prefill._cache_size())
+    decode = sampling.decode_jit(jax.default_backend())
+    sizes = (decode._cache_size(), sampling._prefill._cache_size())
     for kw in [dict(temperature=1.0, key=jax.random.key(1)),
                dict(temperature=0.7, top_p=0.9, top_k=50, key=jax.random.key(2)),
                dict(temperature=1.3, top_k=1, stop_token_ids=[3, 4, 5]),
                dict(temperature=0.0, top_p=0.01, stop_token_ids=[17])]:
         run(**kw)
-        assert (sampling._decode_chunk._cache_size(), sampling._prefill._cache_size()) == sizes, kw
+        assert (decode._cache_size(), sampling._prefill._cache_size()) == sizes, kw
 
 
 # ------------------------------------------------------------------------- 4. stops
@@ -577,8 +599,8 @@ def test_0p6b_kv_cache_for_1024_token_traces_is_under_10gb():
     sp = sampling._SamplingParams(s((), jnp.float32), s((), jnp.float32), s((), jnp.int32),
                                   s((8,), jnp.int32))
     key = jax.eval_shape(lambda: jax.random.key(0))
-    out = sampling._decode_chunk.lower(cfg, qwen3.abstract_params(cfg), state, sp,
-                                       s((), jnp.int32), key, capacity).out_info
+    out = sampling.decode_jit(jax.default_backend()).lower(
+        cfg, qwen3.abstract_params(cfg), state, sp, s((), jnp.int32), key, capacity).out_info
     held = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(out.seqs.cache))
     assert held == sampling.kv_cache_bytes(cfg, rows, capacity) == 7_516_192_768
     assert held < 10e9
