@@ -67,6 +67,8 @@ _MU_DTYPE = flags.DEFINE_enum("mu_dtype", "float32", ["float32", "bfloat16"],
                               "Adam's first-moment dtype (configs/common.optimizer).")
 
 GB = 1e9
+# What every case compiles with; `main` sets them from --remat_policy and --mu_dtype.
+POLICY = dict(remat_policy="nothing", mu_dtype="float32")
 _MOE_MESH = dict(data=1, fsdp=8, tensor=1, expert=8)
 # Tokens per packed micro-batch per device: one 32k trace (main) or four 8k traces (sub).
 _BUDGET = 32768
@@ -77,7 +79,7 @@ _LORA_RANK = 16
 def model_config(preset: str, **kw) -> models.Qwen3Config:
   """The real-scale policy: bf16 compute, f32 master weights, remat, blockwise attention."""
   kw = dict(param_dtype="float32", compute_dtype="bfloat16", remat=True,
-            remat_policy=_REMAT_POLICY.value, attention="blockwise") | kw
+            remat_policy=POLICY["remat_policy"], attention="blockwise") | kw
   return models.get_preset(preset, **kw)
 
 
@@ -130,7 +132,7 @@ def update_case(preset: str, rows: int, length: int, *, devices: int = 1,
   projection, the frozen base in `base_dtype` passed beside the state.
   """
   cfg = model_config(preset, moe_chunk=moe_chunk, param_dtype=base_dtype)
-  tx = ts.make_optimizer(learning_rate=1e-6, mu_dtype=_MU_DTYPE.value)
+  tx = ts.make_optimizer(learning_rate=1e-6, mu_dtype=POLICY["mu_dtype"])
   mesh, frozen = None, None
   if mesh_axes is None and devices > 1:
     mesh_axes = dict(data=1, fsdp=devices, tensor=1)
@@ -191,7 +193,7 @@ def pair_case(results: dict, preset: str, suffix: str = "") -> dict:
 def scaling_case(preset: str, length: int, rows: int = 4) -> dict:
   """The plain make_train_step (no packing) on one padded [rows, length] batch."""
   cfg = model_config(preset)
-  tx = ts.make_optimizer(learning_rate=1e-6, mu_dtype=_MU_DTYPE.value)
+  tx = ts.make_optimizer(learning_rate=1e-6, mu_dtype=POLICY["mu_dtype"])
   state, _ = abstract_state(cfg, tx)
   step = ts.make_train_step(cfg, ts.LossConfig(), tx, logits_chunk=_LOGITS_CHUNK)
   tok = lambda dt: jax.ShapeDtypeStruct((rows, length), dt)
@@ -295,6 +297,7 @@ def main(argv):
   if os.path.exists(_OUT.value):
     with open(_OUT.value) as f:
       results = json.load(f).get("cases", {})
+  POLICY.update(remat_policy=_REMAT_POLICY.value, mu_dtype=_MU_DTYPE.value)
   # Cases under a non-default policy are recorded beside the default ones.
   suffix = "".join(f"+{v}" for v, default in ((_REMAT_POLICY.value, "nothing"),
                                               (f"mu_{_MU_DTYPE.value}", "mu_float32"))
