@@ -429,12 +429,6 @@ PRESETS: dict[str, Qwen3Config] = {
                              num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64,
                              rope_theta=10_000.0, tie_embeddings=True,
                              max_position_embeddings=4096),
-    # The hierarchy ablation's CPU size (configs/mgrpo.py task=multihop): twice tiny_wide's
-    # depth and width, for pages of 75-160 tokens where tiny_wide's warm start fails.
-    "small_wide": Qwen3Config(vocab_size=384, hidden_size=128, intermediate_size=352,
-                              num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
-                              rope_theta=10_000.0, tie_embeddings=True,
-                              max_position_embeddings=4096),
     # Tiny shapes for tests; prime-ish sizes catch swapped axes.
     "tiny": Qwen3Config(vocab_size=384, hidden_size=64, intermediate_size=176, num_layers=2,
                         num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10_000.0,
