@@ -11,7 +11,9 @@ for every variant). Each set of agents gets one SFT warm start on the experts' t
 (`configs/sft.py` with the same arguments, one recipe): main + sub (shared by mgrpo,
 frozen_sub and unaligned, which start from the same two agents), one model for `shared`, and
 the single agent; every seed starts from its variant's warm start. The noise-free experts are
-evaluated too: the ceiling under the context budget, per question kind.
+evaluated too: the ceiling under the context budget, per question kind; and so are the
+experts slipping as often as the warm start's demonstrations (`kind="teacher"`): what the
+warm start imitates.
 
 Writes `--out` (JSON): per run, the held-out evaluations at every evaluation step (accuracy
 overall, by pages needed `hops<n>` and by kind; context overflow rate; delegations per
@@ -106,13 +108,18 @@ def rl_run(arg: str, init: str) -> dict:
   return rec
 
 
-def expert_run(variant: str) -> dict:
-  """The noise-free scripted experts under the same budget (no training)."""
+def expert_run(variant: str, *, teacher: bool = False) -> dict:
+  """The scripted experts under the same budget (no training): noise-free (the ceiling), or
+  with `teacher` slipping as often as the warm start's demonstrations do."""
   arg = f"task=multihop,{_FLAG[_SIZE.value]},variant={variant},policy=expert"
-  workdir = os.path.join(_WORKDIR.value, f"expert-{variant}")
+  c = mgrpo_config.get_config(arg)
+  if teacher:
+    c.expert_noise = sft_config.get_config(arg).sft.expert_noise
+  workdir = os.path.join(_WORKDIR.value, f"{'teacher' if teacher else 'expert'}-{variant}")
   os.makedirs(workdir, exist_ok=True)
-  result = evaluate.run(mgrpo_config.get_config(arg), workdir)
-  return dict(kind="expert", config=f"configs/mgrpo.py:{arg}", variant=variant,
+  result = evaluate.run(c, workdir)
+  return dict(kind="teacher" if teacher else "expert", config=f"configs/mgrpo.py:{arg}",
+              expert_noise=c.expert_noise, variant=variant,
               evals=[{"step": 0, **{k: v for k, v in result.items()
                                     if isinstance(v, (int, float)) and k != "step"}}])
 
@@ -195,7 +202,7 @@ def main(argv):
   if _ONLY.value:
     args = [a for a in args if any(f"variant={v}," in a for v in _ONLY.value)]
   t0 = time.perf_counter()
-  records = [expert_run("mgrpo"), expert_run("single")]
+  records = [expert_run(v, teacher=t) for t in (False, True) for v in ("mgrpo", "single")]
   inits = {}
   for arg in args:
     variant = mgrpo_config.get_config(arg).variant

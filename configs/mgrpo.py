@@ -56,6 +56,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.variant = args["variant"]
   c.policy = args["policy"]  # "model", or "expert": evaluate the scripted experts.
   c.expert_think = True  # Scripted experts write a short <think> before each action.
+  # policy=expert: the probability of a slip per decision (0: the noise-free experts; the
+  # warm start's teacher slips at configs/sft.py's sft.expert_noise).
+  c.expert_noise = 0.0
   # "byte", "byte+names" (+ the world's names as words), "byte+world" (+ its phrases too; see
   # research_env.tokenizer_words) or a local HF tokenizer directory.
   c.tokenizer = "byte"

@@ -57,9 +57,10 @@ def _multihop(c, size: str):
   overflow is not format-valid and, as for any variant, is not trained on (so the single
   agent learns from the one-page questions it can finish). The experts slip 10% of the time
   per decision: slips compound over a question's pages, and the noisy main + sub experts are
-  right on 63% of held-out CPU questions at 10% (27% at 20%, 18% at 30%; 100% / 41% / 24% on
-  one-page questions). A warm start imitates its teacher: at 30% it reached 14% after 600
-  steps, leaving RL little to build on.
+  right on 62.8% of 500 held-out CPU questions at 10% (37.6% at 20%, 18.6% at 30%; launch/
+  evaluate.py --config=configs/mgrpo.py:task=multihop,runlocal,policy=expert
+  --config.expert_noise=0.1). A warm start imitates its teacher: from 30% it reached 14% after
+  600 steps; from 10%, 27.3% (128 held-out questions).
   """
   c.sft.update(num_questions=3000, expert_noise=0.1, num_steps=600, batch_size=32,
                learning_rate=2e-3, corpus_weight=1.0, eval_every=300, checkpoint_every=100)

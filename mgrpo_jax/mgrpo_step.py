@@ -79,7 +79,8 @@ def _fields(training: bool) -> tuple[dict, dict]:
   # A group of one rollout has every advantage 0: training needs K >= 2 (evaluation: any).
   ranges = {"num_rollouts": checks.at_least(2 if training else 1),
             "adv_eps": checks.POSITIVE, "max_to_keep": checks.at_least(1),
-            "max_staleness": checks.at_least(0), "seed": checks.at_least(0)}
+            "max_staleness": checks.at_least(0), "seed": checks.at_least(0),
+            "expert_noise": checks.PROBABILITY}
   ranges.update(dict.fromkeys(("num_queries", "align_d", "num_steps", "eval_every",
                                "num_eval_questions", "checkpoint_every", "num_micro",
                                "log_every"), checks.at_least(1)))
@@ -181,7 +182,7 @@ def make_policies(c, w: Wiring, env: Env, agents: dict, sampling_cfg, version: i
   plays it.
   """
   if c.policy == "expert":
-    return expert_policies(c, w, env)
+    return expert_policies(c, w, env, noise=c.expert_noise)
   kw = dict(limits=limits(c), temperature=sampling_cfg.temperature, top_p=sampling_cfg.top_p,
             top_k=sampling_cfg.top_k, version=version, chunk=sampling_cfg.chunk,
             kv_cache_budget_bytes=sampling_cfg.kv_cache_budget_bytes or None)
