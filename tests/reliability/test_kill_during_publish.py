@@ -27,6 +27,7 @@ import json, sys
 import numpy as np
 from mgrpo_jax.exchange import Exchange
 ex = Exchange(json.loads(sys.argv[1]))
+print("ready", flush=True)
 for step in range({steps}):
   for i in range({requests}):
     ex.put("result", (step, i // 4, i % 4, 0), {{"text": "r" * (100 * i), "step": step}})
@@ -57,17 +58,34 @@ def _check_as_reader(ex: Exchange) -> int:
   return len(marks)
 
 
+def _start(cmd, env) -> tuple[subprocess.Popen, float]:
+  """The child, once it has opened its exchange and is about to publish (and that time)."""
+  proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
+  line = proc.stdout.readline()
+  assert line.strip() == "ready", (line, proc.stderr.read()[-3000:])
+  return proc, time.perf_counter()
+
+
 def _kill_loop(spec: dict, env: dict | None, trials: int, seed: int) -> int:
-  """`trials` fresh runs, each killed twice mid-publish, checked, then finished."""
+  """`trials` fresh runs, each killed twice mid-publish, checked, then finished.
+
+  Kill times are drawn within the publishing time of a whole fresh run measured here first
+  (start-up excluded), so that kills land mid-publish on a fast machine as on a loaded one.
+  """
   rng = random.Random(seed)
+  calibrate = [sys.executable, "-c", _CHILD, json.dumps({**spec, "path": f"{spec['path']}c/"})]
+  proc, t0 = _start(calibrate, env)
+  assert proc.wait(120) == 0, proc.stderr.read()[-3000:]
+  publish_s = time.perf_counter() - t0
   kills = 0
   for trial in range(trials):
     run = {**spec, "path": f"{spec['path']}{trial}/"}
     cmd = [sys.executable, "-c", _CHILD, json.dumps(run)]
     ex = Exchange(run)
     for _ in range(2):
-      proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-      time.sleep(rng.uniform(0.5, 1.2))  # Start-up ~0.5 s, publishing ~1.2 s on 2 cores.
+      proc, t0 = _start(cmd, env)
+      time.sleep(max(0.0, rng.uniform(0.05, 0.7) * publish_s - (time.perf_counter() - t0)))
       if proc.poll() is None:
         proc.kill()
         kills += 1
