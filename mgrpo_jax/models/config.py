@@ -22,8 +22,9 @@ _HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size",
             "head_dim": "head_dim", "max_position_embeddings": "max_position_embeddings"}
 _MAX_EXPERTS = 4096
 _REQUIRED = object()
-# The projections a LoRA adapter may target, by their HF/PEFT module names.
+# What a rematerialised layer may keep for the backward pass (Qwen3Config.remat_policy).
 REMAT_POLICIES = ("nothing", "save_dots")
+# The projections a LoRA adapter may target, by their HF/PEFT module names.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
