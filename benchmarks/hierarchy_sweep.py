@@ -1,6 +1,6 @@
 """The hierarchy ablation on multi-hop research over long pages (PAPERS.md 1.7, issue 18).
 
-  python benchmarks/hierarchy_sweep.py --size=cpu --workdir=/tmp/hier     # the CPU sweep
+  python benchmarks/hierarchy_sweep.py --size=cpu --workdir=/tmp/hier     # the CPU sweep, ~71 min
   python benchmarks/hierarchy_sweep.py --size=smoke --seeds=2 --workdir=/tmp/hs # end to end
   python benchmarks/hierarchy_sweep.py --size=gpu --workdir=/w            # one H100/H200
 
@@ -18,7 +18,8 @@ warm start imitates.
 Writes `--out` (JSON): per run, the held-out evaluations at every evaluation step (accuracy
 overall, by pages needed `hops<n>` and by kind; context overflow rate; delegations per
 episode) and the time spent; per variant, the mean and the 95% t-interval over seeds of each
-of those at each step and at the end. And `--plot` (PNG): held-out accuracy by step, overall
+of those at each step and at the end; per variant, what RL added to its warm start and
+M-GRPO's lead over it, seed by seed, with 95% t-intervals. And `--plot` (PNG): held-out accuracy by step, overall
 and by hop count, mean with the 95% t-interval band per variant.
 """
 
@@ -37,7 +38,7 @@ from configs import sft as sft_config
 from mgrpo_jax import colocated, evaluate, metrics, plotting, sft
 
 _SIZE = flags.DEFINE_enum("size", "cpu", ["cpu", "gpu", "smoke"], "Task size (configs/mgrpo.py).")
-_SEEDS = flags.DEFINE_integer("seeds", 3, "Seeds per variant.")
+_SEEDS = flags.DEFINE_integer("seeds", 5, "Seeds per variant.")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/hierarchy_sweep", "Runs go to subfolders.")
 _OUT = flags.DEFINE_string("out", "", "Results JSON (default benchmarks/results/"
                            "hierarchy-sweep-<size>.json; smoke: in --workdir).")
@@ -142,9 +143,38 @@ def summarize(records: list[dict]) -> dict:
     final = {k: dict(mean=v["mean"][-1], ci95=v["ci95"][-1], seeds=[s[-1] for s in v["seeds"]])
              for k, v in curves.items()}
     out[variant] = dict(seeds=[r["seed"] for r in runs], steps=steps, curves=curves,
-                        final=final,
+                        final=final, gain=_paired(curves, None),
                         train_means={k: float(np.mean([r["train_means"][k] for r in runs]))
                                      for k in runs[0]["train_means"]})
+  for variant, s in out.items():
+    if variant != "mgrpo" and "mgrpo" in out:
+      s["mgrpo_minus"] = _paired(out["mgrpo"]["curves"], s["curves"],
+                                 seeds=(out["mgrpo"]["seeds"], s["seeds"]))
+  return out
+
+
+def _paired(curves: dict, other: dict | None, seeds=None) -> dict:
+  """Mean and 95% t-interval of a per-seed difference in final accuracy (overall, per hop).
+
+  `other` None: final minus first evaluation (what RL added to the warm start). Otherwise
+  `curves` minus `other` at the final step, seed by seed (seeds both ran): an interval that
+  excludes 0 says the two variants differ beyond seed noise.
+  """
+  out = {}
+  for key in (k for k in curves if k == "accuracy" or k.startswith("accuracy_hops")):
+    if other is None:
+      diff = [s[-1] - s[0] for s in curves[key]["seeds"]]
+    else:
+      if key not in other:
+        continue
+      mine = dict(zip(seeds[0], (s[-1] for s in curves[key]["seeds"])))
+      theirs = dict(zip(seeds[1], (s[-1] for s in other[key]["seeds"])))
+      diff = [mine[k] - theirs[k] for k in sorted(set(mine) & set(theirs))]
+    if not diff:
+      continue
+    mean, half = plotting.t_interval(np.asarray(diff)[:, None])
+    out[key] = dict(mean=round(float(mean[0]), 4), ci95=_nan_to_none(half)[0],
+                    seeds=[round(d, 4) for d in diff])
   return out
 
 
@@ -164,10 +194,13 @@ def plot(records: list[dict], out_png: str) -> str:
                                     "mean and 95% t-interval over seeds")
 
 
-def _write(records: list[dict], path: str) -> None:
+def _write(records: list[dict], path: str, wall_s: float) -> None:
   out = dict(
       command=f"python benchmarks/hierarchy_sweep.py --size={_SIZE.value} "
-              f"--seeds={_SEEDS.value}",
+              f"--seeds={_SEEDS.value}" + (" --reuse" if _REUSE.value else ""),
+      # This invocation's time, and the sum of every warm start's and run's own wall time
+      # (with --reuse, runs finished by an earlier invocation count their original time).
+      wall_s=round(wall_s, 1), runs_wall_s=round(sum(r.get("wall_s", 0) for r in records), 1),
       machine=dict(cpus=os.cpu_count(), platform=platform.platform(), jax=jax.__version__,
                    devices=str(jax.devices()),
                    loadavg_at_end=[round(x, 2) for x in os.getloadavg()]),
@@ -188,6 +221,11 @@ def _table(summary: dict) -> str:
     hops = "  ".join(f"h{k[-1]} {cell(k)}" for k in sorted(f) if k.startswith("accuracy_hops"))
     lines.append(f"{variant:10s} step {s['steps'][-1]}: accuracy {cell('accuracy')}  {hops}  "
                  f"overflow {cell('overflow')}  delegations {cell('delegations')}")
+    for name in ("gain", "mgrpo_minus"):
+      if "accuracy" in s.get(name, {}):
+        d = s[name]["accuracy"]
+        half = f" +- {d['ci95']:.3f}" if d["ci95"] is not None else ""
+        lines.append(f"{'':10s} {name}: {d['mean']:+.3f}{half} (per seed {d['seeds']})")
   return "\n".join(lines)
 
 
@@ -211,7 +249,7 @@ def main(argv):
       records.append(rec)
       inits[WARM_START[variant]] = rec["workdir"]
     records.append(rl_run(arg, inits[WARM_START[variant]]))
-    _write(records, out)
+    _write(records, out, time.perf_counter() - t0)
   print(f"Sweep ({_SIZE.value}, {_SEEDS.value} seeds): {time.perf_counter() - t0:.0f} s. "
         f"{out}, {plot(records, out_png)}")
   for r in records:

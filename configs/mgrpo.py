@@ -197,11 +197,11 @@ def _multihop(c, size: str):
   c.limits.update(max_turns=10, max_new_tokens=32, max_len=320, max_delegations=6)
   # Packed updates in micro-batches of 1024 tokens (2 rows of 512): on 2 CPU cores a warm-start
   # step takes 0.49 s instead of 1.47 s as one padded batch (2048: 0.72 s, 8192: 1.28 s; the
-  # same losses), which keeps the 5 x 3 sweep under 2 hours (README, hierarchy ablation).
+  # same losses): the main + sub warm start took 773 s, not about 46 minutes.
   for mc in (c.main_model, c.sub_model):
     mc.max_tokens_per_micro = 1024
   # D = 3: the experts delegate 2.75 times per question on average (1-4 pages). Q = 3 (not
-  # the demo's 4) keeps the 5 x 3 sweep under 2 hours on 2 cores.
+  # the demo's 4) keeps the 5 variants x 5 seeds sweep at about 71 minutes on 2 cores.
   c.num_queries, c.num_rollouts, c.align_d = 3, 8, 3
   c.main_optim.learning_rate = c.sub_optim.learning_rate = 2e-4
   c.num_steps, c.eval_every, c.num_eval_questions, c.checkpoint_every = 30, 10, 128, 10
@@ -220,7 +220,7 @@ def sweep():
 HIERARCHY_VARIANTS = ("mgrpo", "frozen_sub", "shared", "single", "unaligned")
 
 
-def hierarchy_sweep(size: str = "cpu", seeds: int = 3):
+def hierarchy_sweep(size: str = "cpu", seeds: int = 5):
   """The hierarchy ablation on multi-hop research (benchmarks/hierarchy_sweep.py).
 
   Every variant on the same task, limits and number of updates, `seeds` seeds each.

@@ -94,3 +94,23 @@ def test_sweep_summary_intervals_by_hand(load_benchmark):
   assert abs(s["final"]["accuracy"]["mean"] - 0.6) < 1e-9
   assert abs(s["final"]["accuracy"]["ci95"] - 4.302653 * 0.264575 / 3 ** 0.5) < 1e-3
   assert s["curves"]["accuracy_hops2"]["mean"] == [0.1, 0.3]
+
+
+def test_sweep_paired_differences_by_hand(load_benchmark):
+  """The sweep's per-seed differences: RL's gain over the warm start and M-GRPO minus each."""
+  sweep = load_benchmark("hierarchy_sweep")
+  run = lambda variant, seed, accs: dict(kind="rl", variant=variant, seed=seed, train_means={},
+                                         evals=[{"step": s, "accuracy": a}
+                                                for s, a in zip((0, 10), accs)])
+  records = [run("mgrpo", 0, (0.3, 0.5)), run("mgrpo", 1, (0.3, 0.6)),
+             run("mgrpo", 2, (0.3, 0.4)), run("frozen_sub", 0, (0.3, 0.3)),
+             run("frozen_sub", 1, (0.3, 0.5)), run("frozen_sub", 3, (0.3, 0.9))]
+  s = sweep.summarize(records)
+  gain = s["mgrpo"]["gain"]["accuracy"]
+  assert gain["seeds"] == [0.2, 0.3, 0.1] and abs(gain["mean"] - 0.2) < 1e-9
+  # sd of (0.2, 0.3, 0.1) is 0.1; t_{0.975, 2} = 4.302653.
+  assert abs(gain["ci95"] - 4.302653 * 0.1 / 3 ** 0.5) < 1e-3
+  # Only seeds both variants ran are paired (0 and 1): 0.5 - 0.3 and 0.6 - 0.5.
+  minus = s["frozen_sub"]["mgrpo_minus"]["accuracy"]
+  assert minus["seeds"] == [0.2, 0.1] and abs(minus["mean"] - 0.15) < 1e-9
+  assert "mgrpo_minus" not in s["mgrpo"]
