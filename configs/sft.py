@@ -60,9 +60,10 @@ def _multihop(c, size: str):
   right on 62.8% of 500 held-out CPU questions at 10% (37.6% at 20%, 18.6% at 30%; launch/
   evaluate.py --config=configs/mgrpo.py:task=multihop,runlocal,policy=expert
   --config.expert_noise=0.1). A warm start imitates its teacher: from 30% it reached 14% after
-  600 steps (64 held-out questions); from 10%, 27.3% / 32.8% / 35.9% after 600 / 900 / 1200 (128 held-out questions).
-  M-GRPO (seed 0, 30 steps) lowered the 600-step warm start to 16.4% and raised the 1200-step
-  one to 42.2%: 1200 steps.
+  600 steps (64 held-out questions); from 10%, 27.3% / 32.8% / 35.9% after 600 / 900 / 1200
+  (128 held-out questions; padded updates), 26.6% / 21.9% / 35.2% with the packed updates the
+  CPU size now uses. M-GRPO (seed 0, 30 steps) lowered the 600-step warm start to 16.4% and
+  raised the 1200-step one to 42.2%: 1200 steps.
   """
   c.sft.update(num_questions=3000, expert_noise=0.1, num_steps=1200, batch_size=32,
                learning_rate=2e-3, corpus_weight=1.0, eval_every=300, checkpoint_every=100)
