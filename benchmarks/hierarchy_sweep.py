@@ -19,8 +19,8 @@ Writes `--out` (JSON): per run, the held-out evaluations at every evaluation ste
 overall, by pages needed `hops<n>` and by kind; context overflow rate; delegations per
 episode) and the time spent; per variant, the mean and the 95% t-interval over seeds of each
 of those at each step and at the end; per variant, what RL added to its warm start and
-M-GRPO's lead over it, seed by seed, with 95% t-intervals. And `--plot` (PNG): held-out accuracy by step, overall
-and by hop count, mean with the 95% t-interval band per variant.
+M-GRPO's lead over it, seed by seed, with 95% t-intervals. And `--plot` (PNG): held-out
+accuracy by step, overall and by hop count, mean with the 95% t-interval band per variant.
 """
 
 import json
@@ -142,39 +142,43 @@ def summarize(records: list[dict]) -> dict:
                          seeds=stack.round(4).tolist())
     final = {k: dict(mean=v["mean"][-1], ci95=v["ci95"][-1], seeds=[s[-1] for s in v["seeds"]])
              for k, v in curves.items()}
+    # What RL added to the warm start: final minus first evaluation, seed by seed.
+    gain = {k: [s[-1] - s[0] for s in curves[k]["seeds"]] for k in _accuracy_keys(curves)}
     out[variant] = dict(seeds=[r["seed"] for r in runs], steps=steps, curves=curves,
-                        final=final, gain=_paired(curves, None),
+                        final=final, gain=_difference_intervals(gain),
                         train_means={k: float(np.mean([r["train_means"][k] for r in runs]))
                                      for k in runs[0]["train_means"]})
-  for variant, s in out.items():
-    if variant != "mgrpo" and "mgrpo" in out:
-      s["mgrpo_minus"] = _paired(out["mgrpo"]["curves"], s["curves"],
-                                 seeds=(out["mgrpo"]["seeds"], s["seeds"]))
+  if "mgrpo" in out:
+    for variant, s in out.items():
+      if variant != "mgrpo":
+        s["mgrpo_minus"] = _difference_intervals(_mgrpo_minus(out["mgrpo"], s))
   return out
 
 
-def _paired(curves: dict, other: dict | None, seeds=None) -> dict:
-  """Mean and 95% t-interval of a per-seed difference in final accuracy (overall, per hop).
+def _accuracy_keys(curves: dict) -> list[str]:
+  return [k for k in curves if k == "accuracy" or k.startswith("accuracy_hops")]
 
-  `other` None: final minus first evaluation (what RL added to the warm start). Otherwise
-  `curves` minus `other` at the final step, seed by seed (seeds both ran): an interval that
-  excludes 0 says the two variants differ beyond seed noise.
-  """
+
+def _mgrpo_minus(mgrpo: dict, other: dict) -> dict[str, list[float]]:
+  """M-GRPO's final accuracy minus `other`'s, per key, over the seeds both ran."""
   out = {}
-  for key in (k for k in curves if k == "accuracy" or k.startswith("accuracy_hops")):
-    if other is None:
-      diff = [s[-1] - s[0] for s in curves[key]["seeds"]]
-    else:
-      if key not in other:
-        continue
-      mine = dict(zip(seeds[0], (s[-1] for s in curves[key]["seeds"])))
-      theirs = dict(zip(seeds[1], (s[-1] for s in other[key]["seeds"])))
-      diff = [mine[k] - theirs[k] for k in sorted(set(mine) & set(theirs))]
-    if not diff:
-      continue
-    mean, half = plotting.t_interval(np.asarray(diff)[:, None])
-    out[key] = dict(mean=round(float(mean[0]), 4), ci95=_nan_to_none(half)[0],
-                    seeds=[round(d, 4) for d in diff])
+  for key in _accuracy_keys(other["curves"]):
+    if key in mgrpo["curves"]:
+      mine, theirs = ({seed: s[-1] for seed, s in zip(v["seeds"], v["curves"][key]["seeds"])}
+                      for v in (mgrpo, other))
+      out[key] = [mine[k] - theirs[k] for k in sorted(mine.keys() & theirs.keys())]
+  return out
+
+
+def _difference_intervals(diffs: dict[str, list[float]]) -> dict:
+  """Mean and 95% t-interval of each key's per-seed differences: an interval that excludes 0
+  says the difference is beyond seed noise."""
+  out = {}
+  for key, diff in diffs.items():
+    if diff:
+      mean, half = plotting.t_interval(np.asarray(diff)[:, None])
+      out[key] = dict(mean=round(float(mean[0]), 4), ci95=_nan_to_none(half)[0],
+                      seeds=[round(d, 4) for d in diff])
   return out
 
 

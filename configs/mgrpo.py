@@ -196,8 +196,9 @@ def _multihop(c, size: str):
                  system_prompt=False)
   c.limits.update(max_turns=10, max_new_tokens=32, max_len=320, max_delegations=6)
   # Packed updates in micro-batches of 1024 tokens (2 rows of 512): on 2 CPU cores a warm-start
-  # step takes 0.49 s instead of 1.47 s as one padded batch (2048: 0.72 s, 8192: 1.28 s; the
-  # same losses): the main + sub warm start took 773 s, not about 46 minutes.
+  # step takes 0.59 s instead of 1.47 s as one padded batch (2048: 0.72 s, 8192: 1.28 s; the
+  # same losses; benchmarks/results/hierarchy-probe-cpu.json): the main + sub warm start took
+  # 773 s, not about 46 minutes.
   for mc in (c.main_model, c.sub_model):
     mc.max_tokens_per_micro = 1024
   # D = 3: the experts delegate 2.75 times per question on average (1-4 pages). Q = 3 (not
