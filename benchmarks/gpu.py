@@ -38,7 +38,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from mgrpo_jax import models, sampling, xla_options
+from mgrpo_jax import metrics, models, sampling, xla_options
 from mgrpo_jax.rl import packing
 from mgrpo_jax.rl import train_step as ts
 
@@ -211,9 +211,8 @@ def update_case(preset: str, tokens: int, policy: str, specs) -> dict:
   out.update(seconds=t, tokens_per_s=tokens / t, first_run_s=compile_s)
   if specs:
     out["mfu"] = out["model_flops"] / t / specs["bf16_flops_per_s"]
-  stats = jax.devices()[0].memory_stats() or {}
-  if "peak_bytes_in_use" in stats:
-    out["peak_gb"] = stats["peak_bytes_in_use"] / 1e9
+  if "mem/peak_gb" in (mem := metrics.device_memory()):
+    out["peak_gb"] = mem["mem/peak_gb"]
   del state
   return out
 

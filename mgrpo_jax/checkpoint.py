@@ -155,8 +155,10 @@ def _restore_target(abstract):
 
 def _data_to_keys(tree, impls: dict, abstract):
   """Re-wraps the key data saved at `impls`' paths, checking the expected impl."""
-  expected = {jax.tree_util.keystr(path): x.dtype
-              for path, x in jax.tree_util.tree_flatten_with_path(abstract)[0] if _is_key(x)}
+  keys = [(jax.tree_util.keystr(path), x)
+          for path, x in jax.tree_util.tree_flatten_with_path(abstract)[0] if _is_key(x)]
+  expected = {name: x.dtype for name, x in keys}
+  shardings = {name: x.sharding for name, x in keys if getattr(x, "sharding", None) is not None}
 
   def one(path, x):
     name = jax.tree_util.keystr(path)
@@ -167,7 +169,12 @@ def _data_to_keys(tree, impls: dict, abstract):
     if expected[name] != _key_dtype(impls[name]):
       raise ValueError(f"PRNG key at {name} was saved as {impls[name]!r}, but the restore "
                        f"target expects {expected[name]}.")
-    return jax.random.wrap_key_data(x, impl=impls[name])
+    key = jax.random.wrap_key_data(x, impl=impls[name])
+    # The target's own sharding: on a one-device mesh the wrapped key keeps its data's
+    # rank-1 spec, P(None,), which no scalar may carry (abstract_like of it fails).
+    if name in shardings and key.sharding != shardings[name]:
+      key = jax.device_put(key, shardings[name])
+    return key
   return jax.tree_util.tree_map_with_path(one, tree)
 
 

@@ -54,6 +54,7 @@ def train_loop(workdir: str, agents: dict, ckpt: ckpt_lib.Checkpointer, schedule
     t0 = time.perf_counter()
     m.update(update(step))
     m["time/step_s"] = time.perf_counter() - t0
+    m.update(metrics_lib.device_memory())  # GPU only: the allocator's peak so far.
     writer.write(step, m)
     last = m
     progress.update(1, {k: m[k] for k in show if k in m})

@@ -20,6 +20,9 @@ import tqdm
 from absl import logging
 
 METRICS_FILE = "metrics.jsonl"
+# Prefixes of keys that differ between two runs of the same steps (wall time, throughput,
+# device memory): what a bit-identical resume or a cross-program comparison leaves out.
+VOLATILE = ("time/", "tokens_per_s", "mem/")
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
@@ -69,6 +72,29 @@ def _read_lines(path: str) -> list[dict]:
       except json.JSONDecodeError:
         logging.warning("Skipping unreadable line %d of %s.", i + 1, path)
   return records
+
+
+def device_memory() -> dict:
+  """{"mem/peak_gb", "mem/limit_gb"}: the fullest local device's peak allocation since start.
+
+  Empty where the backend keeps no allocator statistics (CPU); on GPU the peak is the
+  allocator's high-water mark (`memory_stats()["peak_bytes_in_use"]`), never reset, so a
+  step's value is the peak of the run so far.
+  """
+  stats = [s for s in (d.memory_stats() for d in jax.local_devices()) if s]
+  stats = [s for s in stats if "peak_bytes_in_use" in s]
+  if not stats:
+    return {}
+  fullest = max(stats, key=lambda s: s["peak_bytes_in_use"])
+  out = {"mem/peak_gb": fullest["peak_bytes_in_use"] / 1e9}
+  if "bytes_limit" in fullest:
+    out["mem/limit_gb"] = fullest["bytes_limit"] / 1e9
+  return out
+
+
+def stable(records: list[dict]) -> list[dict]:
+  """`records` without their `VOLATILE` keys."""
+  return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in records]
 
 
 def read_metrics(workdir: str) -> list[dict]:

@@ -121,6 +121,7 @@ def test_key_impl_mismatch_raises(tmp_path, states):
       ckpt.restore(abstract_states={"k": wrong})
 
 
+@pytest.mark.devices(8)
 def test_restore_onto_mesh_shardings(tmp_path, states):
   mesh = sharding.make_mesh((2, 2, 2))
   shardings = ts.state_shardings(states["main"], mesh)
@@ -144,6 +145,23 @@ def test_restore_onto_mesh_shardings(tmp_path, states):
   assert len(embed.sharding.device_set) == 8 and not embed.sharding.is_fully_replicated
   assert restored["extra"]["keys"].sharding.is_equivalent_to(keys_sh, 1)
   assert _leaves_bytes(restored) == _leaves_bytes({"main": states["main"], "extra": extra})
+
+
+def test_key_restored_onto_a_one_device_mesh_stays_a_scalar(tmp_path):
+  # One GPU with a mesh config: the wrapped key data's P(None,) once stuck to the scalar key,
+  # and the next restore (MAGRPO's warm-start step 0) failed in abstract_like.
+  mesh = sharding.make_mesh({"data": -1}, devices=jax.devices()[:1])
+  scalar = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  state = {"key": jax.device_put(jax.random.key(4), scalar),
+           "w": jax.device_put(jnp.ones(3), scalar)}
+  with checkpoint.Checkpointer(tmp_path) as ckpt:
+    ckpt.save(0, {"a": state}, {})
+    ckpt.wait()
+    restored, _ = ckpt.restore(abstract_states={"a": state})
+  key = restored["a"]["key"]
+  assert key.sharding == scalar
+  assert checkpoint.abstract_like(key) == jax.ShapeDtypeStruct((), key.dtype, sharding=scalar)
+  assert _leaves_bytes(restored["a"]) == _leaves_bytes(state)
 
 
 def test_uncommitted_steps_are_ignored(tmp_path):
@@ -223,6 +241,7 @@ def test_meta_must_be_json(tmp_path):
     assert ckpt.latest_step() is None
 
 
+@pytest.mark.devices(8)
 def test_abstract_like_keeps_sharding():
   mesh = sharding.make_mesh((8, 1, 1))
   sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))

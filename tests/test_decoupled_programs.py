@@ -28,9 +28,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/mgrpo.py:smoke"  # num_steps=2: steps 0 and 1 train, 0..2 evaluate.
 STEPS = [0, 1, 2]
 TIMEOUT_S = 150  # Per program; --timeout_s (waiting for the peer) is below it.
-_DROP = ("time/", "tokens_per_s")
-
-
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
   """The programs' environment: 1 CPU device and a shared compilation cache."""
@@ -45,10 +42,6 @@ def env(tmp_path_factory):
   return e
 
 
-def _clean(rows):
-  return [{k: v for k, v in r.items() if not k.startswith(_DROP)} for r in rows]
-
-
 @pytest.fixture(scope="module")
 def colocated(env, tmp_path_factory):
   """The colocated run's metrics (launch/train.py, same config, same device count)."""
@@ -59,7 +52,7 @@ def colocated(env, tmp_path_factory):
                          f"--workdir={workdir}"], cwd=ROOT, env=env, stdout=f,
                         stderr=subprocess.STDOUT, timeout=TIMEOUT_S).returncode
   assert rc == 0, log.read_text()[-3000:]
-  rows = _clean(metrics.read_metrics(str(workdir)))
+  rows = metrics.stable(metrics.read_metrics(str(workdir)))
   assert [r["step"] for r in rows] == STEPS
   return rows
 
@@ -110,8 +103,8 @@ class Pair:
       return f.read()[-4000:]
 
   def merged(self):
-    main = _clean(metrics.read_metrics(self.workdir("main")))
-    sub = _clean(metrics.read_metrics(self.workdir("sub")))
+    main = metrics.stable(metrics.read_metrics(self.workdir("main")))
+    sub = metrics.stable(metrics.read_metrics(self.workdir("sub")))
     assert [r["step"] for r in main] == [r["step"] for r in sub]
     return [{**a, **b} for a, b in zip(main, sub)]
 

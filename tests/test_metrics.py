@@ -5,6 +5,7 @@ import json
 import math
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -171,3 +172,28 @@ def test_plot_t95_band(tmp_path):
   with pytest.raises(ValueError, match="band="):
     plotting.plot_curves(runs, ["eval/accuracy"], str(tmp_path / "x.png"), group_by="_seed",
                          band="sd")
+
+
+class _FakeDevice:
+
+  def __init__(self, stats):
+    self._stats = stats
+
+  def memory_stats(self):
+    return self._stats
+
+
+def test_device_memory_reports_the_fullest_device(monkeypatch):
+  gb = 10**9
+  devices = [_FakeDevice({"peak_bytes_in_use": 3 * gb, "bytes_limit": 80 * gb}),
+             _FakeDevice({"peak_bytes_in_use": 7 * gb, "bytes_limit": 78 * gb}),
+             _FakeDevice({"bytes_in_use": 9 * gb})]  # No peak: not counted.
+  monkeypatch.setattr(jax, "local_devices", lambda: devices)
+  assert metrics.device_memory() == {"mem/peak_gb": 7.0, "mem/limit_gb": 78.0}
+  monkeypatch.setattr(jax, "local_devices", lambda: [_FakeDevice(None)])  # CPU: no stats.
+  assert metrics.device_memory() == {}
+
+
+def test_stable_drops_what_differs_between_identical_runs():
+  rec = {"step": 1, "main/loss": 0.5, "time/step_s": 2.0, "tokens_per_s": 9.0, "mem/peak_gb": 3}
+  assert metrics.stable([rec]) == [{"step": 1, "main/loss": 0.5}]

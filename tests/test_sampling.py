@@ -459,6 +459,7 @@ def test_rows_full_on_entry_finish_with_context(tiny):
 # -------------------------------------------------------------------------- 6. sharded
 
 
+@pytest.mark.devices(8)
 @pytest.mark.parametrize("mesh_shape", [(2, 2, 2), (8, 1, 1)])
 def test_sharded_greedy_matches_unsharded(tiny, mesh_shape):
     m = tiny["untied"]

@@ -106,6 +106,7 @@ def test_replay_uses_the_samplers_routes_when_the_router_drifts(moe, sampled):
   assert err(replayed) < err(rerouted)
 
 
+@pytest.mark.devices(8)
 def test_routes_in_waves_and_on_an_expert_mesh_equal_the_resident_ones(moe, sampled,
                                                                       multi_turn_episodes):
   cfg, params = moe
