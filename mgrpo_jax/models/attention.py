@@ -12,7 +12,8 @@ slots, while RoPE positions may restart inside a packed row. Implementations:
   backward (`jax.custom_vjp`) that recomputes the tiles, so neither pass ever holds more
   than one tile of scores: memory is linear in T. Pure JAX, runs everywhere.
 - "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")` (fused flash kernel) for
-  uncached right-padded batches on GPU.
+  uncached right-padded batches on GPU, in bfloat16 or float16 with a head dim that is a
+  multiple of 8 and at most 128 (`cudnn_unsupported`).
 - "auto": cuDNN where it applies on GPU, else the reference for small [T, S] (cheapest on
   CPU at demo sizes), else blockwise.
 """
@@ -25,6 +26,10 @@ import jax.numpy as jnp
 IMPLEMENTATIONS = ("auto", "cudnn", "blockwise", "reference")
 # "auto" keeps the reference while one row's scores per head stay this small (1024 x 1024).
 _AUTO_REFERENCE_MAX_TS = 1 << 20
+# What cuDNN's fused kernel takes (jax checks both when it lowers the call): half-precision
+# inputs, and a head dim that is a multiple of 8 and at most 128 (256 from Hopper on).
+CUDNN_DTYPES = ("bfloat16", "float16")
+CUDNN_MAX_HEAD_DIM = 128
 # A large finite negative instead of -inf: a row with no visible key softmaxes to a uniform
 # garbage row instead of NaN (reference only; the blockwise kernel returns zeros there).
 _MASK_VALUE = -1e30
@@ -266,10 +271,25 @@ def cudnn(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, lengths_B, *, implementation: str =
   return jnp.transpose(out.reshape(b, t, kv, g, h), (0, 2, 3, 1, 4))
 
 
-def resolve(impl: str, *, cached: bool, packed: bool, t: int, s: int) -> str:
+def cudnn_unsupported(dtype, head_dim: int) -> str | None:
+  """Why cuDNN's fused kernel cannot take inputs of `dtype` and `head_dim`; None if it can."""
+  name = jnp.dtype(dtype).name
+  if name not in CUDNN_DTYPES:
+    return f"it takes {' or '.join(CUDNN_DTYPES)} inputs, not {name}"
+  if head_dim % 8 or head_dim > CUDNN_MAX_HEAD_DIM:
+    return f"its head dim must be a multiple of 8 and at most {CUDNN_MAX_HEAD_DIM}, not {head_dim}"
+  return None
+
+
+def resolve(impl: str, *, cached: bool, packed: bool, t: int, s: int, dtype,
+            head_dim: int) -> str:
   """The implementation `impl` ("auto" or explicit) stands for at these static shapes."""
   if impl not in IMPLEMENTATIONS:
     raise ValueError(f"attention={impl!r}; expected one of {IMPLEMENTATIONS}.")
+  why_not = cudnn_unsupported(dtype, head_dim)
+  if impl == "cudnn" and why_not:
+    raise ValueError(f"attention='cudnn' cannot run: {why_not}. Use attention='auto', which "
+                     "takes cuDNN only where it applies.")
   cudnn_ok = not cached and not packed
   if impl == "cudnn" and not cudnn_ok:
     # Cached queries and packed rows need the general mask: cuDNN's padded-causal mask
@@ -277,7 +297,7 @@ def resolve(impl: str, *, cached: bool, packed: bool, t: int, s: int) -> str:
     return "blockwise"
   if impl != "auto":
     return impl
-  if cudnn_ok and jax.default_backend() == "gpu":
+  if cudnn_ok and not why_not and jax.default_backend() == "gpu":
     return "cudnn"
   return "reference" if t * s <= _AUTO_REFERENCE_MAX_TS else "blockwise"
 
@@ -295,7 +315,8 @@ def attend(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, *, q_idx_BxT, kv_valid_BxS, q_seg_
   if cached and t == 1 and decode_splits > 1 and not packed:
     return split_kv(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, q_idx_BxT, kv_valid_BxS,
                     splits=decode_splits)
-  which = resolve(impl, cached=cached, packed=packed, t=t, s=s)
+  which = resolve(impl, cached=cached, packed=packed, t=t, s=s, dtype=q_BxKxGxTxH.dtype,
+                  head_dim=q_BxKxGxTxH.shape[-1])
   if which == "reference":
     return reference(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, q_idx_BxT, kv_valid_BxS, q_seg_BxT,
                      kv_seg_BxS)

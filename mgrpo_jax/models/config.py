@@ -7,7 +7,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from mgrpo_jax.models.attention import IMPLEMENTATIONS
+from mgrpo_jax.models.attention import IMPLEMENTATIONS, cudnn_unsupported
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # Upper bounds on sizes, checked before anything is allocated: far above every released
@@ -115,6 +115,11 @@ class Qwen3Config:
     if self.attention not in IMPLEMENTATIONS:
       raise ConfigError(
           f"Qwen3Config.attention={self.attention!r}; expected one of {IMPLEMENTATIONS}.")
+    if self.attention == "cudnn" and (why := cudnn_unsupported(self.compute_dtype,
+                                                               self.head_dim)):
+      raise ConfigError(f"Qwen3Config.attention='cudnn' with compute_dtype="
+                        f"{self.compute_dtype!r}, head_dim={self.head_dim}: cuDNN's fused "
+                        f"kernel cannot run ({why}); use attention='auto'.")
     if not isinstance(self.attention_block, int) or self.attention_block < 8:
       raise ConfigError(
           f"Qwen3Config.attention_block must be an int >= 8, got {self.attention_block!r}.")

@@ -1,5 +1,7 @@
 """Attention kernels: blockwise and cuDNN equal the reference (forward and gradients)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -122,17 +124,34 @@ def test_cudnn_call_layout_matches_reference():
 
 
 def test_resolve():
-  r = attention.resolve
+  r = functools.partial(attention.resolve, dtype=jnp.bfloat16, head_dim=128)
+  on_gpu = jax.default_backend() == "gpu"
   assert r("reference", cached=False, packed=False, t=9, s=9) == "reference"
   assert r("cudnn", cached=True, packed=False, t=1, s=64) == "blockwise"
   assert r("cudnn", cached=False, packed=True, t=64, s=64) == "blockwise"
   assert r("auto", cached=False, packed=False, t=64, s=64) == (
-      "cudnn" if jax.default_backend() == "gpu" else "reference")
+      "cudnn" if on_gpu else "reference")
   assert r("auto", cached=True, packed=False, t=4096, s=4096) == "blockwise"
   with pytest.raises(ValueError, match="attention='flash'"):
     r("flash", cached=False, packed=False, t=1, s=1)
   with pytest.raises(models.ConfigError, match="attention"):
     models.get_preset("tiny", attention="flash")
+
+
+@pytest.mark.parametrize("dtype,head_dim", [(jnp.float32, 128), (jnp.bfloat16, 20),
+                                            (jnp.bfloat16, 256)])
+def test_auto_takes_cudnn_only_for_inputs_it_accepts(dtype, head_dim):
+  # cuDNN's fused kernel raises on float32 and on odd or large head dims: "auto" must not
+  # pick it there (float32 test models on a GPU), and an explicit "cudnn" says why.
+  r = functools.partial(attention.resolve, dtype=dtype, head_dim=head_dim, cached=False,
+                        packed=False)
+  assert r("auto", t=64, s=64) == "reference" and r("auto", t=4096, s=4096) == "blockwise"
+  with pytest.raises(ValueError, match="cannot run: its? .*not (float32|20|256)"):
+    r("cudnn", t=64, s=64)
+  if dtype == jnp.float32:
+    with pytest.raises(models.ConfigError, match="compute_dtype='float32'.*attention='auto'"):
+      models.get_preset("qwen3_0p6b", attention="cudnn", compute_dtype="float32")
+  models.get_preset("qwen3_0p6b", attention="cudnn", compute_dtype="bfloat16")  # Accepted.
 
 
 @pytest.mark.gpu
