@@ -22,7 +22,7 @@ from absl import app, flags, logging
 
 from configs import mgrpo as mgrpo_config
 from configs import sft as sft_config
-from mgrpo_jax import colocated, distributed, metrics, plotting, sft
+from mgrpo_jax import colocated, compile_cache, distributed, metrics, plotting, sft
 
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/mgrpo_demo", "Runs go to sft/ and mgrpo/ here.")
 _LORA = flags.DEFINE_integer("lora", 0, "> 0: the M-GRPO stage trains LoRA adapters of this "
@@ -33,6 +33,7 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
   distributed.initialize_from_flags()  # Multi-host runs; a no-op for one process.
+  compile_cache.enable_from_flags()  # Restarts and sweeps skip compiling again.
   rl_name = f"mgrpo-lora{_LORA.value}" if _LORA.value else "mgrpo"
   warm, rl = (os.path.join(_WORKDIR.value, name) for name in ("sft", rl_name))
   sft.train_sft(sft_config.get_config("runlocal"), warm)

@@ -9,7 +9,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from mgrpo_jax import distributed, evaluate
+from mgrpo_jax import compile_cache, distributed, evaluate
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file[:args].",
                                           lock_config=True)
@@ -23,6 +23,7 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
   distributed.initialize_from_flags()  # Multi-host runs; a no-op for one process.
+  compile_cache.enable_from_flags()  # Restarts and sweeps skip compiling again.
   logging.info("Devices: %s", jax.devices())
   result = evaluate.run(_CONFIG.value, _WORKDIR.value, run_location=_RUN.value)
   print({k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()})

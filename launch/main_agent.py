@@ -13,7 +13,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from mgrpo_jax import decoupled, distributed
+from mgrpo_jax import compile_cache, decoupled, distributed
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file[:args].",
                                           lock_config=True)
@@ -29,6 +29,7 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
   distributed.initialize_from_flags()  # Multi-host runs; a no-op for one process.
+  compile_cache.enable_from_flags()  # Restarts and sweeps skip compiling again.
   logging.info("Devices: %s", jax.devices())
   decoupled.run_main_agent(_CONFIG.value, _WORKDIR.value, _EXCHANGE.value,
                           timeout_s=_TIMEOUT.value)

@@ -8,7 +8,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from mgrpo_jax import colocated, distributed, sft
+from mgrpo_jax import colocated, compile_cache, distributed, sft
 from mgrpo_jax.magrpo import program as magrpo_program
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file[:args].",
@@ -24,6 +24,7 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
   distributed.initialize_from_flags()  # Multi-host runs; a no-op for one process.
+  compile_cache.enable_from_flags()  # Restarts and sweeps skip compiling again.
   logging.info("Devices: %s", jax.devices())
   config = _CONFIG.value
   if config.program not in PROGRAMS:

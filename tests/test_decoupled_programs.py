@@ -47,11 +47,16 @@ def colocated(env, tmp_path_factory):
   """The colocated run's metrics (launch/train.py, same config, same device count)."""
   workdir = tmp_path_factory.mktemp("colocated")
   log = workdir / "log.txt"
+  # Its own cache through the launcher flag (not the environment): the flag is obeyed.
+  cache = tmp_path_factory.mktemp("colocated_xla_cache")
+  env = {k: v for k, v in env.items() if k != "JAX_COMPILATION_CACHE_DIR"}
   with open(log, "w") as f:
     rc = subprocess.run([sys.executable, "launch/train.py", f"--config={CONFIG}",
-                         f"--workdir={workdir}"], cwd=ROOT, env=env, stdout=f,
-                        stderr=subprocess.STDOUT, timeout=TIMEOUT_S).returncode
+                         f"--workdir={workdir}", f"--compilation_cache_dir={cache}"],
+                        cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                        timeout=TIMEOUT_S).returncode
   assert rc == 0, log.read_text()[-3000:]
+  assert len(list(cache.iterdir())) > 5
   rows = metrics.stable(metrics.read_metrics(str(workdir)))
   assert [r["step"] for r in rows] == STEPS
   return rows

@@ -107,3 +107,10 @@ def test_unknown_stage_is_named(check):
   with flagsaver.flagsaver(stages=["smoke", "bench"]):
     with pytest.raises(Exception, match="bench"):
       check.main([])
+
+
+def test_limits_parse_and_name_a_bad_item(check):
+  assert check.parse_limits(["smoke=90", "speed=300.5"]) == {"smoke": 90.0, "speed": 300.5}
+  for bad in ("smoke", "speed=fast", "bench=30", "train=0"):
+    with pytest.raises(Exception, match=f"--limits_s: '{bad}'"):
+      check.parse_limits([bad])
