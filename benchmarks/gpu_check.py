@@ -110,7 +110,6 @@ def smoke_report(log: str) -> dict:
 
 def summarize_train(workdir: str) -> dict:
   """Per step: step and rollout seconds, tokens generated and trained, peak memory (GPU)."""
-  sys.path.insert(0, ROOT)
   from mgrpo_jax import metrics  # Imports JAX but starts no backend.
   path = os.path.join(workdir, metrics.METRICS_FILE)
   if not os.path.exists(path):

@@ -28,6 +28,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/mgrpo.py:smoke"  # num_steps=2: steps 0 and 1 train, 0..2 evaluate.
 STEPS = [0, 1, 2]
 TIMEOUT_S = 150  # Per program; --timeout_s (waiting for the peer) is below it.
+
+
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
   """The programs' environment: 1 CPU device and a shared compilation cache."""

@@ -29,6 +29,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/mgrpo.py:smoke,model=tiny_moe"
 EXPERT = "--config.mesh.expert=2"
 TIMEOUT_S = 400
+
+
 def _free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))

@@ -21,6 +21,8 @@ from mgrpo_jax.envs import search
 from mgrpo_jax.envs import world as world_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 def _config(arg="smoke", **overrides):
   c = mgrpo.get_config(arg)
   c.update(overrides)

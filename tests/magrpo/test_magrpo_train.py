@@ -13,6 +13,7 @@ from mgrpo_jax import plumbing
 from mgrpo_jax.magrpo import program as magrpo_program
 from mgrpo_jax.magrpo import step as magrpo_step
 
+
 def _config(num_steps, **overrides):
   c = magrpo_config.get_config("smoke,turns=2,mode=cross,group=2")
   c.num_steps = num_steps
@@ -21,6 +22,10 @@ def _config(num_steps, **overrides):
   for k, v in overrides.items():
     c[k] = v
   return c
+
+
+def _lines(workdir):
+  return metrics_lib.stable(metrics_lib.read_metrics(workdir))
 
 
 def test_two_turn_cross_run_then_resume_is_bit_identical(tmp_path):
@@ -35,7 +40,7 @@ def test_two_turn_cross_run_then_resume_is_bit_identical(tmp_path):
   assert {"train/reward_t0", "train/reward_t1", "a/loss", "b/loss", "warm/a/nll"} <= set(first)
   assert os.path.exists(os.path.join(split, "hf", "a", "config.json"))
   magrpo_program.train_and_evaluate(_config(3), split)  # Resumes at step 2.
-  assert metrics_lib.stable(metrics_lib.read_metrics(split)) == metrics_lib.stable(metrics_lib.read_metrics(straight))
+  assert _lines(split) == _lines(straight)
   with open(os.path.join(split, "config.json")) as f:
     assert json.load(f)["task"]["name"] == "pick"
   # Stopped right after the warm start (only its step-0 checkpoint exists): the resumed run
@@ -43,7 +48,7 @@ def test_two_turn_cross_run_then_resume_is_bit_identical(tmp_path):
   zero = str(tmp_path / "zero")
   magrpo_program.train_and_evaluate(_config(0), zero)
   magrpo_program.train_and_evaluate(_config(1), zero)
-  assert metrics_lib.stable(metrics_lib.read_metrics(zero))[0] == metrics_lib.stable(metrics_lib.read_metrics(straight))[0]
+  assert _lines(zero)[0] == _lines(straight)[0]
 
 
 @pytest.mark.parametrize("field,value,match", [
