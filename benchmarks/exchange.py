@@ -47,7 +47,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mgrpo_jax import delegation  # noqa: E402
+from mgrpo_jax.mgrpo import delegation  # noqa: E402
 from mgrpo_jax import tokenizer as tk  # noqa: E402
 from mgrpo_jax.agents import experts, rollout  # noqa: E402
 from mgrpo_jax.envs import retrieval, search, world  # noqa: E402

@@ -35,7 +35,8 @@ from absl import app, flags, logging
 
 from configs import mgrpo as mgrpo_config
 from configs import sft as sft_config
-from mgrpo_jax import colocated, evaluate, metrics, plotting, sft
+from mgrpo_jax import evaluate, metrics, plotting
+from mgrpo_jax.mgrpo import colocated, sft
 
 _SIZE = flags.DEFINE_enum("size", "cpu", ["cpu", "gpu", "smoke"], "Task size (configs/mgrpo.py).")
 _SEEDS = flags.DEFINE_integer("seeds", 5, "Seeds per variant.")

@@ -180,7 +180,7 @@ def pair_case(results: dict, preset: str, suffix: str = "") -> dict:
 
   Both agents' states stay resident; one update runs at a time, so the larger update's
   temporaries (and gradients: outputs beyond the donated state) come on top. LoRA agents
-  on one checkpoint share its base (plumbing.build_agent's `bases`): it counts once.
+  on one checkpoint share its base (trainable.build_agent's `bases`): it counts once.
   """
   main, sub = (results[f"update/{preset}/{r}{suffix}"] for r in ("main", "sub"))
   resident = main["state_gb"] + sub["state_gb"] + main.get("base_gb", 0.0)

@@ -24,7 +24,8 @@ from absl import app, flags, logging
 
 from configs import mgrpo as mgrpo_config
 from configs import sft as sft_config
-from mgrpo_jax import colocated, evaluate, sft
+from mgrpo_jax import evaluate
+from mgrpo_jax.mgrpo import colocated, sft
 
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/mgrpo_demo", "Runs go to subfolders (replaced).")
 _OUT = flags.DEFINE_string("out", "benchmarks/results/mgrpo-demo-cpu-world.json",

@@ -16,7 +16,8 @@ import jax
 from absl import app, flags
 
 from configs import mgrpo as mgrpo_config
-from mgrpo_jax import mgrpo_step, research_env, sharding
+from mgrpo_jax import sharding
+from mgrpo_jax.mgrpo import play, setup, tasks
 from mgrpo_jax.rl import rewards
 
 _INIT = flags.DEFINE_string("init", None, "Workdir whose hf/ weights to diagnose.", required=True)
@@ -26,14 +27,14 @@ _ARG = flags.DEFINE_string("config_arg", "runlocal", "Arguments of configs/mgrpo
 def main(argv):
   del argv
   c = mgrpo_config.get_config(f"{_ARG.value},init={_INIT.value}")
-  w = mgrpo_step.resolve_wiring(c)
-  env = research_env.build_env(c)
-  agents = mgrpo_step.build_agents(c, w, env, sharding.make_mesh(dict(c.mesh)),
-                                   jax.random.key(0))
-  questions = research_env.eval_questions(c, env)
-  policies = mgrpo_step.make_policies(c, w, env, agents, c.eval_sampling, version=0)
-  eps, sub_eps = mgrpo_step.run_rollouts(c, w, env, policies, questions, num_rollouts=1,
-                                         key=jax.random.key(1), step=0)
+  w = setup.resolve_wiring(c)
+  env = tasks.build_env(c)
+  agents = setup.build_agents(c, w, env, sharding.make_mesh(dict(c.mesh)),
+                              jax.random.key(0))
+  questions = tasks.eval_questions(c, env)
+  policies = play.make_policies(c, w, env, agents, c.eval_sampling, version=0)
+  eps, sub_eps = play.run_rollouts(c, w, env, policies, questions, num_rollouts=1,
+                                   key=jax.random.key(1), step=0)
   first_call = {s.q: s for s in sub_eps if s.call == 0}
   n = collections.Counter(questions=len(questions))
   for i, (ep, q) in enumerate(zip(eps, questions)):

@@ -60,7 +60,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # warm start's teacher slips at configs/sft.py's sft.expert_noise).
   c.expert_noise = 0.0
   # "byte", "byte+names" (+ the world's names as words), "byte+world" (+ its phrases too; see
-  # research_env.tokenizer_words) or a local HF tokenizer directory.
+  # tasks.tokenizer_words) or a local HF tokenizer directory.
   c.tokenizer = "byte"
   preset = args["model"] or ("tiny_wide" if args["runlocal"] and not args["smoke"] else "tiny")
   c.main_model = common.model(preset)
@@ -80,6 +80,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.align_on_empty = "mask"  # "mask" or "borrow" for rollouts that never delegated.
   c.alpha = (0.1, 0.9)  # Main reward: format, correct.
   c.beta = (0.1, 0.9, 0.0)  # Sub reward: format, main's correctness, expert judge.
+  # The r_expert judge of beta[2] (called only when beta[2] > 0): "grounded" (rule: the
+  # share of the result's words found in the tool replies the sub-agent read) or
+  # "module:callable", an LLM judge (subtask, result, tool replies) -> score in [0, 1].
+  c.sub_judge = "grounded"
   c.adv_scale = "std"  # "std" (M-GRPO) or "none" (Dr. GRPO).
   c.adv_eps = 1e-6
   c.main_loss = common.loss()
@@ -93,7 +97,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.num_eval_questions = 64
   c.checkpoint_every = 10
   c.max_to_keep = 2
-  c.log_every = 1
+  c.log_every = 1  # Steps between plain log lines when no terminal shows the progress bar.
   c.max_staleness = 0  # Sub-agent versions a result may lag (checked by the main program).
   if args["gpu"]:
     _gpu(c, preset=args["model"] or "qwen3_0p6b")

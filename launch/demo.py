@@ -22,7 +22,8 @@ from absl import app, flags, logging
 
 from configs import mgrpo as mgrpo_config
 from configs import sft as sft_config
-from mgrpo_jax import colocated, compile_cache, distributed, metrics, plotting, sft
+from mgrpo_jax import compile_cache, distributed, metrics, plotting
+from mgrpo_jax.mgrpo import colocated, sft
 
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/mgrpo_demo", "Runs go to sft/ and mgrpo/ here.")
 _LORA = flags.DEFINE_integer("lora", 0, "> 0: the M-GRPO stage trains LoRA adapters of this "

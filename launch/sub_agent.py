@@ -13,7 +13,8 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from mgrpo_jax import compile_cache, decoupled, distributed
+from mgrpo_jax import compile_cache, distributed
+from mgrpo_jax.mgrpo import decoupled
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file[:args].",
                                           lock_config=True)

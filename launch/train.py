@@ -8,7 +8,8 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from mgrpo_jax import colocated, compile_cache, distributed, sft
+from mgrpo_jax import compile_cache, distributed
+from mgrpo_jax.mgrpo import colocated, sft
 from mgrpo_jax.magrpo import program as magrpo_program
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file[:args].",

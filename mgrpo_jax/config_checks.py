@@ -213,3 +213,11 @@ def check_prompt_fits(longest: int, what: str, *, max_len: int, max_new_tokens: 
         f"config.{prefix}.max_len={max_len} cannot hold {what} ({longest} tokens) plus one "
         f"turn of config.{prefix}.max_new_tokens={max_new_tokens}; raise max_len to at least "
         f"{longest + max_new_tokens} or lower max_new_tokens.")
+
+
+def check_batch_divides_mesh(rows: int, mesh, field: str) -> None:
+  """Batches are split over (data, fsdp): the row count must divide evenly."""
+  shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  if rows % shards:
+    raise ConfigValueError(f"{field} gives batches of {rows} rows, which do not split over "
+                           f"data*fsdp={shards} devices of config.mesh; change one of them.")

@@ -10,7 +10,9 @@ import jax
 import ml_collections
 
 from mgrpo_jax import checkpoint as ckpt_lib
-from mgrpo_jax import delegation, distributed, mgrpo_step, plumbing, research_env, sharding
+from mgrpo_jax import distributed, sharding
+from mgrpo_jax import workdir as workdir_lib
+from mgrpo_jax.mgrpo import delegation, play, setup, tasks
 from mgrpo_jax.magrpo import step as magrpo_step
 
 
@@ -37,7 +39,7 @@ def _restore_pair(agents: dict, run, workdir: str) -> int:
 
 def _restore_latest(workdir: str, agents: dict) -> int:
   with ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints")) as ckpt:
-    return plumbing.restore_agents(ckpt, agents)
+    return workdir_lib.restore_agents(ckpt, agents)
 
 
 def _write(workdir: str, result: dict) -> dict:
@@ -73,20 +75,20 @@ def run(c: ml_collections.ConfigDict, workdir: str, *, run_location=None) -> dic
     if run_location:
       raise ValueError("--run is for decoupled M-GRPO runs; MAGRPO evaluates --workdir.")
     return _run_magrpo(c, workdir)
-  w = mgrpo_step.resolve_wiring(c, training=False)
-  env = research_env.build_env(c)
-  mgrpo_step.check_task(c, w, env)
+  w = setup.resolve_wiring(c, training=False)
+  env = tasks.build_env(c)
+  setup.check_task(c, w, env)
   agents, step = {}, 0
   if c.policy != "expert":
     mesh = sharding.make_mesh(dict(c.mesh))
-    agents = mgrpo_step.build_agents(c, w, env, mesh, jax.random.key(c.seed))
+    agents = setup.build_agents(c, w, env, mesh, jax.random.key(c.seed))
     if run_location is not None:
       step = _restore_pair(agents, run_location, workdir)
     else:
       step = _restore_latest(workdir, agents)
   elif run_location is not None:
     raise ValueError("config.policy='expert' evaluates the scripted experts; drop --run.")
-  metrics = mgrpo_step.evaluate(c, w, env, agents, step=step)
+  metrics = play.evaluate(c, w, env, agents, step=step)
   result = {"accuracy": metrics["eval/accuracy"], "step": step, "policy": c.policy,
             "variant": c.variant, "num_questions": min(c.num_eval_questions, len(env.test)),
             **{k.removeprefix("eval/"): v for k, v in metrics.items()}}

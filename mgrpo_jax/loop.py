@@ -12,7 +12,7 @@ from typing import Callable
 
 from mgrpo_jax import checkpoint as ckpt_lib
 from mgrpo_jax import metrics as metrics_lib
-from mgrpo_jax import plumbing
+from mgrpo_jax import workdir as workdir_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +22,7 @@ class Schedule:
   num_steps: int
   eval_every: int
   checkpoint_every: int
+  log_every: int = 1  # Steps between plain log lines when no terminal shows the bar.
 
   def evaluates(self, step: int) -> bool:
     return step % self.eval_every == 0 or step == self.num_steps
@@ -42,7 +43,8 @@ def train_loop(workdir: str, agents: dict, ckpt: ckpt_lib.Checkpointer, schedule
   """
   writer = metrics_lib.MetricsWriter(workdir)
   writer.truncate_after(start - 1)  # A restart rewrites the lines after its checkpoint.
-  progress = metrics_lib.Progress(schedule.num_steps, initial=start, desc=desc)
+  progress = metrics_lib.Progress(schedule.num_steps, initial=start, desc=desc,
+                                  log_every=schedule.log_every)
   last, first = {}, dict(first or {})
   for step in range(start, schedule.num_steps + 1):
     m, first = first, {}
@@ -64,5 +66,5 @@ def train_loop(workdir: str, agents: dict, ckpt: ckpt_lib.Checkpointer, schedule
   ckpt.close()
   writer.close()
   progress.close()
-  plumbing.save_final_hf(workdir, agents, tokenizer)
+  workdir_lib.save_final_hf(workdir, agents, tokenizer)
   return last

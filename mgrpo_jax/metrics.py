@@ -232,28 +232,3 @@ class Progress:
 
   def close(self):
     self._bar.close()
-
-
-class DeferredMetrics:
-  """Hands back each step's metrics one step late, so fetching never stalls dispatch.
-
-  `push(step, device_metrics)` starts the device-to-host copy of this step's
-  metrics and returns the previous step's, by then usually computed and copied:
-  the host never waits on the step it just dispatched. Call `flush()` after the loop.
-  """
-
-  def __init__(self):
-    self._pending = None
-
-  def push(self, step: int, metrics) -> tuple[int, Any] | None:
-    """Queues (step, metrics); returns the previously queued pair, fetched, or None."""
-    for x in jax.tree.leaves(metrics):
-      if isinstance(x, jax.Array):
-        x.copy_to_host_async()
-    previous, self._pending = self._pending, (step, metrics)
-    return None if previous is None else (previous[0], jax.device_get(previous[1]))
-
-  def flush(self) -> tuple[int, Any] | None:
-    """Returns the last queued pair, fetched (None when nothing is queued)."""
-    previous, self._pending = self._pending, None
-    return None if previous is None else (previous[0], jax.device_get(previous[1]))

@@ -109,11 +109,6 @@ def param_shardings(abstract_params: nnx.State, mesh: Mesh):
   return jax.tree_util.tree_map_with_path(one, abstract_params)
 
 
-def shard_params(params: nnx.State, mesh: Mesh) -> nnx.State:
-  """Places (or re-places) parameters by the rules."""
-  return jax.device_put(params, param_shardings(params, mesh))
-
-
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
   """Activations and token batches: leading axis over (data, fsdp)."""
   return NamedSharding(mesh, P(BATCH, *([None] * (ndim - 1))))

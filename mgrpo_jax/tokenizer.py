@@ -289,7 +289,7 @@ class ByteTokenizer(Tokenizer):
   "Aveland"; a word that ends in a space or punctuation needs no boundary there), longest
   first, and it is neither escaped in tool replies nor skipped in decoding, unlike the
   specials. The CPU demo gives the world's names, question stems and page phrases one id
-  each (`tokenizer="byte+world"`, `mgrpo_jax.research_env.tokenizer_words`).
+  each (`tokenizer="byte+world"`, `mgrpo_jax.tasks.tokenizer_words`).
   """
 
   def __init__(self, tags: Sequence[str] = PROTOCOL_TAGS, words: Sequence[str] = ()):
@@ -604,7 +604,7 @@ def write_test_hf_tokenizer(
 def load_tokenizer(spec: str | os.PathLike, *, words: Sequence[str] = ()) -> Tokenizer:
   """"byte" -> ByteTokenizer(); "byte+names" or "byte+world" -> ByteTokenizer(words=words)
   (a world's names, or its names and phrases, one id each: picked by
-  `mgrpo_jax.research_env.tokenizer_words`); anything else is a local directory -> HFTokenizer."""
+  `mgrpo_jax.tasks.tokenizer_words`); anything else is a local directory -> HFTokenizer."""
   if str(spec) == "byte":
     return ByteTokenizer()
   if str(spec) in ("byte+names", "byte+world"):

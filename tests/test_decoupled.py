@@ -6,7 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from mgrpo_jax import delegation
+import loopback
+from mgrpo_jax.mgrpo import delegation
 from mgrpo_jax import tokenizer as tk
 from mgrpo_jax.agents import experts, rollout
 from mgrpo_jax.envs import retrieval, search, world
@@ -75,8 +76,8 @@ def test_loopback_is_the_colocated_service_through_the_exchange(env):
   colocated_sub = _sub_service(index, key)
   want = rollout.rollout_main(_main_policy(), colocated_sub, qs, num_rollouts=k, tokenizer=TOK,
                               limits=LIMITS, key=key, step=step)
-  exchange = delegation.memory_exchange()
-  loop = delegation.LoopbackSubAgent(exchange, _sub_service(index, key), step=step)
+  exchange = loopback.memory_exchange()
+  loop = loopback.LoopbackSubAgent(exchange, _sub_service(index, key), step=step)
   got = rollout.rollout_main(_main_policy(), loop, qs, num_rollouts=k, tokenizer=TOK,
                              limits=LIMITS, key=key, step=step)
   assert [e.tokens for e in got] == [e.tokens for e in want]
@@ -91,7 +92,7 @@ def test_loopback_is_the_colocated_service_through_the_exchange(env):
     assert getattr(relayed, name).dtype == getattr(outcome, name).dtype
   assert exchange.wait_mark("rollouts_done", step, timeout_s=0) == {"waves": loop.waves}
   # Each loopback has its own store, so a long run keeps one step's records at most.
-  assert delegation.memory_exchange().list("request") == []
+  assert loopback.memory_exchange().list("request") == []
 
 
 def test_evaluation_and_training_records_of_a_step_do_not_collide(env, tmp_path):
@@ -152,8 +153,9 @@ def test_role_programs_match_the_colocated_run(tmp_path, policy):
   version, so the staleness bound does not refuse them.
   """
   from configs import mgrpo
-  from mgrpo_jax import decoupled as dc
-  from mgrpo_jax import colocated, metrics
+  from mgrpo_jax import metrics
+  from mgrpo_jax.mgrpo import colocated
+  from mgrpo_jax.mgrpo import decoupled as dc
 
   def cfg():
     c = mgrpo.get_config(f"smoke,policy={policy}")

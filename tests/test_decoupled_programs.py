@@ -22,7 +22,8 @@ import uuid
 
 import pytest
 
-from mgrpo_jax import checkpoint, delegation, metrics
+from mgrpo_jax import checkpoint, metrics
+from mgrpo_jax.mgrpo import delegation
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/mgrpo.py:smoke"  # num_steps=2: steps 0 and 1 train, 0..2 evaluate.

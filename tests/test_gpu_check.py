@@ -121,7 +121,7 @@ def test_train_stage_config_passes_the_start_up_checks(check, tiny):
   # The GPU session must not spend its minutes on a config error: the stage's overrides,
   # applied to the real `gpu` config, pass every check the program makes at start-up.
   from configs import mgrpo
-  from mgrpo_jax import mgrpo_step
+  from mgrpo_jax.mgrpo import setup
   cmd, _ = check.stage_commands("train", "/unused", 100.0, tiny, "dev", "/unused/w")
   config_arg = next(a for a in cmd if a.startswith("--config=")).split(":", 1)[1]
   c = mgrpo.get_config(config_arg)
@@ -130,4 +130,4 @@ def test_train_stage_config_passes_the_start_up_checks(check, tiny):
       field, value = arg[len("--config."):].split("=")
       c[field] = type(c[field])(value)
   assert (c.num_steps, c.main_model.preset) == (3, "tiny" if tiny else "qwen3_0p6b")
-  mgrpo_step.resolve_wiring(c)
+  setup.resolve_wiring(c)

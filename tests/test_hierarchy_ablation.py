@@ -4,7 +4,8 @@ import pytest
 
 from configs import mgrpo as mgrpo_config
 from configs import sft as sft_config
-from mgrpo_jax import mgrpo_step
+from mgrpo_jax.mgrpo import play, setup
+from mgrpo_jax.mgrpo import step as mgrpo_step
 
 
 def _flat(c, prefix=""):
@@ -32,7 +33,7 @@ def test_variants_share_data_budgets_recipe_and_updates(module, size):
     assert flat.keys() == reference.keys()
     differ = {k for k in flat if flat[k] != reference[k]}
     assert differ <= {"variant"}, (arg, {k: (flat[k], reference[k]) for k in differ})
-    mgrpo_step.resolve_wiring(module.get_config(arg), training=module is mgrpo_config)
+    setup.resolve_wiring(module.get_config(arg), training=module is mgrpo_config)
 
 
 def test_seeds_differ_only_in_seed():
@@ -42,8 +43,8 @@ def test_seeds_differ_only_in_seed():
 
 
 def test_every_variant_has_a_wiring():
-  assert set(mgrpo_config.VARIANTS) == set(mgrpo_step.WIRINGS)
-  w = mgrpo_step.WIRINGS
+  assert set(mgrpo_config.VARIANTS) == set(setup.WIRINGS)
+  w = setup.WIRINGS
   assert w["unaligned"].align == "pad" and w["mgrpo"].align == "sample"
   assert (w["unaligned"].roles, w["unaligned"].trained) == (w["mgrpo"].roles, w["mgrpo"].trained)
 
@@ -54,17 +55,17 @@ def test_unaligned_sub_batch_holds_every_episode_once():
   import jax
   import numpy as np
 
-  from mgrpo_jax import research_env
+  from mgrpo_jax.mgrpo import tasks
 
   c = mgrpo_config.get_config("task=multihop,smoke,variant=unaligned,policy=expert")
-  env = research_env.build_env(c)
+  env = tasks.build_env(c)
   rows = {}
   for variant in ("unaligned", "mgrpo"):
-    w = mgrpo_step.WIRINGS[variant]
-    policies = mgrpo_step.expert_policies(c, w, env, noise=0.3, seed=1)
-    eps, sub_eps = mgrpo_step.run_rollouts(c, w, env, policies, env.train[:c.num_queries],
-                                           num_rollouts=c.num_rollouts, key=jax.random.key(0),
-                                           step=0)
+    w = setup.WIRINGS[variant]
+    policies = play.expert_policies(c, w, env, noise=0.3, seed=1)
+    eps, sub_eps = play.run_rollouts(c, w, env, policies, env.train[:c.num_queries],
+                                     num_rollouts=c.num_rollouts, key=jax.random.key(0),
+                                     step=0)
     batches, m = mgrpo_step.batches(c, w, env, eps, sub_eps, jax.random.key(1))
     b, n = batches["sub"], len(sub_eps)
     rows[variant] = b.tokens.shape[0]

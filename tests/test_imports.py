@@ -132,7 +132,8 @@ def test_no_private_name_from_another_module():
 
 
 # The thin programs of DESIGN.md 7 (each wrapped by a launch/ binary): none imports another.
-PROGRAMS = ("mgrpo_jax.colocated", "mgrpo_jax.decoupled", "mgrpo_jax.sft", "mgrpo_jax.evaluate",
+PROGRAMS = ("mgrpo_jax.mgrpo.colocated", "mgrpo_jax.mgrpo.decoupled", "mgrpo_jax.mgrpo.sft",
+            "mgrpo_jax.evaluate",
             "mgrpo_jax.magrpo.program", "mgrpo_jax.hf_demo")
 
 

@@ -86,18 +86,6 @@ def test_disabled_writer_writes_nothing(tmp_path):
   assert not os.path.exists(tmp_path / "w")
 
 
-def test_deferred_metrics_one_step_late():
-  d = metrics.DeferredMetrics()
-  assert d.push(0, {"loss": jnp.float32(0.0)}) is None
-  step, m = d.push(1, {"loss": jnp.float32(1.0)})
-  assert step == 0 and m["loss"] == 0.0 and isinstance(m["loss"], np.ndarray | np.generic)
-  step, m = d.push(2, {"loss": jnp.float32(2.0)})
-  assert step == 1 and m["loss"] == 1.0
-  step, m = d.flush()
-  assert step == 2 and m["loss"] == 2.0
-  assert d.flush() is None
-
-
 def test_progress_logs_when_not_a_tty(caplog):
   caplog.set_level("INFO")
   p = metrics.Progress(10, initial=4, desc="train", force=False, log_every=2)

@@ -21,7 +21,8 @@ from safetensors.numpy import load_file
 
 from configs import mgrpo
 from configs import sft as sft_config
-from mgrpo_jax import colocated, distributed, metrics, sft
+from mgrpo_jax import distributed, metrics
+from mgrpo_jax.mgrpo import colocated, sft
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A tiny mixture of experts with its experts split over 2 devices (mesh: 4 data x 2 expert),

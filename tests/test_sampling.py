@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from mgrpo_jax import models, sampling
-from mgrpo_jax.sharding import make_mesh, shard_params
+from mgrpo_jax.sharding import make_mesh, param_shardings
 
 N_NEW = 32  # New tokens in the parity tests (>= 32, as the sampler's contract promises).
 # Unequal prompt lengths; 16 fills the smallest prompt bucket. Eight rows everywhere, so the
@@ -465,7 +465,8 @@ def test_sharded_greedy_matches_unsharded(tiny, mesh_shape):
     m = tiny["untied"]
     prompts = _prompts(m.vocab, seed=10)
     ref = sampling.generate(m.config, m.params, prompts, max_new_tokens=N_NEW, temperature=0.0)
-    sharded = shard_params(m.params, make_mesh(mesh_shape))
+    mesh = make_mesh(mesh_shape)
+    sharded = jax.device_put(m.params, param_shardings(m.params, mesh))
     q = sharded["layers"]["attn"]["q"][...]
     if mesh_shape == (2, 2, 2):
         assert q.addressable_shards[0].data.shape != q.shape  # Really split.

@@ -11,12 +11,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import loopback
 from configs import mgrpo, sft as sft_config
 from mgrpo_jax import checkpoint as ckpt_lib
 from mgrpo_jax import models
 from mgrpo_jax.models import lora
-from mgrpo_jax import (colocated, delegation, evaluate, metrics, mgrpo_step, plumbing,
-                       research_env, sft, sharding)
+from mgrpo_jax import config_checks as checks
+from mgrpo_jax import evaluate, metrics, sharding
+from mgrpo_jax import workdir as workdir_lib
+from mgrpo_jax.mgrpo import colocated, play, setup, sft, tasks
+from mgrpo_jax.mgrpo import step as mgrpo_step
 from mgrpo_jax.envs import search
 from mgrpo_jax.envs import world as world_lib
 
@@ -52,10 +56,10 @@ def test_two_steps_of_each_variant(variant, tmp_path):
 
 def _expert_rollouts(c, w, env):
   """Valid main and sub episodes from the experts, so every update has real signal."""
-  policies = mgrpo_step.expert_policies(c, w, env, noise=0.5, seed=3)
+  policies = play.expert_policies(c, w, env, noise=0.5, seed=3)
   questions = env.train[:c.num_queries]
-  return mgrpo_step.run_rollouts(c, w, env, policies, questions, num_rollouts=c.num_rollouts,
-                                 key=jax.random.key(0), step=0)
+  return play.run_rollouts(c, w, env, policies, questions, num_rollouts=c.num_rollouts,
+                           key=jax.random.key(0), step=0)
 
 
 def _flat(state):
@@ -67,10 +71,10 @@ def test_wiring_decides_who_learns(variant):
   c = _config(f"smoke,variant={variant}")
   c.limits.max_new_tokens = 160
   c.limits.max_turns = 6
-  w = mgrpo_step.resolve_wiring(c)
-  env = research_env.build_env(c)
+  w = setup.resolve_wiring(c)
+  env = tasks.build_env(c)
   mesh = sharding.make_mesh(dict(c.mesh))
-  agents = mgrpo_step.build_agents(c, w, env, mesh, jax.random.key(0))
+  agents = setup.build_agents(c, w, env, mesh, jax.random.key(0))
   before = {n: _flat(a.state) for n, a in agents.items()}
   eps, sub_eps = _expert_rollouts(c, w, env)
   assert sub_eps, "the experts delegate, so the sub-agent path is exercised"
@@ -92,21 +96,21 @@ def test_colocated_step_equals_the_decoupled_protocol_over_an_in_memory_exchange
   exchange code (a `memory://` loopback), delegations, R_M and every batch are the same."""
   c = _config("smoke,policy=expert")
   c.limits.update(max_turns=6, max_new_tokens=160)
-  w = mgrpo_step.resolve_wiring(c)
-  env = research_env.build_env(c)
+  w = setup.resolve_wiring(c)
+  env = tasks.build_env(c)
   questions, key, step = env.train[:c.num_queries], jax.random.key(0), 3
 
   def rollouts(service_for):
-    policies = mgrpo_step.expert_policies(c, w, env, noise=0.5, seed=3)
+    policies = play.expert_policies(c, w, env, noise=0.5, seed=3)
     service = service_for(policies["sub"])
-    eps, sub_eps = mgrpo_step.run_rollouts(c, w, env, policies, questions,
-                                           num_rollouts=c.num_rollouts, key=key, step=step,
-                                           service=service)
+    eps, sub_eps = play.run_rollouts(c, w, env, policies, questions,
+                                     num_rollouts=c.num_rollouts, key=key, step=step,
+                                     service=service)
     return eps, sub_eps, service
 
   eps_a, sub_a, _ = rollouts(lambda p: None)  # The colocated program's default service.
-  eps_b, sub_b, loop = rollouts(lambda p: delegation.LoopbackSubAgent(
-      delegation.memory_exchange(), mgrpo_step.colocated_sub_agent(c, env, p, key), step=step))
+  eps_b, sub_b, loop = rollouts(lambda p: loopback.LoopbackSubAgent(
+      loopback.memory_exchange(), play.colocated_sub_agent(c, env, p, key), step=step))
   assert sub_b, "the experts delegate, so requests and results cross the exchange"
   assert [e.tokens for e in eps_b] == [e.tokens for e in eps_a]
   assert [e.tokens for e in sub_b] == [e.tokens for e in sub_a]
@@ -195,10 +199,10 @@ def test_lora_resume_is_bit_identical_and_checkpoints_only_the_adapters(tmp_path
     states, _ = ckpt.restore()
   main = jax.tree_util.tree_leaves_with_path(states["main"]["params"])
   assert main and all("_lora_" in jax.tree_util.keystr(p) for p, _ in main)
-  fresh = mgrpo_step.build_agents(cfg(2), mgrpo_step.resolve_wiring(cfg(2)),
-                                  research_env.build_env(cfg(2)),
-                                  sharding.make_mesh(dict(cfg(2).mesh)),
-                                  jax.random.fold_in(jax.random.key(0), 0), only="main")
+  fresh = setup.build_agents(cfg(2), setup.resolve_wiring(cfg(2)),
+                             tasks.build_env(cfg(2)),
+                             sharding.make_mesh(dict(cfg(2).mesh)),
+                             jax.random.fold_in(jax.random.key(0), 0), only="main")
   moved = [np.any(np.asarray(x) != np.asarray(y)) for (_, x), y in
            zip(main, jax.tree.leaves(fresh["main"].state.params))]
   assert len(moved) == len(main) and all(moved[::2])  # Every A factor (B starts at 0).
@@ -243,7 +247,7 @@ def test_sft_loss_weights_own_context_and_other_roles():
 def test_sft_corpus_rows_are_the_pages_as_visit_shows_them():
   c = sft_config.get_config("smoke")
   c.tokenizer = "byte+names"
-  env = research_env.build_env(c)
+  env = tasks.build_env(c)
   rows = sft.corpus_rows(env)
   assert len(rows) == len(env.documents) > 0
   for row, doc in zip(rows, env.documents):
@@ -261,12 +265,12 @@ def test_sft_corpus_rows_are_the_pages_as_visit_shows_them():
 def test_byte_world_tokenizer_adds_phrases_roles_and_prompts():
   c = sft_config.get_config("smoke")
   c.tokenizer = "byte+world"
-  env = research_env.build_env(c)
+  env = tasks.build_env(c)
   words = env.tokenizer.words
   assert len(set(words)) == len(words)
   c_names = sft_config.get_config("smoke")
   c_names.tokenizer = "byte+names"
-  names = research_env.build_env(c_names).tokenizer.words
+  names = tasks.build_env(c_names).tokenizer.words
   assert set(names) < set(words) and " counts as " in words
   tok = env.tokenizer
   word_id = lambda w: words.index(w) + tok.vocab_size - len(words)
@@ -274,21 +278,21 @@ def test_byte_world_tokenizer_adds_phrases_roles_and_prompts():
   assert ids[1:] == [word_id("user\n"), word_id("Question: "), word_id("In which country is ")]
   assert tok.decode(ids) == "<|im_start|>user\nQuestion: In which country is "
   the_world = world_lib.generate_world(world_lib.WorldConfig())
-  assert research_env.tokenizer_words("byte", the_world) == ()
+  assert tasks.tokenizer_words("byte", the_world) == ()
 
 
 def test_warm_start_from_another_tokenizer_is_refused(tmp_path):
   c = _config(tokenizer="byte+names")
   mesh = sharding.make_mesh(dict(c.mesh))
-  env = research_env.build_env(c)
-  w = mgrpo_step.resolve_wiring(c)
-  plumbing.save_final_hf(str(tmp_path), mgrpo_step.build_agents(c, w, env, mesh,
+  env = tasks.build_env(c)
+  w = setup.resolve_wiring(c)
+  workdir_lib.save_final_hf(str(tmp_path), setup.build_agents(c, w, env, mesh,
                                                                 jax.random.key(0)),
                          env.tokenizer)
   words_file = tmp_path / "hf" / "main" / "byte_tokenizer_words.json"
   assert json.loads(words_file.read_text())["words"] == list(env.tokenizer.words)
-  start = lambda cfg: mgrpo_step.build_agents(cfg, w, research_env.build_env(cfg), mesh,
-                                              jax.random.key(0))
+  start = lambda cfg: setup.build_agents(cfg, w, tasks.build_env(cfg), mesh,
+                                         jax.random.key(0))
   start(_config(f"smoke,init={tmp_path}", tokenizer="byte+names"))  # the same tokenizer: fine
   with pytest.raises(ValueError, match=r"has \d+ token ids but the tokenizer has \d+"):
     start(_config(f"smoke,init={tmp_path}", tokenizer="byte+world"))  # more ids
@@ -311,11 +315,11 @@ def test_evaluate_writes_eval_json_for_experts(tmp_path):
 def test_bad_config_value_names_the_field(tmp_path):
   c = _config()
   c.main_loss.agg = "mean"
-  with pytest.raises(plumbing.ConfigValueError, match=r"config\.main_loss\.agg"):
+  with pytest.raises(checks.ConfigValueError, match=r"config\.main_loss\.agg"):
     colocated.train_and_evaluate(c, str(tmp_path))
   c = _config()
   c.limits.max_len = 0
-  with pytest.raises(plumbing.ConfigValueError, match=r"config\.limits\.max_len"):
+  with pytest.raises(checks.ConfigValueError, match=r"config\.limits\.max_len"):
     colocated.train_and_evaluate(c, str(tmp_path))
   with pytest.raises(ValueError, match="variant"):
     mgrpo.get_config("variant=bogus")

@@ -4,7 +4,7 @@
 
 The step (joint rollouts, joint rewards, per-agent batches) is `magrpo.step`; the warm start
 trains on the task's demonstrations with the same NLL objective as `sft.py`
-(`plumbing.nll_objective`).
+(`trainable.nll_objective`).
 """
 
 import os
@@ -16,7 +16,9 @@ import numpy as np
 from absl import logging
 
 from mgrpo_jax import checkpoint as ckpt_lib
-from mgrpo_jax import loop, plumbing
+from mgrpo_jax import config_checks as checks
+from mgrpo_jax import keys, loop, trainable
+from mgrpo_jax import workdir as workdir_lib
 from mgrpo_jax.magrpo import rollout, step as step_lib
 from mgrpo_jax.metrics import Progress
 
@@ -37,10 +39,10 @@ def warm_start(c, run: step_lib.Run) -> dict:
   """Supervised warm start on the task's demonstrations (NLL = REINFORCE with A = 1)."""
   ws = c.warm_start
   if run.task.demonstration is None:
-    raise plumbing.ConfigValueError(f"config.warm_start.num_steps={ws.num_steps}, but task "
-                                    f"{run.task.name!r} has no demonstrations.")
-  lc, oc = plumbing.nll_objective(c.loss, c.optim, learning_rate=ws.learning_rate,
-                                  weight_decay=0.0)
+    raise checks.ConfigValueError(f"config.warm_start.num_steps={ws.num_steps}, but task "
+                                  f"{run.task.name!r} has no demonstrations.")
+  lc, oc = trainable.nll_objective(c.loss, c.optim, learning_rate=ws.learning_rate,
+                                   weight_decay=0.0)
   sft = step_lib.build_agents(c, run.task, run.tokenizer, run.mesh,
                               jax.random.fold_in(jax.random.key(c.seed), 0), optim=oc, loss=lc)
   progress, m = Progress(ws.num_steps, desc="warm start"), {}
@@ -49,7 +51,7 @@ def warm_start(c, run: step_lib.Run) -> dict:
     for i, name in enumerate(sft):
       rows = _demonstrations(c, run, i, np.random.default_rng([c.seed, step, i]))
       batches[name] = step_lib.make_batch(c, run, rows, np.ones(len(rows), np.float32))
-    out = plumbing.update_agents(sft, batches, step)
+    out = trainable.update_agents(sft, batches, step)
     m = {f"warm/{name}/nll": out[f"{name}/loss"] for name in sft}
     progress.update(1, m)
   progress.close()
@@ -64,10 +66,10 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict:
   run = step_lib.setup(c)
   ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=c.max_to_keep)
   fresh = ckpt.latest_step() is None
-  start = plumbing.restore_agents(ckpt, run.agents)
+  start = workdir_lib.restore_agents(ckpt, run.agents)
   first = {}
   if fresh:
-    plumbing.write_config(workdir, c)
+    workdir_lib.write_config(workdir, c)
     if c.warm_start.num_steps:
       t0 = time.perf_counter()
       first = warm_start(c, run)
@@ -82,19 +84,19 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict:
 
   def update(step: int) -> dict:
     t0 = time.perf_counter()
-    examples = plumbing.examples_for_step(run.task.train, step, c.num_prompts, c.seed)
+    examples = keys.examples_for_step(run.task.train, step, c.num_prompts, c.seed)
     turns = rollout.joint_rollout(run.task, step_lib.policies(c, run, c.sampling), examples,
                                   group=c.group, mode=c.joint_mode, num_turns=c.num_turns,
-                                  key=plumbing.step_key(c, step), pipeline=c.pipeline)
+                                  key=keys.step_key(c, step), pipeline=c.pipeline)
     t_roll = time.perf_counter() - t0
     m = step_lib.turn_metrics("train", run.task, turns)
     batches, bm = step_lib.batches(c, run, turns)
     m.update(bm)
-    m.update(plumbing.update_agents(run.agents, batches, step))
+    m.update(trainable.update_agents(run.agents, batches, step))
     m["time/rollout_s"] = t_roll
     return m
 
-  schedule = loop.Schedule(c.num_steps, c.eval_every, c.checkpoint_every)
+  schedule = loop.Schedule(c.num_steps, c.eval_every, c.checkpoint_every, c.log_every)
   last = loop.train_loop(workdir, run.agents, ckpt, schedule, start=start, update=update,
                          evaluate=lambda step: step_lib.evaluate(c, run, step=step),
                          tokenizer=run.tokenizer, desc=f"magrpo:{c.task.name}",

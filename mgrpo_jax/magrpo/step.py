@@ -13,7 +13,7 @@ import ml_collections
 import numpy as np
 
 from mgrpo_jax import config_checks as checks
-from mgrpo_jax import plumbing, sharding
+from mgrpo_jax import keys, sharding, trainable
 from mgrpo_jax import tokenizer as tk
 from mgrpo_jax.magrpo import rollout, tasks
 from mgrpo_jax.rl import batch as batch_lib
@@ -41,7 +41,8 @@ def _fields() -> tuple[dict, dict]:
             "task.num_agents": checks.at_least(1), "task.num_generated": checks.at_least(1),
             "task.workers": checks.at_least(1), "task.timeout_per_test_s": checks.POSITIVE}
   ranges.update(dict.fromkeys(("num_prompts", "num_turns", "eval_every", "num_eval",
-                               "checkpoint_every", "max_new_tokens", "max_len", "num_micro"),
+                               "checkpoint_every", "max_new_tokens", "max_len", "num_micro",
+                               "log_every"),
                               checks.at_least(1)))
   ranges.update(model_ranges, **loss_ranges, **optim_ranges,
                 **checks.sampling_ranges("sampling", training=True),
@@ -51,11 +52,11 @@ def _fields() -> tuple[dict, dict]:
 
 
 def validate_config(c: ml_collections.ConfigDict) -> None:
-  """Fails at start-up naming the field (see `plumbing.check_config`)."""
+  """Fails at start-up naming the field (see `checks.check_config`)."""
   checks.check_config(c, *_fields())
   checks.check_mesh(c)
   checks.check_weights(c, "turn_weights")
-  error = plumbing.ConfigValueError
+  error = checks.ConfigValueError
   if c.max_new_tokens >= c.max_len:
     raise error(f"config.max_new_tokens={c.max_new_tokens} leaves no room for a prompt in "
                 f"config.max_len={c.max_len}; make it smaller.")
@@ -85,14 +86,14 @@ class Run:
   task: tasks.Task
   tokenizer: tk.Tokenizer
   mesh: jax.sharding.Mesh
-  agents: dict  # name -> plumbing.Agent, in the task's agent order.
+  agents: dict  # name -> trainable.Agent, in the task's agent order.
 
 
 def build_agents(c, task, tokenizer, mesh, key, *, optim=None, loss=None) -> dict:
   """One Agent per role, each with its own weights (`init` or the model config)."""
   out, bases = {}, {}  # LoRA agents on one checkpoint share its frozen copy.
   for i, name in enumerate(task.agent_names):
-    out[name] = plumbing.build_agent(
+    out[name] = trainable.build_agent(
         name, c.model, optim or c.optim, loss or c.loss, tokenizer, mesh,
         jax.random.fold_in(key, i), init_dir=c.init, num_micro=c.num_micro,
         temperature=c.sampling.temperature, bases=bases)
@@ -121,8 +122,8 @@ def policies(c, run: Run, sampling_cfg) -> list[rollout.Policy]:
 
 
 def _mean_metrics(prefix: str, metrics: list[dict]) -> dict:
-  keys = sorted({k for m in metrics for k in m})
-  return {f"{prefix}/{k}": float(np.mean([m.get(k, 0.0) for m in metrics])) for k in keys}
+  names = sorted({k for m in metrics for k in m})
+  return {f"{prefix}/{k}": float(np.mean([m.get(k, 0.0) for m in metrics])) for k in names}
 
 
 def turn_metrics(prefix: str, task, turns) -> dict:
@@ -146,7 +147,7 @@ def evaluate(c, run: Run, *, step: int, examples=None) -> dict:
   examples = run.task.test[:c.num_eval] if examples is None else examples
   turns = rollout.joint_rollout(run.task, policies(c, run, c.eval_sampling), examples, group=1,
                                 mode="align", num_turns=c.num_turns, pipeline=c.pipeline,
-                                key=plumbing.eval_key(c, step))
+                                key=keys.eval_key(c, step))
   return turn_metrics("eval", run.task, turns)
 
 

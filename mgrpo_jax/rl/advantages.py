@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-__all__ = ["group_advantages", "token_advantages"]
+__all__ = ["group_advantages"]
 
 _SCALES = ("std", "none")
 
@@ -61,13 +61,3 @@ def group_advantages(rewards, *, valid=None, scale: str = "std", eps: float = 1e
   degenerate_Q = (hi_Q == lo_Q) | (n_Q <= 1)
   adv_QxN = jnp.where(degenerate_Q[:, None] | ~v_QxN, 0.0, adv_QxN)
   return adv_QxN.reshape(shape)
-
-
-def token_advantages(adv_B, mask_BxT):
-  """Puts each episode's advantage on every token it generated (0 elsewhere), float32 [B, T]."""
-  adv_B = jnp.asarray(adv_B, jnp.float32)
-  mask_BxT = jnp.asarray(mask_BxT)
-  if adv_B.ndim != 1 or mask_BxT.ndim != 2 or adv_B.shape[0] != mask_BxT.shape[0]:
-    raise ValueError(f"need adv [B] and mask [B, T], got {adv_B.shape} and {mask_BxT.shape}")
-  # where, not multiply: loss weights stay in the mask; the advantage itself is unscaled.
-  return jnp.where(mask_BxT > 0, adv_B[:, None], 0.0).astype(jnp.float32)

@@ -48,11 +48,6 @@ class Batch:
   seq_tokens: jax.Array | None = None
   denominator: jax.Array | None = None
 
-  @classmethod
-  def of(cls, batch) -> "Batch":
-    """A `Batch` from a `Batch` or a dict with the same keys (older callers, notebooks)."""
-    return batch if isinstance(batch, cls) else cls(**batch)
-
   def as_dict(self) -> dict:
     """The arrays by field name, absent (None) fields left out."""
     return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)

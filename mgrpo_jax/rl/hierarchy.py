@@ -7,7 +7,7 @@ The glue between the rollout engine's episode records and the pure maths of
   R_S per call   sub reward, using R_M's correctness      (ragged: d[q, k] calls)
   align(d, D)    fixed [Q, K, D] rows into each rollout's own calls
 
-The advantages A_M and A_S, and the batches, are the M-GRPO step's (`mgrpo_step`).
+The advantages A_M and A_S, and the batches, are the M-GRPO step's (`mgrpo.step`).
 """
 
 import dataclasses

@@ -15,6 +15,7 @@ import unicodedata
 from typing import Protocol, Sequence, runtime_checkable
 
 __all__ = [
+    "GroundedJudge",
     "Judge",
     "JudgeError",
     "RuleExpertJudge",
@@ -153,6 +154,23 @@ class RuleExpertJudge:
     if not evidence_words:
       return 1.0
     return len(evidence_words & result_words) / len(evidence_words)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroundedJudge:
+  """Rule-based r_expert for a tool user: was S's result read from what its tools returned?
+
+  `reference` is the text of the tool replies S received. Score = the fraction of the
+  result's distinct normalised words that occur in it (0.0 for an empty result): a result
+  copied from a visited page scores 1, a made-up one 0, whatever the main agent then does.
+  """
+
+  def __call__(self, question: str, prediction: str, reference: str) -> float:
+    del question
+    result_words = set(normalize_answer(prediction).split())
+    if not result_words:
+      return 0.0
+    return len(result_words & set(normalize_answer(reference).split())) / len(result_words)
 
 
 def _call_judge(judge: Judge, question: str, prediction: str, reference: str) -> float:

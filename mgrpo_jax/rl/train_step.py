@@ -5,14 +5,14 @@ sub-agent, single-agent GRPO and MAGRPO is the batch and the `LossConfig`, both 
 at setup: `make_train_step` picks the objective's terms function (`LOSS_TERMS`) once and
 binds it, so the variants never become `if`s inside the compiled step.
 
-The batch is an `rl.batch.Batch` (a dict with its keys is accepted too): padded [B, T],
-or packed [M, R, L] micro-batches (`rl.packing`, with segment ids, positions, per-token
-sequence lengths and the batch's loss denominator).
+The batch is an `rl.batch.Batch`: padded [B, T], or packed [M, R, L] micro-batches
+(`rl.packing`, with segment ids, positions, per-token sequence lengths and the batch's loss
+denominator).
 """
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import flax.struct
 import jax
@@ -229,7 +229,7 @@ def _micro_batches(batch: Batch, num_micro: int, agg: str):
   return micro, denominator
 
 
-def train_step(state: TrainState, batch: Batch | dict, frozen=None, *,
+def train_step(state: TrainState, batch: Batch, frozen=None, *,
                model_config: Qwen3Config, loss_config: LossConfig,
                tx: optax.GradientTransformation, num_micro: int = 1,
                logits_chunk: int = 4096, param_sharding=None, terms):
@@ -247,7 +247,7 @@ def train_step(state: TrainState, batch: Batch | dict, frozen=None, *,
   `LOSS_TERMS[loss_config.terms]`). `frozen`: the base parameters of a LoRA agent, whose
   `state.params` are then only its adapters (gradients and moments exist only for those).
   """
-  micro, denominator = _micro_batches(Batch.of(batch), num_micro, loss_config.agg)
+  micro, denominator = _micro_batches(batch, num_micro, loss_config.agg)
   grad_fn = jax.grad(functools.partial(_micro_terms, model_config, loss_config, terms,
                                        logits_chunk), has_aux=True)
   pin = ((lambda tree: jax.lax.with_sharding_constraint(tree, param_sharding))
@@ -300,23 +300,45 @@ def state_shardings(state: TrainState, mesh):
   return TrainState(step=replicated, params=param_sh, opt_state=opt_sh, key=replicated)
 
 
+@dataclasses.dataclass(frozen=True)
+class TrainStep:
+  """`make_train_step`'s update: `step(state, batch) -> (state, metrics)`.
+
+  `jitted(state, batch, frozen)` is the compiled step (state donated); `prepare` turns the
+  caller's host batch into what it takes (packed, placed on the mesh); `frozen` is a LoRA
+  agent's base, passed on every call, never donated nor copied.
+  """
+
+  jitted: Any
+  prepare: Callable[[Batch], Batch]
+  frozen: Any = None
+
+  def __call__(self, state: TrainState, batch: Batch):
+    if not isinstance(batch, Batch):
+      raise TypeError(f"A train step takes an rl.batch.Batch, got {type(batch).__name__}.")
+    return self.jitted(state, self.prepare(batch), self.frozen)
+
+  def lower(self, state, batch):
+    """The compiled step lowered for (abstract) `state` and a prepared `batch`."""
+    return self.jitted.lower(state, batch, self.frozen)
+
+
 def make_train_step(model_config: Qwen3Config, loss_config: LossConfig,
                     tx: optax.GradientTransformation, *, num_micro: int = 1, mesh=None,
                     state_sharding=None, max_tokens_per_micro: int | None = None,
-                    logits_chunk: int = 4096, frozen=None):
+                    logits_chunk: int = 4096, frozen=None) -> TrainStep:
   """`train_step` with its static pieces bound, jitted once, state donated.
 
   With a mesh, the state keeps `state_sharding` (default: `state_shardings` of the
   state's structure is needed, so pass it) and every batch array is split over
   (data, fsdp) on its row axis.
 
-  With `max_tokens_per_micro`, the returned function takes the same padded numpy batch,
-  packs it on the host (`rl.packing.pack`: [M, R, L] with R * L <= the budget) and runs
-  the packed step; `num_micro` is then ignored. The jitted step is its `.jitted`.
+  With `max_tokens_per_micro`, the step takes the same padded numpy batch, packs it on
+  the host (`rl.packing.pack`: [M, R, L] with R * L <= the budget) and runs the packed
+  step; `num_micro` is then ignored.
 
   With `frozen` (a LoRA agent's base parameters; the state then holds its adapters) the
-  jitted step takes the base as a third argument, never donated nor copied, and the
-  returned function passes it: callers still call `step(state, batch)`.
+  jitted step takes the base as a third argument: callers still call `step(state, batch)`.
   """
   if mesh is not None and state_sharding is None:
     raise ValueError("make_train_step(mesh=...) needs state_sharding=state_shardings(...).")
@@ -331,70 +353,40 @@ def make_train_step(model_config: Qwen3Config, loss_config: LossConfig,
       # The model pins activations to the batch axes of the mesh in scope (FSDP layout).
       with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         return unmeshed(state, batch, frozen)
-  P = jax.sharding.PartitionSpec
-  frozen_sh = None
-  if mesh is not None and frozen is not None:
-    frozen_sh = shard_lib.param_shardings(frozen, mesh)
-  if max_tokens_per_micro is None:
-    if mesh is None:
-      return _bind_frozen(jax.jit(step, donate_argnames=("state",)), frozen)
-    batch_sh = jax.sharding.NamedSharding(mesh, P(shard_lib.BATCH))  # A prefix for every leaf.
+  if max_tokens_per_micro is not None and max_tokens_per_micro < 8:
+    raise ValueError(f"max_tokens_per_micro must be >= 8, got {max_tokens_per_micro}.")
+  if mesh is None:
+    jitted = jax.jit(step, donate_argnames=("state",))
+    place, rows_multiple = (lambda b: b), 1
+  else:
+    P = jax.sharding.PartitionSpec
     replicated = jax.sharding.NamedSharding(mesh, P())
-    in_sh = (state_sharding, batch_sh) + (() if frozen is None else (frozen_sh,))
-    jitted = jax.jit(step, donate_argnames=("state",), in_shardings=in_sh,
+    frozen_sh = None if frozen is None else shard_lib.param_shardings(frozen, mesh)
+    rows_multiple = int(np.prod([mesh.shape[a] for a in shard_lib.BATCH]))
+    # Padded leaves are [B, T], packed ones [M, R, L]: rows split over the batch axes, the
+    # packed scalar denominator replicated.
+    rows_sh = jax.sharding.NamedSharding(
+        mesh, P(shard_lib.BATCH) if max_tokens_per_micro is None else P(None, shard_lib.BATCH))
+    jitted = jax.jit(step, donate_argnames=("state",),
+                     in_shardings=(state_sharding, None, frozen_sh),
                      out_shardings=(state_sharding, replicated))
 
-    def sharded_step(state, batch):
+    def place(batch):
       # Host batches are placed first: jit refuses numpy inputs with a sharding that spans
       # other processes' devices; device_put takes the (identical) batch on every process
       # and keeps each one's own rows.
-      batch = _routes_for_replay(model_config, Batch.of(batch))
-      placed = jax.device_put(batch, batch_sh)
-      return jitted(state, placed) if frozen is None else jitted(state, placed, frozen)
+      return jax.tree.map(lambda v: jax.device_put(v, replicated if np.ndim(v) == 0
+                                                   else rows_sh), batch)
 
-    sharded_step.jitted = jitted
-    sharded_step.lower = (jitted.lower if frozen is None
-                          else lambda state, batch: jitted.lower(state, batch, frozen))
-    return sharded_step
-  if max_tokens_per_micro < 8:
-    raise ValueError(f"max_tokens_per_micro must be >= 8, got {max_tokens_per_micro}.")
-  rows_multiple = 1
-  if mesh is None:
-    jitted = jax.jit(step, donate_argnames=("state",))
+  if max_tokens_per_micro is None:
+    prepare = lambda batch: place(_routes_for_replay(model_config, batch))
   else:
-    rows_multiple = int(np.prod([mesh.shape[a] for a in shard_lib.BATCH]))
-    replicated = jax.sharding.NamedSharding(mesh, P())
-    # Packed leaves are [M, R, L]: rows (axis 1) split over the batch axes; the scalar
-    # denominator is replicated. Sharded by device_put below, so jit keeps them.
-    jitted = jax.jit(step, donate_argnames=("state",),
-                     out_shardings=(state_sharding, replicated))
-    rows_sh = jax.sharding.NamedSharding(mesh, P(None, shard_lib.BATCH))
-
-  def packed_step(state, batch):
-    batch = _routes_for_replay(model_config, Batch.of(batch))
-    packed = Batch(**packing.pack(batch.as_dict(),
-                                  max_tokens_per_micro=max_tokens_per_micro,
-                                  agg=loss_config.agg, rows_multiple=rows_multiple))
-    if mesh is not None:
-      packed = jax.tree.map(lambda v: jax.device_put(v, replicated if np.ndim(v) == 0
-                                                     else rows_sh), packed)
-    return jitted(state, packed, frozen)
-
-  packed_step.jitted = jitted
-  return packed_step
-
-
-def _bind_frozen(jitted, frozen):
-  """`jitted(state, batch, frozen)` as `step(state, batch)` (itself when there is no base)."""
-  if frozen is None:
-    return jitted
-
-  def step(state, batch):
-    return jitted(state, batch, frozen)
-
-  step.jitted = jitted
-  step.lower = lambda state, batch: jitted.lower(state, batch, frozen)
-  return step
+    def prepare(batch):
+      batch = _routes_for_replay(model_config, batch)
+      return place(Batch(**packing.pack(batch.as_dict(),
+                                        max_tokens_per_micro=max_tokens_per_micro,
+                                        agg=loss_config.agg, rows_multiple=rows_multiple)))
+  return TrainStep(jitted, prepare, frozen)
 
 
 class NonFiniteError(FloatingPointError):

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from configs import mgrpo as mgrpo_config
-from mgrpo_jax import mgrpo_step, research_env
+from mgrpo_jax.mgrpo import play, setup, tasks
 from mgrpo_jax.agents import experts
 from mgrpo_jax.envs import multihop
 from mgrpo_jax.envs import world as world_lib
@@ -60,7 +60,7 @@ def _digest(env) -> str:
 def test_existing_worlds_are_unchanged(arg, digest):
   """The CPU demo's and the default world's pages, questions and words, as before this task
   existed (digests taken at commit 72dfe3d)."""
-  assert _digest(research_env.build_env(mgrpo_config.get_config(arg))) == digest
+  assert _digest(tasks.build_env(mgrpo_config.get_config(arg))) == digest
 
 
 def test_filler_only_adds_sentences_that_state_no_fact(world):
@@ -148,7 +148,7 @@ def test_noise_free_experts_answer_every_question(world, questions):
 def cpu_task():
   """The CPU size's task (configs/mgrpo.py:task=multihop,runlocal) and 60 held-out questions."""
   c = mgrpo_config.get_config("task=multihop,runlocal,policy=expert")
-  env = research_env.build_env(c)
+  env = tasks.build_env(c)
   return c, env, env.test[:60]
 
 
@@ -160,9 +160,9 @@ def test_context_budget(cpu_task, variant):
   c, env, questions = cpu_task
   c = c.copy_and_resolve_references()
   c.variant, c.num_eval_questions = variant, len(questions)
-  w = mgrpo_step.resolve_wiring(c, training=False)
-  mgrpo_step.check_task(c, w, env)
-  m = mgrpo_step.evaluate(c, w, env, {}, step=0, questions=questions)
+  w = setup.resolve_wiring(c, training=False)
+  setup.check_task(c, w, env)
+  m = play.evaluate(c, w, env, {}, step=0, questions=questions)
   hops = {len(q.hops) for q in questions}
   assert hops == {1, 2, 3, 4}
   if variant == "mgrpo":

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from configs import mgrpo
-from mgrpo_jax import research_env
+from mgrpo_jax.mgrpo import tasks
 from mgrpo_jax.agents import experts as ex
 from mgrpo_jax.envs import retrieval, search
 from mgrpo_jax.envs.world import Document, WorldConfig, generate_world
@@ -118,9 +118,9 @@ def test_research_experts_solve_every_question_over_the_exported_world(tmp_path)
   """The demo's world, exported as a corpus and indexed from the file: every question of the
   noise-free experts (main + sub, and single) is answered right through the tools."""
   c = mgrpo.get_config()
-  c.retrieval.corpus = retrieval.export_corpus(research_env.build_env(c).documents,
+  c.retrieval.corpus = retrieval.export_corpus(tasks.build_env(c).documents,
                                                str(tmp_path / "world.jsonl"))
-  env = research_env.build_env(c)
+  env = tasks.build_env(c)
   assert not isinstance(env.index.docs, list)  # Read from the file at saved offsets.
   kw = dict(search_k=c.world.search_k, max_chars=c.world.visit_chars)
   questions = env.train + env.test
@@ -204,7 +204,7 @@ def test_experts_solve_through_a_retriever_server(server):
   c = mgrpo.get_config()
   c.world.update(seed=2, distractors_per_doc=3)  # The server's world.
   c.retrieval.update(backend="http", url=f"http://127.0.0.1:{server.server_port}/retrieve")
-  env = research_env.build_env(c)
+  env = tasks.build_env(c)
   assert isinstance(env.index, retrieval.HttpRetriever)
   questions = env.test[:30]
   kw = dict(search_k=c.world.search_k, max_chars=c.world.visit_chars)
@@ -215,7 +215,7 @@ def test_config_errors_name_the_field():
   c = mgrpo.get_config()
   c.retrieval.backend = "http"
   with pytest.raises(ValueError, match="retrieval.url"):
-    research_env.build_env(c)
+    tasks.build_env(c)
   c.retrieval.backend = "faiss"
   with pytest.raises(ValueError, match="retrieval.backend must be 'bm25s' or 'http'"):
-    research_env.build_env(c)
+    tasks.build_env(c)

@@ -9,7 +9,7 @@ import pytest
 
 from configs import magrpo as magrpo_config
 from mgrpo_jax import metrics as metrics_lib
-from mgrpo_jax import plumbing
+from mgrpo_jax import config_checks as checks
 from mgrpo_jax.magrpo import program as magrpo_program
 from mgrpo_jax.magrpo import step as magrpo_step
 
@@ -61,7 +61,7 @@ def test_two_turn_cross_run_then_resume_is_bit_identical(tmp_path):
 def test_bad_config_values_are_named(field, value, match):
   c = _config(2)
   c[field] = value
-  with pytest.raises(plumbing.ConfigValueError, match=match.replace("(", "\\(")):
+  with pytest.raises(checks.ConfigValueError, match=match.replace("(", "\\(")):
     magrpo_step.validate_config(c)
 
 
@@ -74,7 +74,7 @@ def test_bad_nested_config_values_are_named(field, value, match):
   c = _config(2)
   group, name = field.split(".")
   c[group][name] = value
-  with pytest.raises(plumbing.ConfigValueError, match=match):
+  with pytest.raises(checks.ConfigValueError, match=match):
     magrpo_step.validate_config(c)
 
 

@@ -9,6 +9,7 @@ from flax import nnx
 from mgrpo_jax import models
 from mgrpo_jax.models import lora
 from mgrpo_jax.rl import train_step as ts
+from mgrpo_jax.rl.batch import Batch
 
 LENGTHS, SEQ_LEN = (9, 4, 1), 9
 # Two targets in each block, each with its own layout (q's heads out, o's heads in, down's F in).
@@ -96,8 +97,8 @@ def test_update_trains_and_optimises_only_the_adapters():
                             frozen=base)
   rng = np.random.default_rng(0)
   tokens = rng.integers(1, config.vocab_size, (4, 12)).astype(np.int32)
-  batch = {"tokens": tokens, "loss_mask": np.ones((4, 12), np.float32),
-           "old_logp": np.zeros((4, 12), np.float32), "adv": np.ones(4, np.float32)}
+  batch = Batch(tokens=tokens, loss_mask=np.ones((4, 12), np.float32),
+                old_logp=np.zeros((4, 12), np.float32), adv=np.ones(4, np.float32))
   before = jax.tree.map(np.asarray, state.params)
   new, metrics = step(state, batch)
   assert metrics["grad_norm"] > 0

@@ -12,6 +12,7 @@ from flax import nnx
 
 from mgrpo_jax import models, sampling, sharding
 from mgrpo_jax.rl import train_step as ts
+from mgrpo_jax.rl.batch import Batch
 
 pytestmark = pytest.mark.devices(8)
 
@@ -34,7 +35,7 @@ def setup():
 
 def test_expert_weights_split_and_tokens_move(setup):
   params, mesh = setup
-  sharded = sharding.shard_params(params, mesh)
+  sharded = jax.device_put(params, sharding.param_shardings(params, mesh))
   gate = nnx.to_pure_dict(sharded)["moe_layers"]["moe"]["gate"]  # [L, E, D, F]
   assert tuple(gate.sharding.spec)[:3] == (None, "expert", "fsdp")
   assert gate.addressable_shards[0].data.shape == (2, 2, 32, 48)  # 8 experts / 4, D / 2.
@@ -57,9 +58,9 @@ def _batch(seed):
   lengths = rng.integers(4, T + 1, B)
   mask = (np.arange(T)[None] < lengths[:, None]).astype(np.float32)
   mask[:, :2] = 0  # A prompt of two tokens is not trained on.
-  return {"tokens": tokens * (mask > 0) + (np.arange(T)[None] < 2) * tokens,
-          "loss_mask": mask, "old_logp": rng.normal(-4.0, 0.1, (B, T)).astype(np.float32),
-          "adv": rng.normal(size=B).astype(np.float32)}
+  return Batch(tokens=tokens * (mask > 0) + (np.arange(T)[None] < 2) * tokens,
+               loss_mask=mask, old_logp=rng.normal(-4.0, 0.1, (B, T)).astype(np.float32),
+               adv=rng.normal(size=B).astype(np.float32))
 
 
 def test_train_step_on_expert_mesh_matches_one_device(setup):
@@ -113,7 +114,7 @@ def test_aux_loss_term_of_the_train_step():
   assert "router_aux_loss" not in out[0.0]
   np.testing.assert_allclose(float(out[0.5]["loss"]) - float(out[0.0]["loss"]), 0.5 * aux,
                              rtol=1e-5)
-  tok = batch["tokens"][:, :-1]
+  tok = batch.tokens[:, :-1]
   _, _, routing = models.forward(CONFIG, params, tok, np.broadcast_to(np.arange(T - 1),
                                  tok.shape), return_routing=True)
   np.testing.assert_allclose(aux, float(routing.aux_loss), rtol=1e-5)
@@ -124,7 +125,7 @@ def test_greedy_decode_on_expert_mesh_matches_one_device(setup):
   rng = np.random.default_rng(3)
   prompts = [rng.integers(1, 97, n).tolist() for n in (3, 7, 5, 2, 6, 4, 8, 1)]
   ref = sampling.generate(CONFIG, params, prompts, max_new_tokens=10, temperature=0.0)
-  sharded = sharding.shard_params(params, mesh)
+  sharded = jax.device_put(params, sharding.param_shardings(params, mesh))
   with jax.set_mesh(mesh):
     out = sampling.generate(CONFIG, sharded, prompts, max_new_tokens=10, temperature=0.0)
   np.testing.assert_array_equal(out.tokens, ref.tokens)
@@ -137,7 +138,7 @@ def test_expert_width_on_tensor_and_rows_that_do_not_split(setup):
   # 4 batch devices (the block then keeps every token on every device).
   params, _ = setup
   mesh = sharding.make_mesh(dict(data=1, fsdp=2, tensor=2, expert=2))
-  sharded = sharding.shard_params(params, mesh)
+  sharded = jax.device_put(params, sharding.param_shardings(params, mesh))
   gate = nnx.to_pure_dict(sharded)["moe_layers"]["moe"]["gate"]
   assert tuple(gate.sharding.spec) == (None, "expert", "fsdp", "tensor")
   fn = jax.jit(functools.partial(models.logits, CONFIG))

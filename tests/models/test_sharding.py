@@ -39,7 +39,7 @@ def test_sharded_logits_equal_unsharded(model, axes):
   config, params, tokens, mask, ref = model
   mesh = sharding.make_mesh(axes)
   p_shard = sharding.param_shardings(params, mesh)
-  sharded = sharding.shard_params(params, mesh)
+  sharded = jax.device_put(params, sharding.param_shardings(params, mesh))
   q = nnx.to_pure_dict(sharded)["layers"]["attn"]["q"]
   assert q.sharding.spec == P(None, "fsdp", "tensor", None)  # [L, D, H, Dh]
   if axes[1] * axes[2] > 1:  # Some parameter really is split.
@@ -69,7 +69,7 @@ def test_cached_decode_with_sharded_cache(model):
   prefill = np.where(np.arange(T)[None] < prompt_lens[:, None], full, 0).astype(np.int32)
   positions = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
   cache = jax.device_put(models.init_cache(config, B, T), cache_sh)
-  sharded = sharding.shard_params(params, mesh)
+  sharded = jax.device_put(params, sharding.param_shardings(params, mesh))
   out, cache = step(sharded, prefill, positions, cache)
   rows = np.arange(B)
   errs = [np.abs(np.asarray(out)[rows, prompt_lens - 1] - ref[rows, prompt_lens - 1]).max()]

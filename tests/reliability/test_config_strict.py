@@ -10,8 +10,9 @@ import os
 import pytest
 
 from configs import magrpo, mgrpo, sft
-from mgrpo_jax import colocated, config_checks, mgrpo_step, research_env
-from mgrpo_jax import sft as sft_lib
+from mgrpo_jax import config_checks
+from mgrpo_jax.mgrpo import colocated, setup, tasks
+from mgrpo_jax.mgrpo import sft as sft_lib
 from mgrpo_jax.magrpo import program as magrpo_program
 
 Error = config_checks.ConfigValueError
@@ -52,16 +53,16 @@ def test_mgrpo_field_is_named_with_its_range(path, value, expect):
   c = mgrpo.get_config("smoke")
   _set(c, path, value)
   with pytest.raises(Error, match=rf"config\.{path}=") as e:
-    mgrpo_step.resolve_wiring(c)
+    setup.resolve_wiring(c)
   assert expect in str(e.value)
 
 
 def test_evaluation_allows_one_rollout_and_greedy_sampling():
   c = mgrpo.get_config("smoke,policy=expert")
   c.num_rollouts, c.sampling.temperature = 1, 0.0
-  mgrpo_step.resolve_wiring(c, training=False)
+  setup.resolve_wiring(c, training=False)
   with pytest.raises(Error, match=r"config\.num_rollouts=1"):
-    mgrpo_step.resolve_wiring(c)
+    setup.resolve_wiring(c)
 
 
 def test_a_prompt_longer_than_max_len_names_the_field(tmp_path):
@@ -75,8 +76,8 @@ def test_a_prompt_longer_than_max_len_names_the_field(tmp_path):
 
 def test_sub_prompt_bound_counts_a_subtask_of_one_main_turn():
   c = mgrpo.get_config("smoke")
-  w = mgrpo_step.resolve_wiring(c)
-  env = research_env.build_env(c)
+  w = setup.resolve_wiring(c)
+  env = tasks.build_env(c)
   main = max(len(env.tokenizer.apply_chat_template(
       [{"role": "user", "content": f"Question: {q.text}"}], add_generation_prompt=True))
       for q in env.train + env.test)
@@ -84,17 +85,17 @@ def test_sub_prompt_bound_counts_a_subtask_of_one_main_turn():
   c.limits.max_new_tokens = 200  # Fits the main prompt + a turn, not sub prompt + 2 turns.
   c.limits.max_len = main + 250
   with pytest.raises(Error, match="a sub-agent prompt with a subtask of one main turn"):
-    mgrpo_step.check_task(c, w, env)
-  mgrpo_step.check_task(c, mgrpo_step.resolve_wiring(mgrpo.get_config("smoke,variant=single")),
-                        env)  # No sub-agent, no sub prompt.
+    setup.check_task(c, w, env)
+  setup.check_task(c, setup.resolve_wiring(mgrpo.get_config("smoke,variant=single")),
+                   env)  # No sub-agent, no sub prompt.
 
 
 def test_a_split_without_training_questions_is_named():
   c = mgrpo.get_config("smoke")
   c.world.num_questions, c.world.test_fraction = 1, 0.5  # The one question goes to test.
-  w = mgrpo_step.resolve_wiring(c)
+  w = setup.resolve_wiring(c)
   with pytest.raises(Error, match=r"config\.world\.num_questions=1 .* no training question"):
-    mgrpo_step.check_task(c, w, research_env.build_env(c))
+    setup.check_task(c, w, tasks.build_env(c))
 
 
 def test_sft_section_is_checked(tmp_path):
@@ -130,11 +131,11 @@ def test_every_shipped_config_passes(module, arg):
     from mgrpo_jax.magrpo import step
     step.validate_config(c)
     return
-  w = mgrpo_step.resolve_wiring(c, training=module is mgrpo)
+  w = setup.resolve_wiring(c, training=module is mgrpo)
   if module is sft:
     config_checks.check_config(c, {}, sft_lib._RANGES)
   if arg != "" and "gpu" not in arg:  # The paper's 400-question world, GPU sizes: skip.
-    mgrpo_step.check_task(c, w, research_env.build_env(c))
+    setup.check_task(c, w, tasks.build_env(c))
 
 
 def test_range_refuses_booleans_and_strings():

@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mgrpo_jax.rl import advantages
 from mgrpo_jax.rl.advantages import group_advantages
 
 _jit_std = jax.jit(functools.partial(group_advantages, scale="std"))
@@ -111,13 +110,3 @@ def test_matches_numpy_reference(scale):
 def test_bad_scale():
   with pytest.raises(ValueError):
     group_advantages(jnp.zeros((2, 2)), scale="mad")
-
-
-def test_token_advantages():
-  # Episode advantages (2, -1) onto masks [1 1 0] and [0 1 1].
-  mask = jnp.array([[1, 1, 0], [0, 1, 1]])
-  out = jax.jit(advantages.token_advantages)(jnp.array([2.0, -1.0]), mask)
-  assert out.dtype == jnp.float32
-  np.testing.assert_array_equal(out, [[2.0, 2.0, 0.0], [0.0, -1.0, -1.0]])
-  with pytest.raises(ValueError):
-    advantages.token_advantages(jnp.zeros(3), mask)

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from mgrpo_jax import mgrpo_step
+from mgrpo_jax.mgrpo import step as mgrpo_step
 from mgrpo_jax.rl import batch as batch_lib
 from mgrpo_jax.rl import hierarchy
 

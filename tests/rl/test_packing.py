@@ -10,6 +10,7 @@ from flax import nnx
 from mgrpo_jax import models, sharding
 from mgrpo_jax.rl import losses, packing
 from mgrpo_jax.rl import train_step as ts
+from mgrpo_jax.rl.batch import Batch
 
 CFG = models.Qwen3Config(vocab_size=61, hidden_size=24, intermediate_size=37, num_layers=2,
                          num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e4)
@@ -80,11 +81,12 @@ def test_packed_step_equals_padded(kind, agg, attn):
   cfg = CFG.replace(attention=attn, attention_block=8)
   loss_cfg = ts.LossConfig(kind=kind, agg=agg, temperature=0.9)
   batch = _batch()
-  s_pad, m_pad = ts.make_train_step(CFG, loss_cfg, tx, logits_chunk=50)(_state(tx), batch)
+  s_pad, m_pad = ts.make_train_step(CFG, loss_cfg, tx, logits_chunk=50)(_state(tx),
+                                                                           Batch(**batch))
   # Budgets of one and of several micro-batches.
   for budget in (256, 64):
     s_pk, m_pk = ts.make_train_step(cfg, loss_cfg, tx, max_tokens_per_micro=budget,
-                                    logits_chunk=40)(_state(tx), batch)
+                                    logits_chunk=40)(_state(tx), Batch(**batch))
     assert abs(float(m_pad["loss"])) > 1e-3
     np.testing.assert_allclose(float(m_pk["loss"]), float(m_pad["loss"]), rtol=1e-5)
     np.testing.assert_allclose(float(m_pk["tokens"]), float(m_pad["tokens"]))
@@ -100,10 +102,10 @@ def test_packed_step_on_a_mesh():
   st_sh = ts.state_shardings(state, mesh)
   batch = _batch()
   ref, m_ref = ts.make_train_step(CFG, ts.LossConfig(), tx, max_tokens_per_micro=64)(
-      _state(tx), batch)
+      _state(tx), Batch(**batch))
   step = ts.make_train_step(CFG, ts.LossConfig(), tx, mesh=mesh, state_sharding=st_sh,
                             max_tokens_per_micro=64)
-  out, m = step(jax.device_put(state, st_sh), batch)
+  out, m = step(jax.device_put(state, st_sh), Batch(**batch))
   np.testing.assert_allclose(float(m["loss"]), float(m_ref["loss"]), rtol=1e-5)
   np.testing.assert_allclose(_flat(out.params), _flat(ref.params), atol=2e-6)
 
@@ -130,9 +132,10 @@ def test_chunked_logprobs_equal_full():
 
 
 def test_logits_chunk_from_megabytes():
-  from mgrpo_jax import plumbing
+  from mgrpo_jax import config_checks as checks
+  from mgrpo_jax import trainable
   # 2 GiB of f32 logits over Qwen3's vocabulary: 2**31 // (4 * 151936) = 3533 tokens.
-  assert plumbing.logits_chunk_tokens(2048, 151_936) == 3533
-  assert plumbing.logits_chunk_tokens(1, 10**9) == 1
-  with pytest.raises(plumbing.ConfigValueError, match="logits_chunk_mb=0"):
-    plumbing.logits_chunk_tokens(0, 384)
+  assert trainable.logits_chunk_tokens(2048, 151_936) == 3533
+  assert trainable.logits_chunk_tokens(1, 10**9) == 1
+  with pytest.raises(checks.ConfigValueError, match="logits_chunk_mb=0"):
+    trainable.logits_chunk_tokens(0, 384)

@@ -115,7 +115,7 @@ def test_routes_in_waves_and_on_an_expert_mesh_equal_the_resident_ones(moe, samp
   waves = multi_turn_episodes(cfg, params, temperature=TEMPERATURE,
                               kv_cache_budget_bytes=200_000)
   mesh = sharding.make_mesh(dict(data=1, fsdp=2, tensor=1, expert=4))
-  meshed = multi_turn_episodes(cfg, sharding.shard_params(params, mesh),
+  meshed = multi_turn_episodes(cfg, jax.device_put(params, sharding.param_shardings(params, mesh)),
                                temperature=TEMPERATURE, mesh=mesh)
   for a, b, c in zip(eps, waves, meshed):
     assert a.tokens == b.tokens == c.tokens

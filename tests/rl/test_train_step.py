@@ -10,6 +10,7 @@ from flax import nnx
 from mgrpo_jax import models, sampling, sharding
 from mgrpo_jax.rl import losses
 from mgrpo_jax.rl import train_step as ts
+from mgrpo_jax.rl.batch import Batch
 
 CFG = models.Qwen3Config(vocab_size=61, hidden_size=24, intermediate_size=37, num_layers=2,
                          num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e4)
@@ -26,8 +27,8 @@ def _batch(b=8, t=13, seed=0):
   mask[1] = 0  # A row with nothing to learn from (e.g. an invalid aligned row).
   old_logp = np.where(mask > 0, -rng.uniform(1, 5, (b, t)), 0).astype(np.float32)
   adv = rng.randn(b).astype(np.float32)
-  return {"tokens": jnp.asarray(tokens), "loss_mask": jnp.asarray(mask),
-          "old_logp": jnp.asarray(old_logp), "adv": jnp.asarray(adv)}
+  return Batch(tokens=jnp.asarray(tokens), loss_mask=jnp.asarray(mask),
+               old_logp=jnp.asarray(old_logp), adv=jnp.asarray(adv))
 
 
 def _state(tx, seed=0):
@@ -64,10 +65,10 @@ def test_loss_equals_policy_loss_on_logits():
   cfg = ts.LossConfig(temperature=0.7)
   _, metrics = ts.make_train_step(CFG, cfg, tx)(_state(tx), batch)
   params = _state(tx).params
-  logits = models.logits(CFG, params, batch["tokens"], jnp.ones_like(batch["tokens"]))
-  logp = losses.token_logprobs(logits[:, :-1] / 0.7, batch["tokens"][:, 1:])
-  want, _ = losses.policy_loss(logp, batch["old_logp"][:, 1:], batch["adv"],
-                               batch["loss_mask"][:, 1:])
+  logits = models.logits(CFG, params, batch.tokens, jnp.ones_like(batch.tokens))
+  logp = losses.token_logprobs(logits[:, :-1] / 0.7, batch.tokens[:, 1:])
+  want, _ = losses.policy_loss(logp, batch.old_logp[:, 1:], batch.adv,
+                               batch.loss_mask[:, 1:])
   np.testing.assert_allclose(float(metrics["loss"]), float(want), rtol=1e-5)
 
 
@@ -86,8 +87,8 @@ def test_on_policy_ratio_is_one():
     tokens[i, :len(p) + n] = p + list(res.tokens[i, :n])
     mask[i, len(p):len(p) + n] = 1
     old[i, len(p):len(p) + n] = res.logprobs[i, :n]
-  batch = {"tokens": jnp.asarray(tokens), "loss_mask": jnp.asarray(mask),
-           "old_logp": jnp.asarray(old), "adv": jnp.asarray([1.0, -1.0, 0.5, -0.5])}
+  batch = Batch(tokens=jnp.asarray(tokens), loss_mask=jnp.asarray(mask),
+                old_logp=jnp.asarray(old), adv=jnp.asarray([1.0, -1.0, 0.5, -0.5]))
   state = ts.init_state(params, tx, jax.random.key(0))
   _, metrics = ts.make_train_step(CFG, ts.LossConfig(temperature=0.8), tx)(state, batch)
   assert abs(float(metrics["ratio_mean"]) - 1) < 1e-4
@@ -100,7 +101,7 @@ def test_nonfinite_is_skipped_and_reported_with_step():
   step = ts.make_train_step(CFG, ts.LossConfig(), tx)
   state = _state(tx)
   before = _flat(state.params)
-  bad = dict(_batch(), adv=jnp.full((8,), jnp.nan))
+  bad = _batch().replace(adv=jnp.full((8,), jnp.nan))
   state, metrics = step(state, bad)
   assert not bool(metrics["finite"])
   np.testing.assert_array_equal(_flat(state.params), before)  # Update not applied.
@@ -119,7 +120,7 @@ def test_compiles_once_and_adamw_moves_params():
   for seed in range(3):
     state, metrics = step(state, _batch(seed=seed))
   assert int(state.step) == 3
-  assert step._cache_size() == 1
+  assert step.jitted._cache_size() == 1
   assert float(metrics["grad_norm"]) > 0 and float(metrics["entropy"]) > 0
 
 
@@ -161,13 +162,13 @@ def test_sharded_step_matches_unsharded():
 
 def test_reinforce_kind_uses_no_ratio():
   tx = optax.sgd(0.0)
-  batch = dict(_batch(), old_logp=jnp.zeros((8, 13)))  # Would give a wild ratio if used.
+  batch = _batch().replace(old_logp=jnp.zeros((8, 13)))  # Would give a wild ratio if used.
   _, metrics = ts.make_train_step(CFG, ts.LossConfig(kind="reinforce", agg="seq-mean-token-sum"),
                                   tx)(_state(tx), batch)
   params = _state(tx).params
-  logits = models.logits(CFG, params, batch["tokens"], jnp.ones_like(batch["tokens"]))
-  logp = losses.token_logprobs(logits[:, :-1], batch["tokens"][:, 1:])
-  want, _ = losses.reinforce_loss(logp, batch["adv"], batch["loss_mask"][:, 1:])
+  logits = models.logits(CFG, params, batch.tokens, jnp.ones_like(batch.tokens))
+  logp = losses.token_logprobs(logits[:, :-1], batch.tokens[:, 1:])
+  want, _ = losses.reinforce_loss(logp, batch.adv, batch.loss_mask[:, 1:])
   np.testing.assert_allclose(float(metrics["loss"]), float(want), rtol=1e-5)
 
 
@@ -192,7 +193,7 @@ def test_tis_step_weights_the_policy_gradient():
   tx, cap = optax.sgd(1.0), 1.3
   batch = _batch(seed=4)
   params = _state(tx).params
-  tokens, mask = batch["tokens"], np.asarray(batch["loss_mask"])[:, 1:]
+  tokens, mask = batch.tokens, np.asarray(batch.loss_mask)[:, 1:]
 
   def logp_of(p):
     return losses.token_logprobs(models.logits(CFG, p, tokens, jnp.ones_like(tokens))[:, :-1],
@@ -203,7 +204,7 @@ def test_tis_step_weights_the_policy_gradient():
   offset = np.resize(np.linspace(-0.5, 0.5, 7), logp.shape)
   sampler = np.pad(np.where(mask > 0, logp - offset, 0.0), ((0, 0), (1, 0)))
   w = np.minimum(np.exp(offset), cap)
-  adv = np.asarray(batch["adv"])[:, None]
+  adv = np.asarray(batch.adv)[:, None]
   tokens_B = mask.sum(1)
 
   def seq_mean_token_mean(x_BxT):
@@ -214,7 +215,7 @@ def test_tis_step_weights_the_policy_gradient():
   grads = jax.grad(lambda p: seq_mean_token_mean(-w * adv * logp_of(p)))(params)
   want = _flat(jax.tree.map(lambda p, g: p - g, params, grads))
   step = ts.make_train_step(CFG, ts.LossConfig(tis_cap=cap), tx)
-  new_state, m = step(_state(tx), dict(batch, sampler_logp=jnp.asarray(sampler, jnp.float32)))
+  new_state, m = step(_state(tx), batch.replace(sampler_logp=jnp.asarray(sampler, jnp.float32)))
   np.testing.assert_allclose(_flat(new_state.params), want, atol=2e-6)
   assert np.abs(want - _flat(params)).max() > 1e-4  # A real update.
   # Its value: the surrogate −w·A·ratio at ratio 1.
@@ -225,6 +226,6 @@ def test_tis_step_weights_the_policy_gradient():
   assert float(m["mismatch_ratio_max"]) == pytest.approx(np.exp(offset[on].max()), rel=1e-4)
   # TIS off: the same batch trains on the sampler's log-probs as the ratio's denominator.
   _, m_off = ts.make_train_step(CFG, ts.LossConfig(), tx)(
-      _state(tx), dict(batch, sampler_logp=jnp.asarray(sampler, jnp.float32)))
+      _state(tx), batch.replace(sampler_logp=jnp.asarray(sampler, jnp.float32)))
   assert "tis_weight" not in m_off
   assert float(m_off["mismatch_abs_logp"]) == pytest.approx(float(m["mismatch_abs_logp"]))

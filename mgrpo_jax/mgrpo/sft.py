@@ -3,7 +3,7 @@
 The experts act through the real rollout engine and tools, so the traces are token sequences
 exactly like the RL rollouts: the loss covers only the tokens the agent "generated". The loss
 is the token-mean negative log-likelihood, i.e. the REINFORCE objective with advantage 1,
-so SFT reuses the RL train step (`plumbing.nll_objective`, shared with MAGRPO's warm
+so SFT reuses the RL train step (`trainable.nll_objective`, shared with MAGRPO's warm
 start). The final weights are written as HF checkpoints under `workdir/hf/<agent>`, which an
 RL config starts from with `init=<workdir>`.
 """
@@ -18,7 +18,10 @@ from absl import logging
 
 from mgrpo_jax import checkpoint as ckpt_lib
 from mgrpo_jax import config_checks as checks
-from mgrpo_jax import loop, mgrpo_step, plumbing, research_env, sharding
+from mgrpo_jax import loop, sharding, trainable
+from mgrpo_jax import workdir as workdir_lib
+from mgrpo_jax.mgrpo import play, setup, tasks
+from mgrpo_jax.mgrpo import step as mgrpo_step
 from mgrpo_jax.envs import search
 from mgrpo_jax.rl import batch as batch_lib
 from mgrpo_jax.rl import rewards
@@ -32,13 +35,13 @@ _RANGES = {"sft.num_questions": checks.at_least(1), "sft.expert_noise": checks.P
            "sft.checkpoint_every": checks.at_least(1)}
 
 
-def expert_episodes(c, w: mgrpo_step.Wiring, env, *, seed: int) -> dict[str, list]:
+def expert_episodes(c, w: setup.Wiring, env, *, seed: int) -> dict[str, list]:
   """Expert traces on the training questions, per agent (format-valid ones only)."""
   sft = c.sft
-  policies = mgrpo_step.expert_policies(c, w, env, noise=sft.expert_noise, seed=seed)
+  policies = play.expert_policies(c, w, env, noise=sft.expert_noise, seed=seed)
   questions = [env.train[i % len(env.train)] for i in range(sft.num_questions)]
-  eps, sub_eps = mgrpo_step.run_rollouts(c, w, env, policies, questions, num_rollouts=1,
-                                         key=jax.random.key(seed), step=0)
+  eps, sub_eps = play.run_rollouts(c, w, env, policies, questions, num_rollouts=1,
+                                   key=jax.random.key(seed), step=0)
   keep = lambda es: [e for e in es if e.format_ok and (not sft.only_correct or _correct(e))]
   out = {name: [] for name in w.agents}
   for role, role_eps in zip(w.roles, (eps, sub_eps)):
@@ -109,14 +112,14 @@ def _weights(mask_BxT: np.ndarray, rows, row_weights, context_weight: float) -> 
 
 def train_sft(c: ml_collections.ConfigDict, workdir: str) -> dict:
   """Runs the warm start; resumes from `workdir` when it holds a checkpoint."""
-  w = mgrpo_step.resolve_wiring(c, training=False)
+  w = setup.resolve_wiring(c, training=False)
   checks.check_config(c, {}, _RANGES)
   os.makedirs(workdir, exist_ok=True)
   sft = c.sft
   mesh = sharding.make_mesh(dict(c.mesh))
-  plumbing.check_batch_divides_mesh(sft.batch_size, mesh, "config.sft.batch_size")
-  env = research_env.build_env(c)
-  mgrpo_step.check_task(c, w, env)
+  checks.check_batch_divides_mesh(sft.batch_size, mesh, "config.sft.batch_size")
+  env = tasks.build_env(c)
+  setup.check_task(c, w, env)
   data = expert_episodes(c, w, env, seed=c.seed)
   corpus = corpus_rows(env) if sft.corpus_weight else []
   # Per agent, the other roles' traces (built once: the list is as long as the data).
@@ -127,13 +130,13 @@ def train_sft(c: ml_collections.ConfigDict, workdir: str) -> dict:
     logging.info("SFT data %s: %d episodes, %d-%d tokens.", name, len(eps), min(lens), max(lens))
   sft_cfg = c.copy_and_resolve_references()
   for role in ("main", "sub"):
-    sft_cfg[f"{role}_loss"], sft_cfg[f"{role}_optim"] = plumbing.nll_objective(
+    sft_cfg[f"{role}_loss"], sft_cfg[f"{role}_optim"] = trainable.nll_objective(
         c[f"{role}_loss"], c[f"{role}_optim"], learning_rate=sft.learning_rate,
         weight_decay=sft.weight_decay)
   sft_cfg.sampling.temperature = 1.0
-  agents = mgrpo_step.build_agents(sft_cfg, w, env, mesh, jax.random.key(c.seed))
+  agents = setup.build_agents(sft_cfg, w, env, mesh, jax.random.key(c.seed))
   ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=1)
-  start = plumbing.restore_agents(ckpt, agents)
+  start = workdir_lib.restore_agents(ckpt, agents)
 
   def batch_of(name: str, step: int) -> batch_lib.Batch:
     rng = np.random.default_rng([c.seed, step, len(name)])
@@ -151,13 +154,13 @@ def train_sft(c: ml_collections.ConfigDict, workdir: str) -> dict:
     return batch
 
   def update(step: int) -> dict:
-    out = plumbing.update_agents(agents, {n: batch_of(n, step) for n in agents}, step)
+    out = trainable.update_agents(agents, {n: batch_of(n, step) for n in agents}, step)
     return {f"sft/{n}/{k}": out[f"{n}/{m}"] for n in agents
             for k, m in (("nll", "loss"), ("grad_norm", "grad_norm"))}
 
-  schedule = loop.Schedule(sft.num_steps, sft.eval_every, sft.checkpoint_every)
+  schedule = loop.Schedule(sft.num_steps, sft.eval_every, sft.checkpoint_every, c.log_every)
   return loop.train_loop(
       workdir, agents, ckpt, schedule, start=start, update=update,
-      evaluate=lambda step: mgrpo_step.evaluate(c, w, env, agents, step=step),
+      evaluate=lambda step: play.evaluate(c, w, env, agents, step=step),
       tokenizer=env.tokenizer, desc="sft",
       show=[f"sft/{n}/nll" for n in agents] + ["eval/accuracy"])

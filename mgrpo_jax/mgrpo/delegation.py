@@ -12,9 +12,7 @@ Determinism is what makes a restart safe: the main agent issues the same waves w
 same requests, the sub-agent serves each wave as one batch with a key derived from (step,
 wave), exactly as the colocated `ColocatedSubAgent` does, so a restarted program rewrites
 identical records (`Exchange.put` returns False) and never double-counts a step; a record
-that differs raises `ExchangeConflict` instead of passing silently. `LoopbackSubAgent`
-runs both sides in one process over a fresh `memory://` store: the tests' proof that the
-colocated program (which calls `ColocatedSubAgent` directly) equals the decoupled pair.
+that differs raises `ExchangeConflict` instead of passing silently.
 
 One URL (any kvstore URL or JSON spec) holds a whole decoupled run:
 
@@ -27,10 +25,9 @@ import time
 from typing import Sequence
 
 import numpy as np
-import tensorstore as ts
 
 from mgrpo_jax.agents import rollout
-from mgrpo_jax.exchange import Exchange, ExchangeError, kvstore_spec
+from mgrpo_jax.exchange import Exchange, kvstore_spec
 from mgrpo_jax.rl import hierarchy
 
 EXCHANGE_DIR = "exchange"  # The exchange's namespace inside a run location.
@@ -45,11 +42,6 @@ def open_exchange(run) -> Exchange:
 def checkpoint_location(run, role: str) -> dict:
   """The kvstore spec of `role`'s checkpoints in the run at `run`."""
   return kvstore_spec(run, f"{role}/checkpoints")
-
-
-def memory_exchange() -> Exchange:
-  """A fresh in-memory exchange; its records go when the last reference to it does."""
-  return Exchange("memory://", run=EXCHANGE_DIR, context=ts.Context())
 
 
 class StaleResultError(RuntimeError):
@@ -157,37 +149,3 @@ def serve_step(exchange: Exchange, service: rollout.ColocatedSubAgent, step: int
   if not read_outcome:
     return None
   return get_outcome(exchange, step, timeout_s=timeout_s)
-
-
-class LoopbackSubAgent:
-  """A sub-agent in this process behind an exchange (the decoupled path, in one process).
-
-  Every wave takes the decoupled path: the main side's `ExchangeSubAgent` writes the
-  requests and the wave record, `serve_wave` serves that wave through `service` (which
-  keeps the episodes), and the main side reads the results back. `relay_outcome` does
-  the same for R_M. Nothing waits, since both sides are here.
-  """
-
-  def __init__(self, exchange: Exchange, service: rollout.ColocatedSubAgent, *, step: int):
-    self.exchange, self.service, self.step = exchange, service, step
-    self.main_side = ExchangeSubAgent(exchange, step=step, timeout_s=0.0)
-
-  @property
-  def episodes(self):
-    return self.service.episodes
-
-  @property
-  def waves(self) -> int:
-    return self.main_side.waves
-
-  def delegate(self, requests: Sequence[rollout.DelegationRequest]):
-    wave = self.main_side.send(requests)
-    if not serve_wave(self.exchange, self.service, self.step, wave):
-      raise ExchangeError(f"Wave {wave} of step {self.step} was sent but reads as absent "
-                          f"in {self.exchange!r}.")
-    return self.main_side.receive(requests)
-
-  def relay_outcome(self, outcome: hierarchy.MainOutcome) -> hierarchy.MainOutcome:
-    """Publishes the main agent's outcome and returns it as the sub-agent reads it."""
-    publish_outcome(self.exchange, self.step, outcome, self.waves)
-    return get_outcome(self.exchange, self.step, timeout_s=0.0)

@@ -3,7 +3,7 @@
   python launch/train.py --config=configs/mgrpo.py:runlocal --workdir=/tmp/mgrpo
 
 Each step: rollouts (delegations served by a `ColocatedSubAgent` here), the main side and
-the sub side of `mgrpo_step`, and the wiring's updates, run by the one training loop.
+the sub side of `mgrpo.step`, and the wiring's updates, run by the one training loop.
 The decoupled pair (`decoupled.py`) computes exactly the same numbers over an exchange.
 """
 
@@ -14,33 +14,37 @@ import jax
 import ml_collections
 
 from mgrpo_jax import checkpoint as ckpt_lib
-from mgrpo_jax import loop, mgrpo_step, plumbing, research_env, sharding
+from mgrpo_jax import config_checks as checks
+from mgrpo_jax import keys, loop, sharding
+from mgrpo_jax import workdir as workdir_lib
+from mgrpo_jax.mgrpo import play, setup, tasks
+from mgrpo_jax.mgrpo import step as mgrpo_step
 
 
 def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains `c.variant` for `c.num_steps`, resuming from `workdir` if it holds a checkpoint."""
-  w = mgrpo_step.resolve_wiring(c)
+  w = setup.resolve_wiring(c)
   os.makedirs(workdir, exist_ok=True)
   mesh = sharding.make_mesh(dict(c.mesh))
   rows = c.num_queries * c.num_rollouts
-  plumbing.check_batch_divides_mesh(rows, mesh, "config.num_queries*num_rollouts")
-  plumbing.check_batch_divides_mesh(rows * c.align_d, mesh,
-                                    "config.num_queries*num_rollouts*align_d")
-  env = research_env.build_env(c)
-  mgrpo_step.check_task(c, w, env)
-  agents = mgrpo_step.build_agents(c, w, env, mesh, jax.random.fold_in(jax.random.key(c.seed), 0))
+  checks.check_batch_divides_mesh(rows, mesh, "config.num_queries*num_rollouts")
+  checks.check_batch_divides_mesh(rows * c.align_d, mesh,
+                                  "config.num_queries*num_rollouts*align_d")
+  env = tasks.build_env(c)
+  setup.check_task(c, w, env)
+  agents = setup.build_agents(c, w, env, mesh, jax.random.fold_in(jax.random.key(c.seed), 0))
   ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=c.max_to_keep)
-  start = plumbing.restore_agents(ckpt, agents)
+  start = workdir_lib.restore_agents(ckpt, agents)
   if not start:
-    plumbing.write_config(workdir, c)
+    workdir_lib.write_config(workdir, c)
 
   def update(step: int) -> dict:
     t0 = time.perf_counter()
-    key = plumbing.step_key(c, step)
-    questions = plumbing.examples_for_step(env.train, step, c.num_queries, c.seed)
-    policies = mgrpo_step.make_policies(c, w, env, agents, c.sampling, version=step)
-    eps, sub_eps = mgrpo_step.run_rollouts(c, w, env, policies, questions,
-                                           num_rollouts=c.num_rollouts, key=key, step=step)
+    key = keys.step_key(c, step)
+    questions = keys.examples_for_step(env.train, step, c.num_queries, c.seed)
+    policies = play.make_policies(c, w, env, agents, c.sampling, version=step)
+    eps, sub_eps = play.run_rollouts(c, w, env, policies, questions,
+                                     num_rollouts=c.num_rollouts, key=key, step=step)
     t_roll = time.perf_counter() - t0
     role_batches, m = mgrpo_step.batches(c, w, env, eps, sub_eps, jax.random.fold_in(key, 2))
     m.update(mgrpo_step.update(w, agents, role_batches, step))
@@ -48,9 +52,9 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict:
     m.update({"time/rollout_s": t_roll, "tokens_per_s": gen / t_roll})
     return m
 
-  schedule = loop.Schedule(c.num_steps, c.eval_every, c.checkpoint_every)
+  schedule = loop.Schedule(c.num_steps, c.eval_every, c.checkpoint_every, c.log_every)
   return loop.train_loop(
       workdir, agents, ckpt, schedule, start=start, update=update,
-      evaluate=lambda step: mgrpo_step.evaluate(c, w, env, agents, step=step),
+      evaluate=lambda step: play.evaluate(c, w, env, agents, step=step),
       tokenizer=env.tokenizer, desc=c.variant,
       show=("main/reward", "single/reward", "eval/accuracy"))

@@ -6,7 +6,7 @@
       --exchange=file:///tmp/r1
 
 What crosses, and why a restart is safe: `delegation.py`. Each program builds and restores
-only its own agent, runs its column of `mgrpo_step` in the one training loop, and writes
+only its own agent, runs its column of `mgrpo.step` in the one training loop, and writes
 its own metrics; the two files merged equal the colocated run's.
 
 One URL (any kvstore URL or JSON spec) holds a whole decoupled run:
@@ -23,7 +23,11 @@ import numpy as np
 
 from mgrpo_jax import checkpoint as ckpt_lib
 from mgrpo_jax import exchange
-from mgrpo_jax import delegation, distributed, loop, mgrpo_step, plumbing, research_env, sharding
+from mgrpo_jax import config_checks as checks
+from mgrpo_jax import distributed, keys, loop, sharding
+from mgrpo_jax import workdir as workdir_lib
+from mgrpo_jax.mgrpo import delegation, play, setup, tasks
+from mgrpo_jax.mgrpo import step as mgrpo_step
 
 
 def _lease(run, role: str):
@@ -40,23 +44,23 @@ def _setup(c, workdir: str, run, role: str):
   Checkpoints go to the run location (`<run>/<role>/checkpoints`); where orbax cannot
   write there itself (s3://, see `checkpoint`), `<workdir>/checkpoints` is its cache.
   """
-  w = mgrpo_step.resolve_wiring(c)
+  w = setup.resolve_wiring(c)
   if w.merge or not w.has_sub:
-    raise plumbing.ConfigValueError(f"config.variant={c.variant!r} has no separate sub-agent; "
-                                    "decoupled runs need 'mgrpo' or 'frozen_sub'.")
+    raise checks.ConfigValueError(f"config.variant={c.variant!r} has no separate sub-agent; "
+                                  "decoupled runs need 'mgrpo' or 'frozen_sub'.")
   mesh = sharding.make_mesh(dict(c.mesh))
-  env = research_env.build_env(c)
-  mgrpo_step.check_task(c, w, env)
-  agents = mgrpo_step.build_agents(c, w, env, mesh, jax.random.fold_in(jax.random.key(c.seed), 0),
-                                   only=role)
+  env = tasks.build_env(c)
+  setup.check_task(c, w, env)
+  agents = setup.build_agents(c, w, env, mesh, jax.random.fold_in(jax.random.key(c.seed), 0),
+                              only=role)
   ckpt = ckpt_lib.Checkpointer(delegation.checkpoint_location(run, role),
                               cache_dir=f"{workdir}/checkpoints", max_to_keep=c.max_to_keep)
-  start = plumbing.restore_agents(ckpt, agents)
+  start = workdir_lib.restore_agents(ckpt, agents)
   return w, env, agents, ckpt, start
 
 
 def _run(c, workdir, w, env, agents, ckpt, start, *, evaluate, update, role):
-  schedule = loop.Schedule(c.num_steps, c.eval_every, c.checkpoint_every)
+  schedule = loop.Schedule(c.num_steps, c.eval_every, c.checkpoint_every, c.log_every)
   loop.train_loop(workdir, agents, ckpt, schedule, start=start, evaluate=evaluate,
                   update=update, tokenizer=env.tokenizer, desc=f"{c.variant}:{role}",
                   show=(f"{role}/reward", "eval/accuracy"))
@@ -77,19 +81,19 @@ def run_main_agent(c, workdir: str, run, *, timeout_s: float = 600.0) -> None:
     def evaluate(step: int) -> dict:
       svc = delegation.ExchangeSubAgent(ex, step=delegation.EVAL_STEP_BASE + step,
                                         timeout_s=timeout_s)
-      m = mgrpo_step.evaluate(c, w, env, agents, step=step, service=svc)
+      m = play.evaluate(c, w, env, agents, step=step, service=svc)
       ex.mark("rollouts_done", delegation.EVAL_STEP_BASE + step, {"waves": svc.waves})
       return m
 
     def update(step: int) -> dict:
-      questions = plumbing.examples_for_step(env.train, step, c.num_queries, c.seed)
-      policies = mgrpo_step.make_policies(c, w, env, agents, c.sampling, version=step)
+      questions = keys.examples_for_step(env.train, step, c.num_queries, c.seed)
+      policies = play.make_policies(c, w, env, agents, c.sampling, version=step)
       # Scripted experts (config.policy="expert") have no weight version to go stale.
       version = None if c.policy == "expert" else step
       svc = delegation.ExchangeSubAgent(ex, step=step, timeout_s=timeout_s, version=version,
                                         max_staleness=c.max_staleness)
-      eps, _ = mgrpo_step.run_rollouts(c, w, env, policies, questions, num_rollouts=c.num_rollouts,
-                                       key=plumbing.step_key(c, step), step=step, service=svc)
+      eps, _ = play.run_rollouts(c, w, env, policies, questions, num_rollouts=c.num_rollouts,
+                                 key=keys.step_key(c, step), step=step, service=svc)
       batch, outcome, m = mgrpo_step.main_side(c, w, env, eps)
       delegation.publish_outcome(ex, step, outcome, svc.waves)
       m.update(mgrpo_step.update(w, agents, {"main": batch}, step))
@@ -107,19 +111,19 @@ def run_sub_agent(c, workdir: str, run, *, timeout_s: float = 600.0) -> None:
     ex = delegation.open_exchange(run)
 
     def evaluate(step: int) -> dict:
-      policy = mgrpo_step.make_policies(c, w, env, agents, c.eval_sampling, version=step)["sub"]
-      svc = mgrpo_step.colocated_sub_agent(c, env, policy, plumbing.eval_key(c, step))
+      policy = play.make_policies(c, w, env, agents, c.eval_sampling, version=step)["sub"]
+      svc = play.colocated_sub_agent(c, env, policy, keys.eval_key(c, step))
       delegation.serve_step(ex, svc, delegation.EVAL_STEP_BASE + step, timeout_s=timeout_s,
                             read_outcome=False)
       eps = svc.episodes
       return {"eval/sub_format": float(np.mean([e.format_ok for e in eps])),
-              "eval/sub_overflow": float(np.mean([mgrpo_step.overflowed(e) for e in eps]))
+              "eval/sub_overflow": float(np.mean([play.overflowed(e) for e in eps]))
               } if eps else {}
 
     def update(step: int) -> dict:
-      key = plumbing.step_key(c, step)
-      policy = mgrpo_step.make_policies(c, w, env, agents, c.sampling, version=step)["sub"]
-      svc = mgrpo_step.colocated_sub_agent(c, env, policy, key)
+      key = keys.step_key(c, step)
+      policy = play.make_policies(c, w, env, agents, c.sampling, version=step)["sub"]
+      svc = play.colocated_sub_agent(c, env, policy, key)
       outcome = delegation.serve_step(ex, svc, step, timeout_s=timeout_s)
       batch, m = mgrpo_step.sub_side(c, env, svc.episodes, outcome, jax.random.fold_in(key, 2),
                                      align=w.align)

@@ -1,9 +1,7 @@
-"""What every program does around its step: config checks, agents, checkpoints, keys, data order.
+"""Trainable agents from config: the model, objective, optimizer and jitted update of each.
 
-Shared by M-GRPO (colocated and decoupled), SFT, MAGRPO and evaluation; the one training
-loop that runs them is `loop.py`. Keys: agents come from `fold_in(key(seed), 0)` (by the
-caller), a training step's rollouts from `step_key`, an evaluation's from `eval_key`, so a
-resumed run draws exactly what an uninterrupted one does.
+Shared by M-GRPO (colocated and decoupled), SFT, MAGRPO and evaluation. Agents come from
+`fold_in(key(seed), 0)` (by the caller); a warm start's weights from `<init>/hf/<agent>`.
 """
 
 import dataclasses
@@ -15,29 +13,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
-from absl import logging
 
-from mgrpo_jax import checkpoint as ckpt_lib
-from mgrpo_jax import distributed
 from mgrpo_jax import models
 from mgrpo_jax import tokenizer as tk
-from mgrpo_jax.config_checks import ConfigValueError, check_config, config_field  # noqa: F401
+from mgrpo_jax import workdir as workdir_lib
+from mgrpo_jax.config_checks import ConfigValueError
 from mgrpo_jax.models import lora
 from mgrpo_jax.rl import train_step as ts
 
-WORDS_FILE = "byte_tokenizer_words.json"  # Beside a saved model trained with ByteTokenizer words.
-
-
-def check_batch_divides_mesh(rows: int, mesh, field: str) -> None:
-  """Batches are split over (data, fsdp): the row count must divide evenly."""
-  shards = mesh.shape["data"] * mesh.shape["fsdp"]
-  if rows % shards:
-    raise ConfigValueError(f"{field} gives batches of {rows} rows, which do not split over "
-                           f"data*fsdp={shards} devices of config.mesh; change one of them.")
-
-
-# ----------------------------------------------------------------------------- agents
 
 @dataclasses.dataclass
 class Agent:
@@ -145,7 +128,7 @@ def _check_vocabulary(path: str, vocab_size: int, tokenizer: tk.Tokenizer) -> No
     raise ValueError(f"{path}: the checkpoint has {vocab_size} token ids but the tokenizer has "
                      f"{tokenizer.vocab_size}; it was trained with another tokenizer (config."
                      f"tokenizer or config.world changed?): rerun the warm start.")
-  words_file = os.path.join(path, WORDS_FILE)
+  words_file = os.path.join(path, workdir_lib.WORDS_FILE)
   if os.path.exists(words_file):
     with open(words_file) as f:
       saved = tuple(json.load(f)["words"])
@@ -204,79 +187,3 @@ def update_agents(agents: dict, batches: dict, step: int) -> dict:
     ts.check_finite(metrics, step, agent=name, policy=agent.nonfinite)
     out.update({f"{name}/{k}": float(v) for k, v in metrics.items()})
   return out
-
-
-# ------------------------------------------------------------- checkpoints and export
-
-def restore_agents(ckpt: ckpt_lib.Checkpointer, agents: dict) -> int:
-  """Loads the latest checkpoint into `agents` (in place); returns its step, 0 if none."""
-  if ckpt.latest_step() is None:
-    return 0
-  states, meta = ckpt.restore(abstract_states={n: a.state for n, a in agents.items()})
-  for n, a in agents.items():
-    a.state = states[n]
-  logging.info("Restored %s at step %d.", ckpt.directory, int(meta["step"]))
-  return int(meta["step"])
-
-
-def write_config(workdir: str, c: ml_collections.ConfigDict) -> None:
-  """The run's config beside its metrics (written when a run starts fresh; by process 0)."""
-  if not distributed.is_primary():
-    return
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(c.to_json_best_effort(indent=2))
-
-
-def save_final_hf(workdir: str, agents: dict, tokenizer: tk.Tokenizer | None = None) -> None:
-  """Final weights as HF checkpoints under workdir/hf/<agent> (an `init=` for later runs).
-
-  A LoRA agent's checkpoint has its adapters merged in, and the adapters alone go to
-  workdir/lora/<agent> as a PEFT directory for its base (`Agent.base_path`). Every process
-  takes part in gathering the weights; process 0 writes them.
-  """
-  for name, agent in agents.items():
-    path = os.path.join(workdir, "hf", name)
-    cfg = agent.model_config
-    if agent.frozen is None:
-      params = distributed.fetch_tree(agent.state.params)
-    else:
-      params = lora.merged_params(cfg, distributed.fetch_tree(agent.params))  # On the host.
-      adapters = distributed.fetch_tree(agent.state.params)
-    if not distributed.is_primary():
-      continue
-    if agent.frozen is None:
-      models.save_hf(path, cfg, params)
-    else:
-      models.save_hf(path, lora.base_config(cfg), params)
-      lora.save_peft(os.path.join(workdir, "lora", name), cfg, adapters,
-                     base_model=agent.base_path)
-    if getattr(tokenizer, "words", ()):
-      with open(os.path.join(path, WORDS_FILE), "w") as f:
-        json.dump({"words": list(tokenizer.words)}, f)
-
-
-# ---------------------------------------------------------------- keys and data order
-
-def step_key(c, step: int) -> jax.Array:
-  """The key of training step `step`'s rollouts (and of what they feed)."""
-  return jax.random.fold_in(jax.random.fold_in(jax.random.key(c.seed), 1), step)
-
-
-def eval_key(c, step: int) -> jax.Array:
-  """The key of the evaluation at `step` (its own stream: evaluating changes no training)."""
-  return jax.random.fold_in(jax.random.key(c.seed + 1), step)
-
-
-def examples_for_step(train: list, step: int, n: int, seed: int) -> list:
-  """Deterministic data order from (seed, step): a resumed run sees the same examples.
-
-  Each epoch is a fresh permutation of `train`; step `step` takes examples
-  `step * n ... (step + 1) * n - 1` of the concatenated epochs.
-  """
-  size = len(train)
-  idx = []
-  for i in range(step * n, (step + 1) * n):
-    epoch, pos = divmod(i, size)
-    perm = np.random.default_rng([seed, epoch]).permutation(size)
-    idx.append(perm[pos])
-  return [train[i] for i in idx]

@@ -1,0 +1,129 @@
+"""M-GRPO's play: the turn policies, the rollouts and the held-out evaluation.
+
+Who serves the delegations is the caller's: the colocated program passes the in-process
+`ColocatedSubAgent` (`colocated_sub_agent`), the decoupled main program an
+`ExchangeSubAgent` (`delegation`).
+"""
+
+import jax
+import numpy as np
+
+from mgrpo_jax import keys
+from mgrpo_jax.agents import experts, rollout
+from mgrpo_jax.mgrpo.tasks import Env, eval_questions
+from mgrpo_jax.mgrpo.setup import Wiring
+from mgrpo_jax.rl import hierarchy
+
+
+def limits(c) -> rollout.Limits:
+  return rollout.Limits(**c.limits.to_dict())
+
+
+def expert_policies(c, w: Wiring, env: Env, *, noise: float = 0.0, seed: int = 0) -> dict:
+  """The scripted experts, one per role."""
+  tok, kw = env.tokenizer, dict(noise=noise, think=c.expert_think)
+  mk = lambda expert, i: rollout.ExpertPolicy(expert, tok, seed=seed * 10 + i)
+  if not w.has_sub:
+    return {"single": mk(experts.SingleExpert(search_k=c.world.search_k, **kw), 0)}
+  return {"main": mk(experts.MainExpert(**kw), 0),
+          "sub": mk(experts.SubExpert(search_k=c.world.search_k, **kw), 1)}
+
+
+def make_policies(c, w: Wiring, env: Env, agents: dict, sampling_cfg, version: int) -> dict:
+  """Turn policies per role: the agents' current weights (or `config.policy="expert"`).
+
+  A role whose agent is not in `agents` is skipped: in a decoupled run the other program
+  plays it.
+  """
+  if c.policy == "expert":
+    return expert_policies(c, w, env, noise=c.expert_noise)
+  kw = dict(limits=limits(c), temperature=sampling_cfg.temperature, top_p=sampling_cfg.top_p,
+            top_k=sampling_cfg.top_k, version=version, chunk=sampling_cfg.chunk,
+            kv_cache_budget_bytes=sampling_cfg.kv_cache_budget_bytes or None)
+  return {role: rollout.LLMPolicy(agents[name].model_config, agents[name].params,
+                                  env.tokenizer, role, mesh=agents[name].mesh, **kw)
+          for role, name in w.agent_of.items() if name in agents}
+
+
+def colocated_sub_agent(c, env: Env, policy, key) -> rollout.ColocatedSubAgent:
+  """The sub-agent serving a step's delegations in this process (key: `fold_in(key, 1)`)."""
+  sub_tools = {k: v for k, v in env.tools.items() if k in ("search", "visit")}
+  return rollout.ColocatedSubAgent(policy, env.tokenizer, sub_tools, limits=limits(c),
+                                   key=jax.random.fold_in(key, 1),
+                                   system_prompt=c.world.system_prompt)
+
+
+def run_rollouts(c, w: Wiring, env: Env, policies: dict, questions, *, num_rollouts: int, key,
+                 step: int, service=None) -> tuple[list, list]:
+  """Main (or single) episodes in (q, k) order, and the sub-agent's episodes.
+
+  Delegations go to `service`; by default the sub-agent runs here (`colocated_sub_agent`).
+  A service that keeps no episodes (the decoupled main program's) gives no sub episodes.
+  """
+  if not w.has_sub:
+    eps = rollout.rollout_single(policies["single"], questions, num_rollouts=num_rollouts,
+                                 tokenizer=env.tokenizer, limits=limits(c), key=key,
+                                 tools=env.tools, step=step, system_prompt=c.world.system_prompt)
+    return eps, []
+  if service is None:
+    service = colocated_sub_agent(c, env, policies["sub"], key)
+  eps = rollout.rollout_main(policies["main"], service, questions, num_rollouts=num_rollouts,
+                             tokenizer=env.tokenizer, limits=limits(c),
+                             key=jax.random.fold_in(key, 0), step=step,
+                             tools={"python": env.tools["python"]},
+                             system_prompt=c.world.system_prompt)
+  return eps, getattr(service, "episodes", [])
+
+
+def overflowed(ep) -> bool:
+  """Whether the episode was ended because its context would overflow `limits.max_len`."""
+  return (ep.failure or "").startswith("aborted: context")
+
+
+def episode_metrics(prefix: str, eps, outcome=None) -> dict:
+  """Rates and counts that say what the agents did."""
+  m = {f"{prefix}/format": float(np.mean([e.format_ok for e in eps])) if eps else 0.0,
+       f"{prefix}/turns": float(np.mean([len(e.turns) for e in eps])) if eps else 0.0,
+       f"{prefix}/gen_tokens": float(np.mean([e.num_generated for e in eps])) if eps else 0.0,
+       f"{prefix}/overflow": float(np.mean([overflowed(e) for e in eps])) if eps else 0.0}
+  if outcome is not None:
+    m[f"{prefix}/reward"] = float(outcome.reward.mean())
+    m[f"{prefix}/accuracy"] = float(outcome.correct.mean())
+  if eps and eps[0].role == "main":
+    m[f"{prefix}/delegations"] = float(np.mean([e.delegations for e in eps]))
+  return m
+
+
+def evaluate(c, w: Wiring, env: Env, agents: dict, *, step: int, questions=None,
+             service=None) -> dict:
+  """Held-out accuracy, format rate, turns and delegations per episode (greedy by default)."""
+  questions = eval_questions(c, env) if questions is None else questions
+  policies = make_policies(c, w, env, agents, c.eval_sampling, version=step)
+  eps, sub_eps = run_rollouts(c, w, env, policies, questions, num_rollouts=1,
+                              key=keys.eval_key(c, step), step=step, service=service)
+  outcome = hierarchy.main_outcomes(eps, [q.answer for q in questions], len(questions), 1,
+                                    alpha=tuple(c.alpha))
+  m = episode_metrics("eval", eps, outcome)
+  m.update(breakdown("eval", eps, outcome.correct[:, 0], questions))
+  if sub_eps:
+    m["eval/sub_format"] = float(np.mean([e.format_ok for e in sub_eps]))
+    m["eval/sub_overflow"] = float(np.mean([overflowed(e) for e in sub_eps]))
+  return m
+
+
+def breakdown(prefix: str, eps, correct_Q, questions) -> dict:
+  """Accuracy, context overflows and delegations by the pages a question needs (`hops<n>`),
+  and by kind (`bridge`, and each comparison) where a question set has more than one."""
+  groups: dict[str, list[int]] = {}
+  kinds = {q.compare or "bridge" for q in questions}
+  for i, q in enumerate(questions):
+    groups.setdefault(f"hops{len(q.hops)}", []).append(i)
+    if len(kinds) > 1:
+      groups.setdefault(q.compare or "bridge", []).append(i)
+  m = {}
+  for name, idx in sorted(groups.items()):
+    m[f"{prefix}/accuracy_{name}"] = float(np.mean([correct_Q[i] for i in idx]))
+    m[f"{prefix}/overflow_{name}"] = float(np.mean([overflowed(eps[i]) for i in idx]))
+    if eps[0].role == "main":
+      m[f"{prefix}/delegations_{name}"] = float(np.mean([eps[i].delegations for i in idx]))
+  return m

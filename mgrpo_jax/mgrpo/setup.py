@@ -1,0 +1,178 @@
+"""M-GRPO's setup: the variant as wiring, the config and task checks, the agents.
+
+The variant (`config.variant`) is resolved once, by `resolve_wiring`, into a frozen `Wiring`
+that the step and the programs take; nothing else reads it:
+  mgrpo       main and sub-agent, separate weights, both trained (docs/algorithm.md)
+  frozen_sub  the same rollouts, but the sub-agent's update is never run
+  shared      one set of weights plays both roles; one update on both roles' rows
+  single      one agent with every tool (single-agent GRPO), no sub-agent
+  unaligned   mgrpo without trajectory alignment: every sub-agent episode once
+"""
+
+import dataclasses
+import importlib
+from typing import Callable, Mapping
+
+import jax
+import ml_collections
+
+from mgrpo_jax import config_checks as checks
+from mgrpo_jax import trainable
+from mgrpo_jax.agents import protocol
+from mgrpo_jax.rl import rewards
+from mgrpo_jax.config_checks import ConfigValueError
+from mgrpo_jax.mgrpo.tasks import Env
+
+
+@dataclasses.dataclass(frozen=True)
+class Wiring:
+  """A variant as wiring: who plays which role, who trains, whether batches merge."""
+
+  roles: tuple[str, ...]  # The rollout's roles; the first answers the question.
+  agent_of: Mapping[str, str]  # Role -> the agent whose weights play it.
+  trained: tuple[str, ...]  # Agents whose update runs.
+  merge: bool  # One update on both roles' rows (one agent plays both).
+  # Sub-agent rows: "sample" (trajectory alignment, PAPERS.md 1.4: D per rollout, drawn) or
+  # "pad" (each rollout's calls once, none duplicated or dropped; padding rows masked).
+  align: str = "sample"
+
+  @property
+  def lead(self) -> str:
+    return self.roles[0]
+
+  @property
+  def has_sub(self) -> bool:
+    return "sub" in self.roles
+
+  @property
+  def agents(self) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(self.agent_of.values()))
+
+
+_PAIR = {"main": "main", "sub": "sub"}
+WIRINGS = {
+    "mgrpo": Wiring(("main", "sub"), _PAIR, trained=("main", "sub"), merge=False),
+    "frozen_sub": Wiring(("main", "sub"), _PAIR, trained=("main",), merge=False),
+    "shared": Wiring(("main", "sub"), {"main": "main", "sub": "main"}, trained=("main",),
+                     merge=True),
+    "single": Wiring(("single",), {"single": "single"}, trained=("single",), merge=False),
+    "unaligned": Wiring(("main", "sub"), _PAIR, trained=("main", "sub"), merge=False,
+                        align="pad"),
+}
+
+
+def _fields(training: bool) -> tuple[dict, dict]:
+  """Every choice and numeric field of configs/mgrpo.py, with what it may hold."""
+  choices = {"variant": tuple(WIRINGS), "policy": ("model", "expert"),
+             "adv_scale": ("std", "none"), "align_on_empty": ("mask", "borrow")}
+  # A group of one rollout has every advantage 0: training needs K >= 2 (evaluation: any).
+  ranges = {"num_rollouts": checks.at_least(2 if training else 1),
+            "adv_eps": checks.POSITIVE, "max_to_keep": checks.at_least(1),
+            "max_staleness": checks.at_least(0), "seed": checks.at_least(0),
+            "expert_noise": checks.PROBABILITY}
+  ranges.update(dict.fromkeys(("num_queries", "align_d", "num_steps", "eval_every",
+                               "num_eval_questions", "checkpoint_every", "num_micro",
+                               "log_every"), checks.at_least(1)))
+  for role in ("main", "sub"):
+    for section in (checks.model_fields(f"{role}_model"), checks.loss_fields(f"{role}_loss"),
+                    checks.optimizer_fields(f"{role}_optim")):
+      choices.update(section[0])
+      ranges.update(section[1])
+  choices.update(checks.retrieval_fields()[0])
+  ranges.update(checks.retrieval_fields()[1])
+  ranges.update(checks.limits_ranges(), **checks.world_ranges(), **checks.mesh_ranges(),
+                **checks.sampling_ranges("sampling", training=training),
+                **checks.sampling_ranges("eval_sampling", training=False))
+  return choices, ranges
+
+
+# Agent -> (its config sections' prefix, its key index under the agents' key).
+_SECTIONS = {"main": ("main", 0), "single": ("main", 0), "sub": ("sub", 1)}
+
+
+def resolve_wiring(c: ml_collections.ConfigDict, *, training: bool = True) -> Wiring:
+  """Checks the config (naming a bad field) and resolves its variant into wiring.
+
+  `training=False` (evaluation) allows a single rollout and greedy sampling.
+  """
+  checks.check_config(c, *_fields(training))
+  checks.check_weights(c, "alpha", 2)
+  checks.check_weights(c, "beta", 3)
+  expert_scorer(c)  # A judge that cannot be loaded fails here, not at the first update.
+  checks.check_weights(c, "world.hop_weights")
+  checks.check_world(c)
+  checks.check_mesh(c)
+  checks.check_turn_fits(c)
+  if c.retrieval.backend == "http" and not c.retrieval.url:
+    raise ConfigValueError("config.retrieval.backend='http' needs config.retrieval.url "
+                                    "(e.g. http://127.0.0.1:8000/retrieve).")
+  w = WIRINGS[c.variant]
+  rows = c.num_queries * c.num_rollouts
+  if not w.has_sub and c.num_micro and rows % c.num_micro:
+    raise ConfigValueError(f"config.num_micro={c.num_micro} does not divide the batch "
+                                    f"of num_queries*num_rollouts={rows}.")
+  return w
+
+
+def check_task(c: ml_collections.ConfigDict, w: Wiring, env: Env) -> None:
+  """What the config asks of the built task: questions to train on, prompts that fit.
+
+  The lead role's longest first prompt plus one turn must fit `limits.max_len`; a
+  sub-agent's prompt is its template plus a subtask of at most one main turn.
+  """
+  if not env.train:
+    raise ConfigValueError(
+        f"config.world.num_questions={c.world.num_questions} with "
+        f"config.world.test_fraction={c.world.test_fraction} leaves no training question.")
+  lim, skip = c.limits, 0 if c.world.system_prompt else 1
+  messages = protocol.single_messages if w.lead == "single" else protocol.main_messages
+  prompt = lambda m: len(env.tokenizer.apply_chat_template(m[skip:], add_generation_prompt=True))
+  longest = max(prompt(messages(q.text)) for q in env.train + env.test)
+  checks.check_prompt_fits(longest, f"the longest {w.lead} prompt",
+                           max_len=lim.max_len, max_new_tokens=lim.max_new_tokens)
+  if w.has_sub:
+    checks.check_prompt_fits(prompt(protocol.sub_messages("")) + lim.max_new_tokens,
+                             "a sub-agent prompt with a subtask of one main turn",
+                             max_len=lim.max_len, max_new_tokens=lim.max_new_tokens)
+
+
+def build_agents(c, w: Wiring, env: Env, mesh, key, *, only: str | None = None) -> dict:
+  """The wiring's agents (or only agent `only`: a decoupled program owns just its own)."""
+  out, bases = {}, {}  # LoRA agents on one checkpoint share its frozen copy.
+  for name in w.agents:
+    if only is None or name == only:
+      section, i = _SECTIONS[name]
+      out[name] = trainable.build_agent(
+          name, c[f"{section}_model"], c[f"{section}_optim"], c[f"{section}_loss"],
+          env.tokenizer, mesh, jax.random.fold_in(key, i), init_dir=c.init,
+          num_micro=c.num_micro, temperature=c.sampling.temperature, bases=bases)
+  return out
+
+
+def expert_scorer(c) -> Callable | None:
+  """r_expert of a sub-agent episode (PAPERS.md 1.2's beta3), or None while beta[2] = 0.
+
+  `config.sub_judge`: "grounded" (`rewards.GroundedJudge`: is the result read from the tool
+  replies the sub-agent received?) or "module:callable", any judge (an LLM's) called with
+  (subtask, result, tool replies); a failing judge raises `rewards.JudgeError`.
+  """
+  if not c.beta[2]:
+    return None
+  judge = load_judge(c.sub_judge)
+  return lambda ep: rewards.expert_score(ep.task.subtask, ep.final or "",
+                                         "\n".join(ep.observations), judge=judge)
+
+
+def load_judge(spec: str) -> rewards.Judge:
+  """The judge `spec` names: "grounded", or "module:callable" (called with no arguments if
+  it is a class or factory that returns the judge, else used as the judge itself)."""
+  if spec == "grounded":
+    return rewards.GroundedJudge()
+  module, _, name = spec.partition(":")
+  try:
+    obj = getattr(importlib.import_module(module), name)
+  except (ImportError, AttributeError, ValueError) as e:
+    raise ConfigValueError(f"config.sub_judge={spec!r}; expected \"grounded\" or an importable "
+                           f"\"module:callable\" ({e}).") from None
+  return obj() if isinstance(obj, type) else obj
+

@@ -1,0 +1,101 @@
+"""One M-GRPO step, read top to bottom like the data-flow picture of docs/algorithm.md.
+
+  rollouts    queries[Q] -> main episodes [Q, K]; delegations -> sub-agent episodes (`play`)
+  main side   R_M = reward_main(...), A_M = group_advantages(R_M), main batch
+  sub side    R_S = reward_sub(..., R_M), (index, valid) = align(d, D),
+              A_S = group_advantages(R_S[index], valid), sub batch
+  update      each trained agent's train step
+
+Every function takes the `Wiring` the variant resolved to (`setup.resolve_wiring`).
+"""
+
+import jax.numpy as jnp
+import numpy as np
+
+from mgrpo_jax import trainable
+from mgrpo_jax.mgrpo.tasks import Env
+from mgrpo_jax.mgrpo.play import episode_metrics
+from mgrpo_jax.mgrpo import setup
+from mgrpo_jax.mgrpo.setup import Wiring
+from mgrpo_jax.rl import advantages, hierarchy
+from mgrpo_jax.rl import batch as batch_lib
+
+MIN_LENGTH = 128  # Shortest batch length: episodes are a few hundred tokens, so one shape.
+
+
+def main_side(c, w: Wiring, env: Env,
+              episodes) -> tuple[batch_lib.Batch, hierarchy.MainOutcome, dict]:
+  """R_M, A_M and the main (or single) agent's batch.
+
+  The outcome is all the sub-agent needs from the main agent (a decoupled main program
+  publishes it on the exchange).
+  """
+  q, k = c.num_queries, c.num_rollouts
+  answers = [e.task.answer for e in episodes[::k]]
+  outcome = hierarchy.main_outcomes(episodes, answers, q, k, alpha=tuple(c.alpha))
+  adv_m = advantages.group_advantages(jnp.asarray(outcome.reward), scale=c.adv_scale,
+                                      eps=c.adv_eps)
+  batch = batch_lib.make_batch(episodes, np.asarray(adv_m).reshape(-1),
+                               max_len=c.limits.max_len, pad_id=env.tokenizer.pad_id,
+                               minimum=MIN_LENGTH)
+  return batch, outcome, episode_metrics(w.lead, episodes, outcome)
+
+
+def sub_advantages(aligned: hierarchy.AlignedSub, *, scale: str, eps: float) -> np.ndarray:
+  """A_S[Q, K, D]: R_S of the aligned rows, normalised per query over its valid rows."""
+  return np.asarray(advantages.group_advantages(
+      jnp.asarray(aligned.rewards_QxKxD), valid=jnp.asarray(aligned.valid_QxKxD), scale=scale,
+      eps=eps))
+
+
+def sub_side(c, env: Env, sub_eps, outcome: hierarchy.MainOutcome, key, *,
+             align: str = "sample") -> tuple[batch_lib.Batch, dict]:
+  """R_S from the main outcome, alignment to [Q, K, D] (drawn with `key`), A_S, sub batch.
+
+  `align="pad"` (the `unaligned` variant) takes every episode once instead: D is
+  `limits.max_delegations` (no rollout has more calls), rows past a rollout's calls are
+  invalid, and the batch keeps the valid rows, padded to a multiple of Q*K (few shapes).
+  """
+  r_s = hierarchy.sub_rewards(sub_eps, outcome, beta=tuple(c.beta),
+                              expert_score=setup.expert_scorer(c))
+  if align == "pad":
+    aligned = hierarchy.pad_sub(sub_eps, r_s, c.num_queries, c.num_rollouts,
+                                c.limits.max_delegations)
+  else:
+    aligned = hierarchy.align_sub(sub_eps, r_s, c.num_queries, c.num_rollouts, c.align_d, key,
+                                  on_empty=c.align_on_empty)
+  adv_s = sub_advantages(aligned, scale=c.adv_scale, eps=c.adv_eps).reshape(-1)
+  rows = aligned.episodes
+  if align == "pad":
+    keep = [i for i, ep in enumerate(rows) if ep is not None]
+    # Rows in whole multiples of Q*K (the main batch's size, which the mesh divides): at
+    # most max_delegations shapes to compile.
+    unit = c.num_queries * c.num_rollouts
+    width = unit * max(1, -(-len(keep) // unit))
+    rows = [rows[i] for i in keep] + [None] * (width - len(keep))
+    adv_s = np.concatenate([adv_s[keep], np.zeros(width - len(keep), np.float32)])
+  batch = batch_lib.make_batch(rows, adv_s, max_len=c.limits.max_len,
+                               pad_id=env.tokenizer.pad_id, minimum=MIN_LENGTH)
+  m = episode_metrics("sub", sub_eps)
+  m["sub/reward"] = float(r_s.mean()) if len(r_s) else 0.0
+  m.update(aligned.stats)
+  return batch, m
+
+
+def batches(c, w: Wiring, env: Env, episodes, sub_episodes, key) -> tuple[dict, dict]:
+  """Both sides of a step: a batch per role and the metrics (`key` draws the alignment)."""
+  batch, outcome, m = main_side(c, w, env, episodes)
+  out = {w.lead: batch}
+  if w.has_sub:
+    out["sub"], sub_m = sub_side(c, env, sub_episodes, outcome, key, align=w.align)
+    m.update(sub_m)
+  return out, m
+
+
+def update(w: Wiring, agents: dict, role_batches: dict, step: int) -> dict:
+  """Runs the train step of each trained agent present here on its roles' rows."""
+  if w.merge:  # One set of weights: one update on both roles' rows.
+    role_batches = {w.lead: batch_lib.concat(list(role_batches.values()))}
+  by_agent = {w.agent_of[role]: b for role, b in role_batches.items()
+              if w.agent_of[role] in w.trained and w.agent_of[role] in agents}
+  return trainable.update_agents(agents, by_agent, step)
