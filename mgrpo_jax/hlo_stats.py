@@ -559,7 +559,8 @@ def decode_step_stats(text: str, config, rows: int, capacity: int, *,
   Qwen3 `config`, `rows` rows, a cache of `capacity` slots): kernels (per layer), bytes
   written beside the bytes a step must read (every weight in bf16, and the KV cache), custom
   calls, and the kernels that copy or cast a slice of a stacked weight or cache or a whole
-  2-D weight (`copies`). `weights`: the pytree the loop reads its weights from (default the
+  2-D weight (`copies`). `kernels_per_layer` is the step's kernels over the layers (the
+  sampling and the head included). `weights`: the pytree the loop reads its weights from (default the
   model's abstract params)."""
   import jax  # pylint: disable=import-outside-toplevel
 
@@ -573,14 +574,20 @@ def decode_step_stats(text: str, config, rows: int, capacity: int, *,
   must_read = config.num_params() * 2 + sampling.kv_cache_bytes(config, rows, capacity)
   targets = copy_targets(named_arrays(weights) | named_arrays(cache), config.num_layers)
   found = copies(module, loop, targets)
+  layer_loops = [w for w, _ in module.whiles(loop.attr("body"))
+                 if w.trip_count == config.num_layers]
   return {"kernels_per_step": summary["kernels"],
           "kernels_per_layer": summary["kernels_per_layer"],
+          # One iteration of a loop over the layers, if the step has one (a layer scan).
+          "kernels_per_layer_loop_iteration": [
+              sum(t for _, t, _ in module.loop_kernels(w)) for w in layer_loops],
           "bytes_written_per_step_gb": summary["bytes_written"] / 1e9,
           "bytes_must_read_per_step_gb": must_read / 1e9,
           "written_to_read": summary["bytes_written"] / must_read,
           "custom_calls_per_step": summary["custom_calls"],
-          "copies_per_step": sum(c["times"] for c in found),
-          "casts_per_step": sum(c["times"] for c in found if c["cast"]),
+          # Kernels (times their runs) that copy, and those that cast while copying.
+          "copies_per_step": sum({c["kernel"]: c["times"] for c in found}.values()),
+          "casts_per_step": sum({c["kernel"]: c["times"] for c in found if c["cast"]}.values()),
           "copies": sorted({(c["target"], c["reads"], c["writes"], c["cast"] or "")
                             for c in found}),
           "top_writers": top_writers(module, loop, 6)}
