@@ -8,7 +8,7 @@ abstract inputs (`benchmarks/memory.py`'s case builders), and reads the GPU prog
 bytes they write per decode step, custom calls (cuBLAS, cuDNN attention), collectives and the
 bytes each GPU receives. Definitions and results: docs/gpu-compile.md.
 
-  python benchmarks/gpu_compile.py --target=h100_sxm   # -> benchmarks/results/gpu-compile-h100_sxm.json
+  python benchmarks/gpu_compile.py --target=h100_sxm  # -> benchmarks/results/gpu-compile-h100_sxm.json
   python benchmarks/gpu_compile.py --target=h800 --cases=update/qwen3_30b_a3b
   python benchmarks/gpu_compile.py --list
 
@@ -58,7 +58,9 @@ _TARGET = flags.DEFINE_enum("target", "h100_sxm", TARGETS, "GPU to compile for."
 # this benchmark's defaults.
 flags.FLAGS.set_default("out", "")  # benchmarks/results/gpu-compile-<target>.json
 flags.FLAGS.set_default("cases", ["update", "decode", "prefill"])
-_OUT, _CASES, _LIST = memory._OUT, memory._CASES, memory._LIST  # pylint: disable=protected-access
+_OUT, _CASES, _LIST = memory._OUT, memory._CASES, memory._LIST
+# memory.py's helpers: a mesh over given devices, abstract (sharded) inputs, memory stats.
+_mesh, _abstract, _stats = memory._mesh, memory._abstract, memory._stats
 
 
 def target_config(target: str) -> str:
@@ -78,7 +80,7 @@ def fsdp_minimum(preset: str, mesh_axes: dict, micro_batches: int, devices) -> f
   axis splits are gathered only over fsdp; gradient reductions over other axes (data
   parallelism across expert groups) are not counted."""
   cfg = memory.model_config(preset)
-  mesh, _ = memory._mesh(mesh_axes, devices)  # pylint: disable=protected-access
+  mesh, _ = _mesh(mesh_axes, devices)
   params = qwen3.abstract_params(cfg)
   shardings = sharding.param_shardings(params, mesh)
   total = 0.0
@@ -159,21 +161,21 @@ def prefill(target: str, preset: str, rows: int, length: int) -> dict:
   """The sampler's prefill (`sampling._prefill`) of `rows` prompts of `length` tokens."""
   devices = gpu_devices(target, 1)
   cfg = models.get_preset(preset, param_dtype="bfloat16", compute_dtype="bfloat16")
-  mesh, _ = memory._mesh(dict(data=1, fsdp=1, tensor=1), devices)  # pylint: disable=protected-access
+  mesh, _ = _mesh(dict(data=1, fsdp=1, tensor=1), devices)
   capacity = sampling.cache_len(length + 1, 32768)
   params = qwen3.abstract_params(cfg)
-  params = memory._abstract(params, sharding.param_shardings(params, mesh))  # pylint: disable=protected-access
+  params = _abstract(params, sharding.param_shardings(params, mesh))
   cache = jax.eval_shape(lambda: qwen3.init_cache(cfg, rows, capacity))
-  cache = memory._abstract(cache, jax.tree.map(  # pylint: disable=protected-access
+  cache = _abstract(cache, jax.tree.map(
       lambda _: sharding.cache_sharding(mesh, cfg.num_kv_heads), cache))
   row = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32,
                                            sharding=sharding.batch_sharding(mesh, len(shape)))
   t0 = time.perf_counter()
   with jax.set_mesh(mesh):
-    compiled = sampling._prefill.lower(  # pylint: disable=protected-access
+    compiled = sampling._prefill.lower(
         cfg, params, row((rows, length)), row((rows,)), row((rows,)), cache,
-        sampling._window(length, capacity), None).compile()  # pylint: disable=protected-access
-  out = memory._stats(compiled, time.perf_counter() - t0)  # pylint: disable=protected-access
+        sampling._window(length, capacity), None).compile()
+  out = _stats(compiled, time.perf_counter() - t0)
   module = hlo_stats.parse(compiled.as_text())
   calls = {}
   for instr, times, _ in module.executed():

@@ -26,7 +26,11 @@ import math
 import re
 from collections.abc import Iterator, Sequence
 
+import jax
 import numpy as np
+
+from mgrpo_jax import sampling
+from mgrpo_jax.models import qwen3
 
 _DTYPE_BYTES = {"pred": 1, "s2": 0.25, "u2": 0.25, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1,
                 "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
@@ -160,9 +164,11 @@ def _parse_instr(line: str) -> Instr | None:
 
 @dataclasses.dataclass
 class Module:
-  """A parsed HLO module: its computations and the name of the entry one."""
+  """A parsed HLO module: its computations, the name of the entry one, and its stack frames
+  (frame id -> function names, innermost first; see `stack_frames`)."""
   computations: dict[str, Computation]
   entry: str
+  frames: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
   @classmethod
   def parse(cls, text: str) -> "Module":
@@ -401,9 +407,7 @@ def collectives(module: Module, partitions: int, node_of: Sequence[int] | None =
 
 def loops_with(module: Module, function: str) -> list[Instr]:
   """The whiles whose source stack (the HLO's stack frames) passes through `function`."""
-  text_frames = getattr(module, "_frames", None)
-  return [w for w, _ in module.whiles() if text_frames and function in text_frames.get(
-      _frame_id(w), ())]
+  return [w for w, _ in module.whiles() if function in module.frames.get(_frame_id(w), ())]
 
 
 def _frame_id(instr: Instr) -> int | None:
@@ -414,7 +418,7 @@ def _frame_id(instr: Instr) -> int | None:
 def parse(text: str) -> Module:
   """A Module with its stack frames (function names per frame id) attached."""
   module = Module.parse(text)
-  module._frames = stack_frames(text)  # pylint: disable=protected-access
+  module.frames = stack_frames(text)
   return module
 
 
@@ -539,7 +543,7 @@ def gpu_devices(target_config: str, count: int):
   """`count` deviceless GPUs of a TargetConfig (text proto), in nodes of up to 8 ("1x1x<n>"
   or "1x<nodes>x8"), to compile for on a machine without a GPU (needs the CUDA plugin and
   compiler wheels, `pip install -e ".[gpu]"`)."""
-  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+  from jax.experimental import topologies  # Registers nothing until called.
   topo = "1x1x%d" % count if count <= GPUS_PER_NODE else "1x%dx%d" % (
       count // GPUS_PER_NODE, GPUS_PER_NODE)
   return topologies.get_topology_desc(platform="cuda", target_config=target_config,
@@ -548,7 +552,6 @@ def gpu_devices(target_config: str, count: int):
 
 def named_arrays(tree) -> dict:
   """{path: (shape, dtype)} of a pytree of arrays or ShapeDtypeStructs."""
-  import jax  # pylint: disable=import-outside-toplevel
   return {jax.tree_util.keystr(p): (x.shape, x.dtype)
           for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
@@ -560,12 +563,8 @@ def decode_step_stats(text: str, config, rows: int, capacity: int, *,
   written beside the bytes a step must read (every weight in bf16, and the KV cache), custom
   calls, and the kernels that copy or cast a slice of a stacked weight or cache or a whole
   2-D weight (`copies`). `kernels_per_layer` is the step's kernels over the layers (the
-  sampling and the head included). `weights`: the pytree the loop reads its weights from (default the
-  model's abstract params)."""
-  import jax  # pylint: disable=import-outside-toplevel
-
-  from mgrpo_jax import sampling  # pylint: disable=import-outside-toplevel
-  from mgrpo_jax.models import qwen3  # pylint: disable=import-outside-toplevel
+  sampling and the head included). `weights`: the pytree the loop reads its weights from
+  (default the model's abstract params)."""
   module = parse(text)
   loop = module.outer_loop()
   summary = loop_summary(module, loop, config.num_layers)
