@@ -522,14 +522,15 @@ def array_of(shape: Sequence[int], dtype) -> Array:
 
 def copy_targets(named: dict, num_layers: int) -> dict[str, tuple[Array, int]]:
   """`copies` targets from {name: (shape, dtype)} of weights and caches: a stacked array
-  (leading axis of `num_layers`, at least 3 axes) by one layer's slice, a 2-D weight (embed,
-  head) whole; vectors and per-layer norm scales [L, D] are skipped (reading one is cheap)."""
+  (leading axis of `num_layers`, at least 3 axes) by one layer's slice, any other array of 2+
+  axes (embed, head, one layer's own weight or cache) whole; vectors and stacked norm scales
+  [L, D] are skipped (reading one is cheap)."""
   out = {}
   for name, (shape, dtype) in named.items():
     size = math.prod(shape)
     if len(shape) >= 3 and shape[0] == num_layers:
       out[name] = (array_of(shape, dtype), size // num_layers)
-    elif len(shape) == 2 and shape[0] != num_layers:
+    elif len(shape) >= 2 and not (len(shape) == 2 and shape[0] == num_layers):
       out[name] = (array_of(shape, dtype), size)
   return out
 
