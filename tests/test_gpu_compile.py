@@ -23,6 +23,9 @@ PRESET, ROWS, REACHED, MAX_LEN = "small", 4, 64, 128
 # The attention kernel the packed update asks for on GPU: "cudnn" takes the fused kernel
 # where it applies (today not on packed rows, issue 34).
 FUSED_ATTENTION = "cudnn"
+# One worker runs this file under `pytest -n 2 --dist loadgroup` (.ci/run): the fixtures'
+# compiles happen once.
+pytestmark = pytest.mark.xdist_group("gpu_compile")
 ISSUE_34 = "issue 34: the FSDP update gathers the head in every log-prob chunk"
 ISSUE_35 = ("issue 35: the decode loop slices copies of each layer's stacked weights and "
             "cache out on every step")
