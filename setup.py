@@ -28,6 +28,9 @@ setuptools.setup(
         "transformers>=4.51",
     ],
     extras_require={
+        # The CUDA 12 plugin and its nvcc/ptxas wheels, for the jax version installed (jax's
+        # own extra pins them to it): runs on a GPU, and compiles for one on a CPU-only
+        # machine (benchmarks/gpu_compile.py, tests/test_gpu_compile.py; CI installs it).
         "gpu": ["jax[cuda12]"],
         # Object stores. Tensorstore (the exchange; orbax's arrays) speaks gs:// and s3://
         # natively; orbax writes a gs:// checkpoint's other files through etils epath, i.e.

@@ -109,11 +109,13 @@ def _stats(compiled, seconds: float) -> dict:
           "compile_s": round(seconds, 1)}
 
 
-def _mesh(axes: dict):
+def _mesh(axes: dict, device_list=None):
+  """A mesh of `axes` over the first devices of `device_list` (default: `jax.devices()`)."""
   devices = 1
   for size in axes.values():
     devices *= size
-  return sharding.make_mesh(axes, devices=jax.devices()[:devices]), devices
+  device_list = jax.devices() if device_list is None else device_list
+  return sharding.make_mesh(axes, devices=device_list[:devices]), devices
 
 
 def abstract_lora_state(cfg, tx):
@@ -125,19 +127,25 @@ def abstract_lora_state(cfg, tx):
 
 def update_case(preset: str, rows: int, length: int, *, devices: int = 1,
                 mesh_axes: dict | None = None, moe_chunk: int = 0, lora_rank: int = 0,
-                base_dtype: str = "float32") -> dict:
+                base_dtype: str = "float32", device_list=None, return_compiled: bool = False,
+                logits_chunk: int = _LOGITS_CHUNK, model_overrides: dict | None = None):
   """The packed update of `rows` traces of `length` tokens (one trace per row).
 
   With `lora_rank`, a LoRA agent's update (single device): rank-`lora_rank` adapters on every
   projection, the frozen base in `base_dtype` passed beside the state.
+  `device_list`: the devices to compile for (e.g. a GPU topology's, benchmarks/gpu_compile.py;
+  default `jax.devices()`); given, even one device gets a mesh, as training on it does.
+  `return_compiled`: returns (stats, the compiled step). `model_overrides`: Qwen3Config
+  fields over `model_config`'s (e.g. another attention kernel).
   """
-  cfg = model_config(preset, moe_chunk=moe_chunk, param_dtype=base_dtype)
+  cfg = model_config(preset, moe_chunk=moe_chunk, param_dtype=base_dtype,
+                     **(model_overrides or {}))
   tx = ts.make_optimizer(learning_rate=1e-6, mu_dtype=POLICY["mu_dtype"])
   mesh, frozen = None, None
-  if mesh_axes is None and devices > 1:
+  if mesh_axes is None and (devices > 1 or device_list is not None):
     mesh_axes = dict(data=1, fsdp=devices, tensor=1)
   if mesh_axes is not None:
-    mesh, devices = _mesh(mesh_axes)
+    mesh, devices = _mesh(mesh_axes, device_list)
   if lora_rank:
     cfg = cfg.replace(lora_rank=lora_rank, lora_alpha=2.0 * lora_rank,
                       lora_targets=models.config.LORA_TARGETS)
@@ -149,7 +157,7 @@ def update_case(preset: str, rows: int, length: int, *, devices: int = 1,
   per_micro = min(max(devices, _BUDGET * devices // length), -(-rows // devices) * devices)
   shape = (max(1, rows // per_micro), per_micro, length)
   step = ts.make_train_step(cfg, ts.LossConfig(), tx, mesh=mesh, state_sharding=st_sh,
-                            max_tokens_per_micro=_BUDGET * devices, logits_chunk=_LOGITS_CHUNK,
+                            max_tokens_per_micro=_BUDGET * devices, logits_chunk=logits_chunk,
                             frozen=frozen)
   rows_sh = None if mesh is None else jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec(None, sharding.BATCH))
@@ -172,7 +180,7 @@ def update_case(preset: str, rows: int, length: int, *, devices: int = 1,
   if lora_rank:
     out.update(lora_rank=lora_rank, base_dtype=base_dtype, base_gb=gb(frozen),
                adapter_params=lora.num_adapter_params(cfg))
-  return out
+  return (out, compiled) if return_compiled else out
 
 
 def pair_case(results: dict, preset: str, suffix: str = "") -> dict:
@@ -207,19 +215,26 @@ def scaling_case(preset: str, length: int, rows: int = 4) -> dict:
 
 
 def decode_case(preset: str, rows: int = 64, reached: int = 1024,
-                max_len: int = 32768, mesh_axes: dict | None = None) -> dict:
+                max_len: int = 32768, mesh_axes: dict | None = None, *,
+                param_dtype: str = "bfloat16", device_list=None, return_compiled: bool = False):
   """The sampler's real decode loop (`sampling._decode_chunk`) for `rows` rows whose traces
   reached `reached` tokens, with `max_len` configured: the cache is what the sampler holds
   (`sampling.cache_len`), not `max_len` slots per row. With `mesh_axes`, params, cache and
-  rows are sharded by the rules of `mgrpo_jax.sharding` and the loop runs under the mesh."""
-  cfg = models.get_preset(preset, param_dtype="bfloat16", compute_dtype="bfloat16")
+  rows are sharded by the rules of `mgrpo_jax.sharding` and the loop runs under the mesh.
+  `param_dtype`: the weights the sampler decodes from (bf16 compute either way).
+  `device_list`: the devices to compile for (default `jax.devices()`; given, even one device
+  gets a mesh), with the compiler options the sampler sets on their platform.
+  `return_compiled`: returns (stats, the compiled loop)."""
+  cfg = models.get_preset(preset, param_dtype=param_dtype, compute_dtype="bfloat16")
   capacity = sampling.cache_len(reached, max_len)
   s = jax.ShapeDtypeStruct
   cache = jax.eval_shape(lambda: qwen3.init_cache(cfg, rows, capacity))
   params = qwen3.abstract_params(cfg)
   mesh = None
+  if mesh_axes is None and device_list is not None:
+    mesh_axes = dict(data=1, fsdp=1, tensor=1)
   if mesh_axes is not None:
-    mesh, _ = _mesh(mesh_axes)
+    mesh, _ = _mesh(mesh_axes, device_list)
     params = _abstract(params, sharding.param_shardings(params, mesh))
     cache = _abstract(cache, jax.tree.map(
         lambda _: sharding.cache_sharding(mesh, cfg.num_kv_heads), cache))
@@ -236,7 +251,8 @@ def decode_case(preset: str, rows: int = 64, reached: int = 1024,
   key = jax.eval_shape(lambda: jax.random.key(0))
   t0 = time.perf_counter()
   with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-    compiled = sampling.decode_jit(jax.default_backend()).lower(
+    backend = jax.default_backend() if device_list is None else device_list[0].platform
+    compiled = sampling.decode_jit(backend).lower(
         cfg, params, state, sp, s((), jnp.int32), key, capacity).compile()
   out = _stats(compiled, time.perf_counter() - t0)
   if mesh_axes is not None:
@@ -245,7 +261,7 @@ def decode_case(preset: str, rows: int = 64, reached: int = 1024,
   out.update(preset=preset, rows=rows, reached=reached, max_len=max_len, cache_len=capacity,
              kv_cache_gb=sampling.kv_cache_bytes(cfg, rows, capacity) / GB,
              kv_cache_at_max_len_gb=sampling.kv_cache_bytes(cfg, rows, max_len) / GB)
-  return out
+  return (out, compiled) if return_compiled else out
 
 
 def all_cases() -> dict:

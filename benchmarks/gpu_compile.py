@@ -1,0 +1,247 @@
+"""The real update, decode and prefill steps compiled for a GPU on a CPU-only machine.
+
+XLA:GPU's pipeline runs without a GPU (the `jax[cuda12]` wheels; no driver, no autotuning)
+against a target config (`benchmarks/gpu_targets/<target>.txtpb`: XLA's TargetConfig) and a
+topology of such devices. Each case compiles the step training or sampling runs, with
+abstract inputs (`benchmarks/memory.py`'s case builders), and reads the GPU program:
+`memory_analysis()` per device and the optimized HLO (`mgrpo_jax.hlo_stats`): kernels and the
+bytes they write per decode step, custom calls (cuBLAS, cuDNN attention), collectives and the
+bytes each GPU receives. Definitions and results: docs/gpu-compile.md.
+
+  python benchmarks/gpu_compile.py --target=h100_sxm  # -> benchmarks/results/gpu-compile-h100_sxm.json
+  python benchmarks/gpu_compile.py --target=h800 --cases=update/qwen3_30b_a3b
+  python benchmarks/gpu_compile.py --list
+
+Cases (the update's shapes and policy are memory.py's: bf16 compute over f32 master weights
+and Adam moments, remat, packed 32k-token micro-batches per GPU, chunked log-probs):
+  update/<preset>/{main,sub}   0.6B and 1.7B on one GPU, 8B on 8 (fsdp), 30B-A3B on 64
+                               (fsdp 8 x expert 8: eight nodes of eight)
+  decode/<preset>/b<rows>      the sampler's decode loop (`sampling.decode_jit`, with the
+                               project's GPU compiler options) for rows whose traces reached
+                               1024 tokens (max_len 32768), from bf16 weights;
+  decode/<preset>/b<rows>+f32  the same from the float32 master weights the `gpu` config's
+                               rollouts decode from
+  prefill/<preset>/b<rows>x<t> the sampler's prefill of rows of t prompt tokens
+"""
+
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The CUDA plugin checks the installed CUDA libraries against a driver; there is none here.
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+import json  # noqa: E402
+import math  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+import memory  # noqa: E402  (benchmarks/memory.py: the case builders)
+from mgrpo_jax import hlo_stats, models, sampling, sharding  # noqa: E402
+from mgrpo_jax.models import qwen3  # noqa: E402
+
+TARGETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_targets")
+TARGETS = ("h100_sxm", "h800", "h200")
+# Bytes per second one GPU receives over each link (the vendors' figures): NVLink within a
+# node of 8 (H100/H200 SXM 900 GB/s, the H800 400 GB/s), InfiniBand between nodes (one
+# 400 Gb/s NIC per GPU).
+LINKS = {"h100_sxm": {"nvlink": 900e9, "infiniband": 50e9},
+         "h800": {"nvlink": 400e9, "infiniband": 50e9},
+         "h200": {"nvlink": 900e9, "infiniband": 50e9}}
+GB = 1e9
+
+_TARGET = flags.DEFINE_enum("target", "h100_sxm", TARGETS, "GPU to compile for.")
+# --out, --cases and --list are memory.py's flags (imported with its case builders), with
+# this benchmark's defaults.
+flags.FLAGS.set_default("out", "")  # benchmarks/results/gpu-compile-<target>.json
+flags.FLAGS.set_default("cases", ["update", "decode", "prefill"])
+_OUT, _CASES, _LIST = memory._OUT, memory._CASES, memory._LIST
+# memory.py's helpers: a mesh over given devices, abstract (sharded) inputs, memory stats.
+_mesh, _abstract, _stats = memory._mesh, memory._abstract, memory._stats
+
+
+def target_config(target: str) -> str:
+  """The TargetConfig text of `target` (benchmarks/gpu_targets/<target>.txtpb)."""
+  with open(os.path.join(TARGETS_DIR, f"{target}.txtpb")) as f:
+    return f.read()
+
+
+def gpu_devices(target: str, count: int):
+  return hlo_stats.gpu_devices(target_config(target), count)
+
+
+def fsdp_minimum(preset: str, mesh_axes: dict, micro_batches: int, devices) -> float:
+  """Bytes one GPU must receive per update step under FSDP: per micro-batch each bf16 weight
+  all-gathered three times (forward, remat, backward) and each f32 gradient reduce-scattered
+  once, over the fsdp axis (ring volumes, (n-1)/n of the gathered size). Weights the expert
+  axis splits are gathered only over fsdp; gradient reductions over other axes (data
+  parallelism across expert groups) are not counted."""
+  cfg = memory.model_config(preset)
+  mesh, _ = _mesh(mesh_axes, devices)
+  params = qwen3.abstract_params(cfg)
+  shardings = sharding.param_shardings(params, mesh)
+  total = 0.0
+  for leaf, sh in zip(jax.tree.leaves(params), jax.tree.leaves(shardings)):
+    axes = [a for part in sh.spec if part for a in ((part,) if isinstance(part, str) else part)]
+    other = math.prod(mesh.shape[a] for a in axes if a != "fsdp")
+    n = mesh.shape["fsdp"] if "fsdp" in axes else 1
+    gathered = math.prod(leaf.shape) / other
+    total += (n - 1) / n * gathered * (3 * 2 + 4)
+  return total * micro_batches
+
+
+def update(target: str, preset: str, role: str, count: int, mesh_axes: dict | None = None,
+           moe_chunk: int = 0) -> dict:
+  rows, length = {"main": (16, 32768), "sub": (64, 8192)}[role]
+  devices = gpu_devices(target, count)
+  axes = mesh_axes or dict(data=1, fsdp=count, tensor=1)
+  out, compiled = memory.update_case(preset, rows, length, devices=count, mesh_axes=axes,
+                                     moe_chunk=moe_chunk, device_list=devices,
+                                     return_compiled=True)
+  t0 = time.perf_counter()
+  text = compiled.as_text()
+  module = hlo_stats.parse(text)
+  node_of = [d.process_index for d in devices[:count]]
+  colls = hlo_stats.collectives(module, count, node_of)
+  links = LINKS[target]
+  received = sum(c["times"] * c["received_bytes"] for c in colls)
+  by_kind, link_s = {}, 0.0
+  for c in colls:
+    b = c["times"] * c["received_bytes"]
+    by_kind[c["kind"]] = by_kind.get(c["kind"], 0.0) + b / GB
+    link_s += b / links["infiniband" if c["crosses_nodes"] else "nvlink"]
+  chunk_loops = hlo_stats.loops_with(module, "chunked_logprobs")
+  # A chunk loop's own collectives times its trip count (the loop runs that many times per
+  # micro-batch) and the micro-batches.
+  in_chunks = sum(c["received_bytes"] * c["times"] * (w.trip_count or 1)
+                  for w in chunk_loops for c in hlo_stats.loop_collectives(module, w, count))
+  minimum = fsdp_minimum(preset, axes, out["micro_batches"], devices) if count > 1 else 0.0
+  calls = {}
+  for instr, times, _ in module.executed():
+    if instr.custom_call_target:
+      calls[instr.custom_call_target] = calls.get(instr.custom_call_target, 0) + times
+  out.update(
+      kernels_per_step=sum(t for _, t, _ in module.executed()),
+      custom_calls=calls,
+      collectives={
+          "received_gb_per_step": received / GB,
+          "by_kind_gb": by_kind,
+          "in_logprob_chunk_loops_gb": in_chunks * out["micro_batches"] / GB,
+          "fsdp_minimum_gb": minimum / GB,
+          "ratio_to_minimum": received / minimum if minimum else None,
+          "link_s": link_s,
+          "links_gb_s": {k: v / GB for k, v in links.items()},
+          "crosses_nodes_gb": sum(c["times"] * c["received_bytes"] for c in colls
+                                  if c["crosses_nodes"]) / GB,
+          "largest": sorted(({k: c[k] for k in ("kind", "times", "group_size", "arrays",
+                                                "crosses_nodes")}
+                             | {"received_gb": c["times"] * c["received_bytes"] / GB}
+                             for c in colls), key=lambda c: -c["received_gb"])[:6]},
+      analysis_s=round(time.perf_counter() - t0, 1))
+  return out
+
+
+def decode(target: str, preset: str, rows: int, param_dtype: str = "bfloat16",
+           reached: int = 1024, max_len: int = 32768) -> dict:
+  devices = gpu_devices(target, 1)
+  out, compiled = memory.decode_case(preset, rows, reached, max_len, param_dtype=param_dtype,
+                                     device_list=devices, return_compiled=True)
+  t0 = time.perf_counter()
+  cfg = models.get_preset(preset, param_dtype=param_dtype, compute_dtype="bfloat16")
+  out.update(param_dtype=param_dtype,
+             **hlo_stats.decode_step_stats(compiled.as_text(), cfg, rows, out["cache_len"]),
+             analysis_s=round(time.perf_counter() - t0, 1))
+  return out
+
+
+def prefill(target: str, preset: str, rows: int, length: int) -> dict:
+  """The sampler's prefill (`sampling._prefill`) of `rows` prompts of `length` tokens."""
+  devices = gpu_devices(target, 1)
+  cfg = models.get_preset(preset, param_dtype="bfloat16", compute_dtype="bfloat16")
+  mesh, _ = _mesh(dict(data=1, fsdp=1, tensor=1), devices)
+  capacity = sampling.cache_len(length + 1, 32768)
+  params = qwen3.abstract_params(cfg)
+  params = _abstract(params, sharding.param_shardings(params, mesh))
+  cache = jax.eval_shape(lambda: qwen3.init_cache(cfg, rows, capacity))
+  cache = _abstract(cache, jax.tree.map(
+      lambda _: sharding.cache_sharding(mesh, cfg.num_kv_heads), cache))
+  row = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32,
+                                           sharding=sharding.batch_sharding(mesh, len(shape)))
+  t0 = time.perf_counter()
+  with jax.set_mesh(mesh):
+    compiled = sampling._prefill.lower(
+        cfg, params, row((rows, length)), row((rows,)), row((rows,)), cache,
+        sampling._window(length, capacity), None).compile()
+  out = _stats(compiled, time.perf_counter() - t0)
+  module = hlo_stats.parse(compiled.as_text())
+  calls = {}
+  for instr, times, _ in module.executed():
+    if instr.custom_call_target:
+      calls[instr.custom_call_target] = calls.get(instr.custom_call_target, 0) + times
+  out.update(preset=preset, rows=rows, length=length, cache_len=capacity,
+             kernels=sum(t for _, t, _ in module.executed()), custom_calls=calls)
+  return out
+
+
+def all_cases(target: str) -> dict:
+  cases = {}
+  for preset, count in (("qwen3_0p6b", 1), ("qwen3_1p7b", 1), ("qwen3_8b", 8)):
+    for role in ("main", "sub"):
+      cases[f"update/{preset}/{role}"] = lambda p=preset, r=role, n=count: update(
+          target, p, r, n)
+  for role in ("main", "sub"):
+    cases[f"update/qwen3_30b_a3b/{role}"] = lambda r=role: update(
+        target, "qwen3_30b_a3b", r, 64, dict(data=1, fsdp=8, tensor=1, expert=8), 512)
+  for preset in ("qwen3_0p6b", "qwen3_1p7b"):
+    for rows in (1, 64, 256):
+      cases[f"decode/{preset}/b{rows}"] = lambda p=preset, b=rows: decode(target, p, b)
+      cases[f"decode/{preset}/b{rows}+f32"] = lambda p=preset, b=rows: decode(
+          target, p, b, "float32")
+  cases["prefill/qwen3_0p6b/b64x1024"] = lambda: prefill(target, "qwen3_0p6b", 64, 1024)
+  return cases
+
+
+def main(argv):
+  del argv
+  target = _TARGET.value
+  cases = all_cases(target)
+  if _LIST.value:
+    print("\n".join(cases))
+    return
+  chosen = [n for n in cases if any(n == c or n.startswith(c) for c in _CASES.value)]
+  if not chosen:
+    sys.exit(f"--cases={','.join(_CASES.value)} matches none of: {', '.join(cases)}")
+  path = _OUT.value or f"benchmarks/results/gpu-compile-{target}.json"
+  results = {}
+  if os.path.exists(path):
+    with open(path) as f:
+      results = json.load(f).get("cases", {})
+  for name in chosen:
+    print(f"{name} ...", flush=True)
+    t0 = time.perf_counter()
+    r = results[name] = cases[name]()
+    r["command"] = "python benchmarks/gpu_compile.py " + " ".join(sys.argv[1:])
+    r["wall_s"] = round(time.perf_counter() - t0, 1)
+    line = f"  total {r['total_gb']:.2f} GB per GPU, compiled in {r['compile_s']} s"
+    if "written_to_read" in r:
+      line += (f"; per step {r['kernels_per_step']:.0f} kernels, writes "
+               f"{r['bytes_written_per_step_gb']:.3f} GB, must read "
+               f"{r['bytes_must_read_per_step_gb']:.3f} GB")
+    if "collectives" in r:
+      c = r["collectives"]
+      line += (f"; receives {c['received_gb_per_step']:.1f} GB per GPU per step "
+               f"(FSDP minimum {c['fsdp_minimum_gb']:.1f}), {c['link_s']:.2f} s at the link")
+    print(line, flush=True)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+      json.dump({"device": f"{target} (compiled on a CPU-only machine for this target; "
+                           "per GPU; no autotuning)",
+                 "target_config": f"benchmarks/gpu_targets/{target}.txtpb",
+                 "jax": jax.__version__, "cases": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,206 @@
+"""CI sees the GPU program: a small model's decode loop and update, compiled for an H100 on
+this CPU (the CUDA plugin and compiler wheels of the `gpu` extra; no GPU, no driver), checked
+structurally with mgrpo_jax.hlo_stats (definitions: docs/gpu-compile.md).
+
+The checks today's code fails are strict xfails naming the issue that fixes them: when the
+fix lands they pass, strict turns that into a failure, and the marker must go.
+Without the CUDA wheels the compiles fail with the install command: no silent skip.
+"""
+
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from mgrpo_jax import hlo_stats, models
+from mgrpo_jax.models import qwen3
+
+TARGETS = pathlib.Path(__file__).parent.parent / "benchmarks" / "gpu_targets"
+# The small model: Qwen3's proportions where they matter here (a layer's weights far larger
+# than a decode step's activations and logits).
+PRESET, ROWS, REACHED, MAX_LEN = "small", 4, 64, 128
+# The attention kernel the packed update asks for on GPU: "cudnn" takes the fused kernel
+# where it applies (today not on packed rows, issue 34).
+FUSED_ATTENTION = "cudnn"
+# One worker runs this file under `pytest -n 2 --dist loadgroup` (.ci/run): the fixtures'
+# compiles happen once.
+pytestmark = pytest.mark.xdist_group("gpu_compile")
+ISSUE_34 = "issue 34: the FSDP update gathers the head in every log-prob chunk"
+ISSUE_35 = ("issue 35: the decode loop slices copies of each layer's stacked weights and "
+            "cache out on every step")
+
+
+def _devices(count: int, target: str = "h100_sxm"):
+  try:
+    return hlo_stats.gpu_devices((TARGETS / f"{target}.txtpb").read_text(), count)
+  except Exception as e:  # pylint: disable=broad-except
+    pytest.fail(f"Cannot compile for a GPU target ({e!r}): this test needs the CUDA plugin "
+                f"and compiler wheels, `pip install -e \".[test,gpu]\"` (.ci/run does).")
+
+
+def _rollout_weights(cfg, params):
+  """The weights the sampler's decode loop reads on the `gpu` config's rollout path.
+
+  Today the sampler decodes from the float32 master weights as they are. Issue 35: when it
+  decodes from bf16 weights made once per policy version, return (the abstract shapes of)
+  what it hands `decode_jit` instead, then drop the xfails below."""
+  del cfg
+  return params
+
+
+@pytest.fixture(scope="module")
+def decode_loops(load_benchmark):
+  """{param dtype: (stats, the model config)} of the sampler's decode loop compiled for an
+  H100: bf16 weights, and the f32 master weights of the `gpu` config's rollouts."""
+  memory = load_benchmark("memory")
+  devices = _devices(1)
+  out = {}
+  for dtype in ("bfloat16", "float32"):
+    cfg = models.get_preset(PRESET, param_dtype=dtype, compute_dtype="bfloat16")
+    case, compiled = memory.decode_case(PRESET, ROWS, REACHED, MAX_LEN, param_dtype=dtype,
+                                        device_list=devices, return_compiled=True)
+    stats = hlo_stats.decode_step_stats(
+        compiled.as_text(), cfg, ROWS, case["cache_len"],
+        weights=_rollout_weights(cfg, qwen3.abstract_params(cfg)))
+    out[dtype] = stats
+  return out
+
+
+@pytest.fixture(scope="module")
+def update_program(load_benchmark):
+  """The packed update of the tiny model compiled for 2 H100s (fsdp=2), log-probs in 4
+  chunks: (parsed module, number of devices)."""
+  memory = load_benchmark("memory")
+  devices = _devices(2)
+  _, compiled = memory.update_case("tiny", 8, 256, devices=2, device_list=devices,
+                                   return_compiled=True, logits_chunk=512,
+                                   model_overrides=dict(attention=FUSED_ATTENTION))
+  return hlo_stats.parse(compiled.as_text()), 2
+
+
+@pytest.mark.parametrize("target", ["h100_sxm", "h800", "h200"])
+def test_each_target_config_compiles_a_function_for_its_gpu(target):
+  text = (TARGETS / f"{target}.txtpb").read_text()
+  devices = _devices(1, target)
+  kind = text.split('device_description_str: "')[1].split('"')[0]
+  assert devices[0].device_kind == kind and devices[0].platform == "gpu"
+  sh = jax.sharding.SingleDeviceSharding(devices[0])
+  x = jax.ShapeDtypeStruct((64, 128), jnp.bfloat16, sharding=sh)
+  compiled = jax.jit(lambda a, b: jax.nn.relu(a @ b)).lower(x, x.update(shape=(128, 96))
+                                                             ).compile()
+  module = hlo_stats.parse(compiled.as_text())
+  # The GPU program: a Triton or cuBLAS matmul kernel, not the CPU's dot.
+  kernels = [i for i, _, _ in module.executed()]
+  assert any(i.opcode == "fusion" and "gemm" in (i.attrs + i.name) or
+             (i.custom_call_target or "").startswith("__cublas") for i in kernels), kernels
+  assert compiled.memory_analysis().output_size_in_bytes == 64 * 96 * 2
+
+
+@pytest.mark.parametrize("dtype", [
+    pytest.param("bfloat16", marks=pytest.mark.xfail(strict=True, reason=ISSUE_35)),
+    pytest.param("float32", marks=pytest.mark.xfail(strict=True, reason=ISSUE_35))])
+def test_decode_loop_copies_no_stacked_weight_or_cache(decode_loops, dtype):
+  stats = decode_loops[dtype]
+  assert stats["copies"] == [], stats["copies"]
+
+
+@pytest.mark.xfail(strict=True, reason=ISSUE_35 + "; and casts its f32 master weights to "
+                   "bf16 on every step")
+def test_rollout_decode_casts_no_weight_per_step(decode_loops):
+  stats = decode_loops["float32"]
+  assert stats["casts_per_step"] == 0, [c for c in stats["copies"] if c[3]]
+
+
+@pytest.mark.parametrize("dtype", [
+    pytest.param("bfloat16", marks=pytest.mark.xfail(strict=True, reason=ISSUE_35)),
+    pytest.param("float32", marks=pytest.mark.xfail(strict=True, reason=ISSUE_35))])
+def test_decode_step_writes_under_a_tenth_of_what_it_reads(decode_loops, dtype):
+  stats = decode_loops[dtype]
+  assert stats["written_to_read"] < 0.1, (stats["written_to_read"], stats["top_writers"])
+
+
+def test_decode_stats_count_the_real_loop(decode_loops):
+  # Not vacuous: the loop found is the decode loop over the model's layers, and what a step
+  # must read is the model's bf16 weights plus its cache.
+  cfg = models.get_preset(PRESET)
+  for stats in decode_loops.values():
+    assert stats["kernels_per_step"] > 5 * cfg.num_layers
+    weights_gb = cfg.num_params() * 2 / 1e9
+    assert weights_gb < stats["bytes_must_read_per_step_gb"] < 1.5 * weights_gb
+
+
+@pytest.mark.xfail(strict=True, reason=ISSUE_34)
+def test_no_weight_gathered_inside_the_logprob_chunk_loop(update_program):
+  module, n = update_program
+  loops = hlo_stats.loops_with(module, "chunked_logprobs")
+  assert loops, "no log-prob chunk loop found: did chunked_logprobs change its name?"
+  inside = [c for w in loops for c in hlo_stats.loop_collectives(module, w, n)
+            if c["kind"] in ("all-gather", "reduce-scatter")]
+  assert inside == [], inside
+
+
+def test_update_gathers_its_layers_over_fsdp(update_program):
+  # The control of the check above: the collectives are found, with their group size.
+  module, n = update_program
+  gathers = [c for c in hlo_stats.collectives(module, n) if c["kind"] == "all-gather"]
+  assert gathers and all(c["group_size"] == 2 for c in gathers)
+  assert sum(c["received_bytes"] * c["times"] for c in gathers) > 0
+
+
+@pytest.mark.xfail(strict=True, reason="issue 34: the packed update's attention is the "
+                   "pure-JAX blockwise kernel, no fused custom call")
+def test_packed_update_runs_a_fused_attention_kernel(update_program):
+  module, _ = update_program
+  targets = {i.custom_call_target for i, _, _ in module.executed() if i.custom_call_target}
+  assert any("fmha" in t or "flash" in t or "attention" in t for t in targets), targets
+
+
+def _toy_decode(layers=3, d=256, batch=2, stacked=True, copy=False):
+  """A decode-shaped toy: a while loop of unknown trip count over steps, each running the
+  layers over weights stacked [L, D, D] (a scan) or one array per layer (unrolled).
+  `copy`: the deliberately bad loop, which makes each layer's weight a buffer of its own."""
+  devices = _devices(1)
+  sh = jax.sharding.SingleDeviceSharding(devices[0])
+
+  def layer(x, w):
+    if copy:
+      w = jax.lax.optimization_barrier(w)  # The slice must exist as its own buffer.
+    return jnp.tanh(x @ w)
+
+  def step(ws, x):
+    if stacked:
+      return jax.lax.scan(lambda h, w: (layer(h, w), None), x, ws)[0]
+    for w in ws:
+      x = layer(x, w)
+    return x
+
+  def loop(ws, x, n):
+    return jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, step(ws, c[1])),
+                              (0, x))[1]
+
+  w = (jax.ShapeDtypeStruct((layers, d, d), jnp.bfloat16, sharding=sh) if stacked else
+       tuple(jax.ShapeDtypeStruct((d, d), jnp.bfloat16, sharding=sh) for _ in range(layers)))
+  x = jax.ShapeDtypeStruct((batch, d), jnp.bfloat16, sharding=sh)
+  n = jax.ShapeDtypeStruct((), jnp.int32, sharding=sh)
+  module = hlo_stats.parse(jax.jit(loop).lower(w, x, n).compile().as_text())
+  named = {"w": ((layers, d, d), jnp.bfloat16)} if stacked else {
+      f"w{i}": ((d, d), jnp.bfloat16) for i in range(layers)}
+  targets = hlo_stats.copy_targets(named, layers)
+  loop_instr = module.outer_loop()
+  return (hlo_stats.copies(module, loop_instr, targets),
+          hlo_stats.loop_summary(module, loop_instr, layers))
+
+
+def test_the_check_catches_a_decode_loop_that_copies_a_stacked_weight():
+  found, summary = _toy_decode(copy=True)
+  assert found and {c["target"] for c in found} == {"w"}, found
+  assert found[0]["writes"] == "bf16[256, 256]" or found[0]["writes"] == "bf16[1, 256, 256]"
+  # Each layer's copy (128 KB) is written on every step: more than the step must read / 10.
+  assert summary["bytes_written"] >= 3 * 256 * 256 * 2
+
+
+def test_the_check_passes_per_layer_weights_read_in_place():
+  found, summary = _toy_decode(stacked=False)
+  assert found == [], found
+  assert summary["bytes_written"] < 0.1 * 3 * 256 * 256 * 2
