@@ -41,6 +41,7 @@ from absl import app, flags
 from mgrpo_jax import metrics, models, sampling, xla_options
 from mgrpo_jax.rl import packing
 from mgrpo_jax.rl import train_step as ts
+from mgrpo_jax.rl.batch import Batch
 
 _CASES = flags.DEFINE_list("cases", ["decode", "prefill", "update"], "Kinds of case to run.")
 _MODELS = flags.DEFINE_list("models", ["qwen3_0p6b", "qwen3_1p7b"], "Decode/prefill presets.")
@@ -183,16 +184,17 @@ def update_case(preset: str, tokens: int, policy: str, specs) -> dict:
   rng = np.random.default_rng(0)
   mask = np.ones((rows, seq), np.float32)
   mask[:, :seq // 8] = 0  # A prompt, then the generated tokens the loss covers.
-  batch = {"tokens": rng.integers(1, cfg.vocab_size, (rows, seq)).astype(np.int32),
-           "loss_mask": mask, "old_logp": np.where(mask > 0, -2.0, 0.0).astype(np.float32),
-           "adv": rng.normal(size=rows).astype(np.float32)}
+  batch = Batch(tokens=rng.integers(1, cfg.vocab_size, (rows, seq)).astype(np.int32),
+                loss_mask=mask, old_logp=np.where(mask > 0, -2.0, 0.0).astype(np.float32),
+                adv=rng.normal(size=rows).astype(np.float32))
   out = dict(kind="update", model=preset, tokens=tokens, seq=seq, rows=rows,
              remat_policy=policy, model_flops=train_flops(cfg, tokens, seq))
   key = jax.random.key(0)
   abstract = jax.eval_shape(lambda k: ts.init_state(models.init_params(cfg, k), tx, k), key)
   # The step packs on the host; its jitted part sees these shapes.
-  packed = packing.pack(batch, max_tokens_per_micro=tokens, agg=ts.LossConfig().agg)
-  packed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), packed)
+  packed = packing.pack(batch.as_dict(), max_tokens_per_micro=tokens, agg=ts.LossConfig().agg)
+  packed = Batch(**jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
+                                packed))
   mem = step.jitted.lower(abstract, packed, None).compile().memory_analysis()
   need = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
           + mem.temp_size_in_bytes)

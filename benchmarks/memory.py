@@ -48,6 +48,7 @@ from absl import app, flags  # noqa: E402
 from mgrpo_jax import models, sampling, sharding  # noqa: E402
 from mgrpo_jax.models import lora, qwen3  # noqa: E402
 from mgrpo_jax.rl import train_step as ts  # noqa: E402
+from mgrpo_jax.rl.batch import Batch  # noqa: E402
 
 _CASES = flags.DEFINE_list("cases", ["update", "decode", "scaling"],
                            "Case name prefixes to run (update, decode, scaling, or full names).")
@@ -162,10 +163,9 @@ def update_case(preset: str, rows: int, length: int, *, devices: int = 1,
   rows_sh = None if mesh is None else jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec(None, sharding.BATCH))
   tok = lambda dt: jax.ShapeDtypeStruct(shape, dt, sharding=rows_sh)
-  batch = {"tokens": tok(jnp.int32), "positions": tok(jnp.int32),
-           "segment_ids": tok(jnp.int32), "adv": tok(jnp.float32),
-           "seq_tokens": tok(jnp.float32), "loss_mask": tok(jnp.float32),
-           "old_logp": tok(jnp.float32), "denominator": jax.ShapeDtypeStruct((), jnp.float32)}
+  batch = Batch(tokens=tok(jnp.int32), positions=tok(jnp.int32), segment_ids=tok(jnp.int32),
+                adv=tok(jnp.float32), seq_tokens=tok(jnp.float32), loss_mask=tok(jnp.float32),
+                old_logp=tok(jnp.float32), denominator=jax.ShapeDtypeStruct((), jnp.float32))
   t0 = time.perf_counter()
   compiled = step.jitted.lower(state, batch, frozen).compile()
   out = _stats(compiled, time.perf_counter() - t0)
@@ -205,8 +205,8 @@ def scaling_case(preset: str, length: int, rows: int = 4) -> dict:
   state, _ = abstract_state(cfg, tx)
   step = ts.make_train_step(cfg, ts.LossConfig(), tx, logits_chunk=_LOGITS_CHUNK)
   tok = lambda dt: jax.ShapeDtypeStruct((rows, length), dt)
-  batch = {"tokens": tok(jnp.int32), "loss_mask": tok(jnp.float32),
-           "old_logp": tok(jnp.float32), "adv": jax.ShapeDtypeStruct((rows,), jnp.float32)}
+  batch = Batch(tokens=tok(jnp.int32), loss_mask=tok(jnp.float32), old_logp=tok(jnp.float32),
+                adv=jax.ShapeDtypeStruct((rows,), jnp.float32))
   t0 = time.perf_counter()
   compiled = step.lower(state, batch).compile()
   out = _stats(compiled, time.perf_counter() - t0)
