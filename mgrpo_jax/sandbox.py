@@ -25,14 +25,16 @@ Mechanisms (each is tried; those in force are listed in `result.isolation`):
     procfs  /proc is a fresh procfs of the pid namespace: the host's processes are not there
             (or "noproc": an empty /proc, where procfs cannot be mounted);
     rofs    every other mount is read-only (except /proc, /sys, /dev, left to permissions);
-    hidden  a directory that other users cannot enter (e.g. a 0700 /root) is covered by an
-            empty tmpfs, but for the entries the interpreter needs (/root/.pyenv).
+    hidden  every directory on the interpreter's paths that other users cannot enter (a 0700
+            /root, a 0700 `mktemp -d` inside it holding the venv, each link of a symlink
+            chain) is covered by an empty read-only tmpfs, but for the entries the interpreter
+            needs (/root/.pyenv, /root/.cache/tmp.X/venv); nested ones in turn.
   pidns   the program is pid 2 under our init; when init exits the kernel kills everything
           left, setsid() escapees included, and the caller's pid is not even addressable.
   setuid  as root, the program runs as a fresh uid (UID_BASE + slot; one slot per concurrent
           run, held by a file lock), because root ignores RLIMIT_NPROC and may write anywhere.
-  read_search   only when the interpreter sits under a closed dir that could not be hidden
-          (no mount namespace): the uid keeps CAP_DAC_READ_SEARCH, so it may read any file.
+  read_search   only without a mount namespace, when the interpreter sits under a closed dir
+          that could not be hidden: the uid keeps CAP_DAC_READ_SEARCH, so it may read any file.
   userns  when not root, an unprivileged user namespace gives the same namespaces; RLIMIT_NPROC
           is then counted per namespace, and every capability is dropped before exec.
   guard   without a network namespace (or with isolation="guard"), an audit hook in the child
@@ -355,27 +357,55 @@ def _remove_owned_by(uid):
 
 @functools.cache
 def _closed_dirs(python):
-  """Directories on the interpreter's paths that other users cannot enter.
+  """Directories on the interpreter's paths that other users cannot enter, nested ones too.
 
-  Returns ({closed dir: [entries the interpreter needs in it]}, whether another closed dir
-  lies below one of those entries). The sandbox hides each closed dir, since other users may
-  not look inside it either, except for those entries (pyenv in a 0700 /root).
+  Returns {closed dir: [entries the interpreter needs in it]}, for every closed directory the
+  kernel passes through to reach the interpreter (each link of a symlink chain followed), its
+  prefix and, for this interpreter, its search path. The sandbox hides each closed dir, since
+  other users may not look inside it either, except for those entries (pyenv in a 0700 /root;
+  a venv in a 0700 `mktemp -d` inside it).
   """
-  paths = {os.path.realpath(python)}
-  if paths == {os.path.realpath(sys.executable)}:
-    paths |= {os.path.realpath(p)
-              for p in (sys.prefix, sys.base_prefix, *sys.path) if p and os.path.isdir(p)}
-  keep, deeper = {}, False
-  for path in paths:
-    parts = path.split(os.sep)  # ["", "root", ".pyenv", ...]
-    closed = [i for i in range(2, len(parts))
-              if os.path.isdir(os.sep.join(parts[:i]))
-              and not os.stat(os.sep.join(parts[:i])).st_mode & stat.S_IXOTH]
-    if closed:
-      top = os.sep.join(parts[:closed[0]])
-      keep.setdefault(top, set()).add(parts[closed[0]])
-      deeper |= len(closed) > 1
-  return {top: sorted(names) for top, names in keep.items()}, deeper
+  python = os.path.abspath(python)
+  paths = {python}
+  for exe in (python, os.path.realpath(python)):
+    for prefix in (os.path.dirname(exe), os.path.dirname(os.path.dirname(exe))):
+      paths.add(os.path.join(prefix, "pyvenv.cfg"))  # Where a venv says where its base is.
+      paths.add(prefix)
+  if os.path.realpath(python) == os.path.realpath(sys.executable):
+    paths |= {p for p in (sys.prefix, sys.base_prefix, *sys.path) if p and os.path.isdir(p)}
+  keep = {}
+  for path in sorted(paths):
+    for looked_up in _lookups(path):
+      parent = os.path.dirname(looked_up)
+      if (parent != os.sep and os.path.lexists(looked_up) and os.path.isdir(parent)
+          and not os.stat(parent).st_mode & stat.S_IXOTH):
+        keep.setdefault(parent, set()).add(os.path.basename(looked_up))
+  return {top: sorted(names) for top, names in sorted(keep.items())}
+
+
+def _lookups(path):
+  """Every path the kernel looks up to reach `path`, following symlinks as `open` would.
+
+  Each has a parent free of symlinks: ["/root", "/root/.cache", ..., "/root/.pyenv", ...].
+  """
+  seen, current, todo, hops = [], os.sep, path.split(os.sep)[::-1], 0
+  while todo:
+    name = todo.pop()
+    if name in ("", "."):
+      continue
+    if name == "..":
+      current = os.path.dirname(current)
+      continue
+    looked_up = os.path.join(current, name)
+    seen.append(looked_up)
+    if os.path.islink(looked_up) and hops < 40:  # The kernel's own limit on links.
+      hops += 1
+      target = os.readlink(looked_up)
+      current = os.sep if target.startswith(os.sep) else current
+      todo.extend(target.split(os.sep)[::-1])
+    else:
+      current = looked_up
+  return seen
 
 
 def _count_files(files) -> int:

@@ -133,9 +133,9 @@ def _bootstrap(config):
     if "mntns" in mechanisms:
       mechanisms += _private_filesystem(libc, config, files)
       cwd = "/tmp"
-    closed, deeper = config["closed"]
-    if config["uid"] is not None and closed and ("hidden" not in mechanisms or deeper):
-      mechanisms.append("read_search")  # The interpreter is out of the uid's reach otherwise.
+    if config["uid"] is not None and config["closed"] and "hidden" not in mechanisms:
+      # No mount namespace to hide closed dirs in: the interpreter is out of the uid's reach.
+      mechanisms.append("read_search")
     if "netns" not in mechanisms:
       mechanisms.append("guard")
     _report(fd, isolation=mechanisms)
@@ -205,13 +205,14 @@ def _private_filesystem(libc, config, files):
   got = ["tmpfs"]
   for path, fd in keep:
     _bind_back(libc, path, fd)
-  closed = config["closed"][0]
+  closed = config["closed"]
   if closed:
-    # Closed dirs under /tmp are gone with it: the parents of kept paths are remade 0755.
+    # Closed dirs under /tmp are gone with it, and the parents of kept paths are remade 0755;
+    # those inside a kept path (a venv there) came back with it and are hidden like the rest.
     _hide_closed_dirs(libc, {top: names for top, names in closed.items()
-                             if not _under(top, "/tmp")})
-    if not any(_under(top, path) for top in closed for path, _ in keep):
-      got.append("hidden")
+                             if not _under(top, "/tmp")
+                             or any(_under(top, path) for path, _ in keep)})
+    got.append("hidden")
   if _remount_readonly(libc):
     got.append("rofs")
   for rel, content in files.items():
@@ -260,21 +261,34 @@ def _parents(path, root):
 
 
 def _hide_closed_dirs(libc, closed):
-  """Covers each closed dir with an empty tmpfs, then puts back the entries to keep."""
-  for n, (top, names) in enumerate(closed.items()):
+  """Covers each closed dir with an empty tmpfs, then puts back the entries to keep.
+
+  Outermost first: an entry put back may itself be (or lead to) a closed dir, covered next.
+  """
+  tops = sorted(closed, key=lambda top: top.count("/"))
+  for n, top in enumerate(tops):
     aside = []
-    for k, name in enumerate(names):
+    for k, name in enumerate(closed[top]):
+      source = os.path.join(top, name)
+      if os.path.islink(source):  # A link in a symlink chain: copied, its target kept apart.
+        aside.append((name, os.readlink(source), "link"))
+        continue
       path = os.path.join("/tmp", f".keep{n}_{k}")  # Parked on the new /tmp meanwhile.
-      is_dir = os.path.isdir(os.path.join(top, name))
-      os.mkdir(path) if is_dir else open(path, "w").close()
-      libc.mount(os.path.join(top, name), path, None, _MS_BIND | _MS_REC)
-      aside.append((name, path, is_dir))
+      kind = "dir" if os.path.isdir(source) else "file"
+      os.mkdir(path) if kind == "dir" else open(path, "w").close()
+      libc.mount(source, path, None, _MS_BIND | _MS_REC)
+      aside.append((name, path, kind))
     libc.mount("tmpfs", top, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=1m,mode=0755")
-    for name, path, is_dir in aside:
+    for name, path, kind in aside:
       target = os.path.join(top, name)
-      os.mkdir(target) if is_dir else open(target, "w").close()
+      if kind == "link":
+        os.symlink(path, target)
+        continue
+      os.mkdir(target) if kind == "dir" else open(target, "w").close()
       libc.mount(path, target, None, _MS_MOVE)
-      os.rmdir(path) if is_dir else os.unlink(path)
+      os.rmdir(path) if kind == "dir" else os.unlink(path)
+    # Read-only now (those under /tmp are skipped by _remount_readonly); mounts go on top.
+    libc.mount(None, top, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
 
 
 def _remount_readonly(libc):

@@ -2,9 +2,12 @@
 
 import concurrent.futures
 import os
+import pathlib
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -131,14 +134,82 @@ def test_writes_outside_the_scratch_dir_do_not_land(isolation):
 
 
 def test_closed_dirs_show_only_what_the_interpreter_needs():
-  closed, _ = sandbox._closed_dirs(sys.executable)
+  closed = sandbox._closed_dirs(sys.executable)
   if not closed:
     pytest.skip("the interpreter sits under no directory closed to other users")
-  r = sandbox.run(f"import os\nfor d in {sorted(closed)!r}:\n  print(sorted(os.listdir(d)))")
+  # Under /tmp the private tmpfs stands in: only the interpreter's own paths come back there.
+  kept = sandbox._tmp_paths(sys.executable)
+  shown = sorted(d for d in closed if not d.startswith("/tmp/")
+                 or any(d.startswith(p + "/") or p.startswith(d + "/") or d == p for p in kept))
+  r = sandbox.run(f"import os\nfor d in {shown!r}:\n  print(*sorted(os.listdir(d)))")
   if "mntns" not in r.isolation:
     pytest.skip("needs a mount namespace")
-  assert r.ok and "hidden" in r.isolation and "read_search" not in r.isolation
-  assert r.stdout.splitlines() == [str(closed[d]) for d in sorted(closed)]
+  assert r.ok and "hidden" in r.isolation and "read_search" not in r.isolation, r
+  for d, line in zip(shown, r.stdout.splitlines(), strict=True):
+    if d.startswith("/tmp/"):  # A parent of a kept path: only the kept ones of its entries.
+      assert line and set(line.split(" ")) <= set(closed[d]), (d, line)
+    else:
+      assert line.split(" ") == closed[d], d
+
+
+@pytest.fixture
+def closed_layout():
+  """An interpreter behind two nested 0700 directories, reached through a symlink chain.
+
+  Outside /tmp (the sandbox's own tmpfs covers /tmp), in the home directory as
+  `mktemp -d -p "$HOME/.cache"` would be, else in the checkout:
+
+    outer/            0700, also holds `secret`
+      inner/          0700, also holds `secret`
+        bin/python -> ../../links/python3
+      links/          0700
+        python3    -> this interpreter
+  """
+  homes = [h for h in (pathlib.Path.home(), pathlib.Path(REPO))
+           if os.access(h, os.W_OK) and not str(h).startswith("/tmp/")]
+  if not homes:
+    pytest.skip("neither the home directory nor the checkout is writable outside /tmp")
+  parent = homes[0]
+  outer = pathlib.Path(tempfile.mkdtemp(prefix=".mgrpo-sandbox-test-", dir=parent))  # 0700.
+  try:
+    inner, links = outer / "inner", outer / "links"
+    for d in (inner, links):
+      d.mkdir(mode=0o700)
+    (inner / "bin").mkdir()
+    (links / "python3").symlink_to(sys.executable)
+    (inner / "bin" / "python").symlink_to("../../links/python3")
+    for d in (outer, inner):
+      (d / "secret").write_text("not for the sandbox")
+    yield outer
+  finally:
+    shutil.rmtree(outer)
+
+
+def test_interpreter_behind_nested_closed_dirs_sees_only_what_it_needs(closed_layout):
+  outer = closed_layout
+  python = str(outer / "inner" / "bin" / "python")
+  assert sandbox._closed_dirs(python)[str(outer)] == ["inner", "links"]
+  code = (f"import os, sys\nprint(sys.version_info[:2])\n"
+          f"for d in {[str(outer), str(outer / 'inner'), str(outer / 'links')]!r}:\n"
+          f"  print(sorted(os.listdir(d)))\n"
+          f"for f in ('secret', 'inner/secret'):\n"
+          f"  print(os.path.exists(os.path.join({str(outer)!r}, f)))\n")
+  r = sandbox.run(code, python=python)
+  if "mntns" not in r.isolation:
+    pytest.skip("needs a mount namespace")
+  assert r.ok, (r.status, r.stderr)
+  assert "hidden" in r.isolation and "read_search" not in r.isolation, r.isolation
+  assert r.stdout.splitlines() == [str(sys.version_info[:2]), "['inner', 'links']", "['bin']",
+                                   "['python3']", "False", "False"]
+  if IS_ROOT:
+    # The sandbox uid cannot enter 0700 dirs: it got in through the hiding tmpfs...
+    r = sandbox.run(f"import os\nprint(os.getuid(), os.stat({str(outer)!r}).st_mode & 0o777)",
+                    python=python)
+    uid, mode = map(int, r.stdout.split())
+    assert uid >= sandbox.UID_BASE and mode == 0o755
+    # ...and only without a mount namespace does it keep CAP_DAC_READ_SEARCH instead.
+    r = sandbox.run("print('ran')", python=python, isolation="guard")
+    assert r.stdout == "ran\n" and "read_search" in r.isolation and "mntns" not in r.isolation
 
 
 @pytest.mark.parametrize("isolation", ["auto", "guard"])

@@ -18,8 +18,11 @@ pytestmark = pytest.mark.devices(8)
 
 AXES = dict(data=1, fsdp=2, tensor=1, expert=4)
 # Mixed dense and sparse layers; 8 experts split 4 ways; norms random so nothing is trivial.
-CONFIG = models.get_preset("tiny_moe_mixed", vocab_size=97, router_aux_loss_coef=0.01)
+CONFIG = models.get_preset("tiny_moe_mixed", vocab_size=97, router_aux_loss_coef=0.5)
 B, T = 8, 10
+# Plain SGD: parameters move by lr * gradient, so they compare as tightly as gradients do
+# (Adam's g / sqrt(v) magnifies float reordering on near-zero gradients).
+TX = optax.sgd(0.5)
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +34,12 @@ def setup():
       lambda path, x: x if "scale" in sharding.path_str(path) else x * 10, params)
   mesh = sharding.make_mesh(AXES)
   return params, mesh
+
+
+@pytest.fixture(scope="module")
+def one_device_step():
+  """CONFIG's train step on one device, compiled once for the tests that compare with it."""
+  return ts.make_train_step(CONFIG, ts.LossConfig(), TX)
 
 
 def test_expert_weights_split_and_tokens_move(setup):
@@ -63,22 +72,19 @@ def _batch(seed):
                adv=rng.normal(size=B).astype(np.float32))
 
 
-def test_train_step_on_expert_mesh_matches_one_device(setup):
+def test_train_step_on_expert_mesh_matches_one_device(setup, one_device_step):
   params, mesh = setup
-  # Plain SGD: parameters move by lr * gradient, so they compare as tightly as gradients do
-  # (Adam's g / sqrt(v) magnifies float reordering on near-zero gradients).
-  tx = optax.sgd(0.5)
-  loss = ts.LossConfig()
 
   def run(mesh_or_none):
     # A copy: the step donates its state, and the fixture's params are used again.
-    state = ts.init_state(jax.tree.map(jnp.copy, params), tx, jax.random.key(1))
+    state = ts.init_state(jax.tree.map(jnp.copy, params), TX, jax.random.key(1))
     if mesh_or_none is None:
-      step = ts.make_train_step(CONFIG, loss, tx)
+      step = one_device_step
     else:
       st_sh = ts.state_shardings(state, mesh_or_none)
       state = jax.device_put(state, st_sh)
-      step = ts.make_train_step(CONFIG, loss, tx, mesh=mesh_or_none, state_sharding=st_sh)
+      step = ts.make_train_step(CONFIG, ts.LossConfig(), TX, mesh=mesh_or_none,
+                                state_sharding=st_sh)
     metrics = []
     for i in range(2):
       state, m = step(state, _batch(i))
@@ -100,16 +106,16 @@ def test_train_step_on_expert_mesh_matches_one_device(setup):
              for n in ("router", "gate", "up", "down"))
 
 
-def test_aux_loss_term_of_the_train_step():
-  # loss(coef) - loss(0) == coef * router_aux_loss, and that aux loss is the forward's.
+def test_aux_loss_term_of_the_train_step(one_device_step):
+  # loss(coef) - loss(0) == coef * router_aux_loss, and that aux loss is the forward's. The
+  # loss is the one before the update, whatever the learning rate.
   params = models.init_params(CONFIG, jax.random.key(2))
-  tx = ts.make_optimizer(learning_rate=0.0)
   batch = _batch(5)
-  out = {}
-  for coef in (0.0, 0.5):
-    cfg = CONFIG.replace(router_aux_loss_coef=coef)
-    _, out[coef] = ts.make_train_step(cfg, ts.LossConfig(), tx)(
-        ts.init_state(jax.tree.map(jnp.copy, params), tx, jax.random.key(0)), batch)
+  steps = {0.0: ts.make_train_step(CONFIG.replace(router_aux_loss_coef=0.0), ts.LossConfig(),
+                                   TX),
+           0.5: one_device_step}  # CONFIG's coefficient.
+  out = {coef: step(ts.init_state(jax.tree.map(jnp.copy, params), TX, jax.random.key(0)),
+                    batch)[1] for coef, step in steps.items()}
   aux = float(out[0.5]["router_aux_loss"])
   assert "router_aux_loss" not in out[0.0]
   np.testing.assert_allclose(float(out[0.5]["loss"]) - float(out[0.0]["loss"]), 0.5 * aux,
