@@ -103,6 +103,7 @@ def world(seed: int = 0) -> ml_collections.ConfigDict:
       holdout=(0.0, 0.0),
       min_answer_space=0,  # multihop: skip chains whose answer has fewer possible values.
       search_k=3,  # Hits per search.
+      shuffle_hits=False,  # Hits in an order drawn from the query, not by score (envs.search).
       visit_chars=800,  # Characters of a visited document.
       system_prompt=True,  # Tiny models trained on short traces may drop it.
   ))

@@ -31,13 +31,7 @@ class Env:
 def build_env(c: ml_collections.ConfigDict) -> Env:
   """The offline research world with its train/test split and tools."""
   w = c.world
-  wcfg = world.WorldConfig(seed=w.seed, num_people=w.num_people, num_orgs=w.num_orgs,
-                           num_places=w.num_places, num_works=w.num_works,
-                           num_countries=w.num_countries, num_rivers=w.num_rivers,
-                           distractors_per_doc=w.distractors_per_doc,
-                           name_similarity=w.name_similarity,
-                           filler_sentences=tuple(w.filler_sentences),
-                           holdout=tuple(w.holdout))
+  wcfg = world_config(c)
   the_world = world.generate_world(wcfg)
   if w.kind == "multihop":
     questions = multihop.make_questions(the_world, num=w.num_questions,
@@ -56,10 +50,23 @@ def build_env(c: ml_collections.ConfigDict) -> Env:
   else:
     train, test = world.split_questions(questions, w.test_fraction, seed=w.seed)
   index = retrieval.make_retriever(c.retrieval, the_world.documents)
-  tools = dict(search.local_tools(index, k=w.search_k, max_chars=w.visit_chars),
+  tools = dict(search.local_tools(index, k=w.search_k, max_chars=w.visit_chars,
+                                  shuffle=w.shuffle_hits),
                python=python_tool.PythonTool())
   tokenizer = tk.load_tokenizer(c.tokenizer, words=tokenizer_words(c.tokenizer, the_world))
   return Env(tokenizer, train, test, index, tools, documents, valid)
+
+
+def world_config(c: ml_collections.ConfigDict) -> world.WorldConfig:
+  """The generated world of `c.world`."""
+  w = c.world
+  return world.WorldConfig(seed=w.seed, num_people=w.num_people, num_orgs=w.num_orgs,
+                           num_places=w.num_places, num_works=w.num_works,
+                           num_countries=w.num_countries, num_rivers=w.num_rivers,
+                           distractors_per_doc=w.distractors_per_doc,
+                           name_similarity=w.name_similarity,
+                           filler_sentences=tuple(w.filler_sentences),
+                           holdout=tuple(w.holdout))
 
 
 def tokenizer_words(spec: str, the_world: world.World) -> tuple[str, ...]:

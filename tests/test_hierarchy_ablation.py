@@ -1,5 +1,7 @@
 """The hierarchy ablation's configs: every variant runs the same experiment but for its wiring."""
 
+import json
+
 import pytest
 
 from configs import mgrpo as mgrpo_config
@@ -114,3 +116,43 @@ def test_sweep_paired_differences_by_hand(load_benchmark):
   minus = s["frozen_sub"]["mgrpo_minus"]["accuracy"]
   assert minus["seeds"] == [0.2, 0.1] and abs(minus["mean"] - 0.15) < 1e-9
   assert "mgrpo_minus" not in s["mgrpo"]
+
+
+def test_reuse_refuses_a_changed_config_or_commit(load_benchmark):
+  """--reuse keeps a finished run only when its config and commit are this invocation's."""
+  sweep = load_benchmark("hierarchy_sweep")
+  config = sweep.config_record(mgrpo_config.get_config("task=multihop,smoke,variant=mgrpo"))
+  done = dict(wall_s=1.0, config=config, commit="abc")
+  sweep.check_reusable(done, config, "abc")  # The same run: kept.
+  changed = json.loads(json.dumps(config))
+  changed["main_optim"]["learning_rate"] = 1e-5
+  changed["world"]["holdout"] = [0.1, 0.1]
+  with pytest.raises(ValueError, match=r"main_optim\.learning_rate: 0\.0002 -> 1e-05"):
+    sweep.check_reusable(done, changed, "abc")
+  with pytest.raises(ValueError, match=r"world\.holdout"):
+    sweep.check_reusable(done, changed, "abc")
+  with pytest.raises(ValueError, match="commit 'abc'.*'def'"):
+    sweep.check_reusable(done, config, "def")
+  sweep.check_reusable(done, config, "def", any_commit=True)
+  with pytest.raises(ValueError, match="config differs"):  # A run from before configs were kept.
+    sweep.check_reusable(dict(wall_s=1.0), config, "abc")
+
+
+def test_power_analysis_and_verdict(load_benchmark):
+  """Seeds for 80% power at 5 points with paired sd 5.4 (normal approximation 9.15, the t-test
+  needs more), and a table that refuses to rank when M-GRPO is within 5 points of guessing."""
+  sweep = load_benchmark("hierarchy_sweep")
+  p = sweep.power_analysis(286)
+  n = p["seeds"]
+  assert p["power_at_seeds"] >= 0.8 > p["power_at_seeds_minus_1"]
+  assert abs(p["normal_approximation_seeds"] - (2.8 * 5.4 / 5) ** 2) < 0.1 and n > 9.15
+  # Power rises with n and with the effect.
+  assert sweep.paired_t_power(n, 0.05, 0.054) > sweep.paired_t_power(n, 0.03, 0.054)
+  summary = {"mgrpo": {"final": {"accuracy": {"mean": 0.30}}}}
+  base = lambda acc: [dict(kind="no_tool", variant="no_tool", evals=[{"accuracy": 0.02}]),
+                      dict(kind="closed_book", variant="closed_book", evals=[{"accuracy": acc}])]
+  v = sweep.verdict(summary, base(0.27))
+  assert v["informative"] is False and v["best_baseline"] == "closed_book"
+  assert "uninformative" in v["reason"]
+  assert sweep.verdict(summary, base(0.20))["informative"] is True
+  assert sweep.verdict({}, base(0.2))["informative"] is None

@@ -4,7 +4,8 @@ import pytest
 
 from configs import mgrpo as mgrpo_config
 from mgrpo_jax import research_env
-from mgrpo_jax.envs import multihop
+from mgrpo_jax.agents import experts
+from mgrpo_jax.envs import multihop, search
 from mgrpo_jax.envs import world as world_lib
 from mgrpo_jax.rl import rewards
 
@@ -118,3 +119,20 @@ def test_no_tool_guesser_is_at_most_ten_percent_on_the_test_split():
   # On its own training questions it is far better: the rule is not a broken one.
   train_right = [bool(rewards.exact_match(guess(q), q.answer)) for q in env.train]
   assert sum(train_right) / len(train_right) > sum(right) / len(right)
+
+
+def test_shuffled_search_hits_leave_the_choice_to_the_agent():
+  """The multi-hop task's search: the same hits as by score, in an order drawn from the
+  query (the same query, the same order), so the needed page is often not the first hit."""
+  env = research_env.build_env(mgrpo_config.get_config("task=multihop,runlocal"))
+  tool = env.tools["search"]
+  assert tool.shuffle and tool.k >= 2
+  first = []
+  for q in env.test[:40]:
+    h = q.hops[0]
+    reply = tool(h.entity)
+    assert reply == tool(h.entity)
+    assert sorted(reply.splitlines()) == sorted(
+        search.format_hits(env.index.search(h.entity, tool.k)).splitlines())
+    first.append(experts.parse_hits(reply)[0][0] == h.doc_id)
+  assert 0.2 < sum(first) / len(first) < 0.9
