@@ -1,29 +1,43 @@
-"""The hierarchy ablation on multi-hop research over long pages (PAPERS.md 1.7, issue 18).
+"""The hierarchy ablation on multi-hop research over long pages (PAPERS.md 1.7, issues 18, 32).
 
-  python benchmarks/hierarchy_sweep.py --size=cpu --workdir=/tmp/hier     # the CPU sweep, ~71 min
-  python benchmarks/hierarchy_sweep.py --size=smoke --seeds=2 --workdir=/tmp/hs # end to end
-  python benchmarks/hierarchy_sweep.py --size=gpu --workdir=/w            # one H100/H200
+  python benchmarks/hierarchy_sweep.py --size=cpu --instrument   # the cheap figures, ~1 min
+  python benchmarks/hierarchy_sweep.py --size=cpu --only=mgrpo,frozen_sub --seeds=4 \
+      --seed_start=0 --workdir=/tmp/hier --reuse                  # one session's share
+  python benchmarks/hierarchy_sweep.py --size=smoke --seeds=1 --workdir=/tmp/hs # end to end
+  python benchmarks/hierarchy_sweep.py --size=gpu --workdir=/w   # one H100/H200
 
-Runs `configs/mgrpo.py:hierarchy_sweep(size)`: M-GRPO, frozen sub-agent, shared weights,
-single agent with every tool and M-GRPO without trajectory alignment (`unaligned`), for
-`--seeds` seeds each, on `task=multihop` (the same questions, limits and number of updates
-for every variant). Each set of agents gets one SFT warm start on the experts' traces
-(`configs/sft.py` with the same arguments, one recipe): main + sub (shared by mgrpo,
-frozen_sub and unaligned, which start from the same two agents), one model for `shared`, and
-the single agent; every seed starts from its variant's warm start. The noise-free experts are
-evaluated too: the ceiling under the context budget, per question kind; and so are the
-experts slipping as often as the warm start's demonstrations (`kind="teacher"`): what the
-warm start imitates.
+The protocol (docs/hierarchy-ablation.md), fixed before the runs: the task holds out whole
+chains of entities (validation and test splits; the test split serves the table only, every
+tuning choice uses `eval_split="valid"`); the number of seeds comes from `power_analysis`
+(80% power for a 5-point paired difference between M-GRPO and frozen_sub, unit = seed);
+evaluations answer every test question. Runs `configs/mgrpo.py:hierarchy_sweep(size)`:
+M-GRPO, frozen sub-agent, shared weights, single agent with every tool and M-GRPO without
+trajectory alignment (`unaligned`), and `hierarchy_controls`: the single agent whose context
+holds every page (`single_full_context`). Each set of agents gets one SFT warm start on the
+experts' traces (`configs/sft.py` with the same arguments): main + sub (shared by mgrpo,
+frozen_sub and unaligned), one model for `shared`, the single agent (correct demonstrations
+only), its full-context control; every seed starts from its variant's warm start. Beside
+them, baselines that read nothing: the no-tool guesser (`envs.multihop.no_tool_guesser`) and
+the main + sub warm start with every tool disabled (`closed_book`); and the scripted experts,
+noise-free (the ceiling) and slipping as the warm start's teacher does (`teacher`).
 
-Writes `--out` (JSON): per run, the held-out evaluations at every evaluation step (accuracy
-overall, by pages needed `hops<n>` and by kind; context overflow rate; delegations per
-episode) and the time spent; per variant, the mean and the 95% t-interval over seeds of each
-of those at each step and at the end; per variant, what RL added to its warm start and
-M-GRPO's lead over it, seed by seed, with 95% t-intervals. And `--plot` (PNG): held-out
-accuracy by step, overall and by hop count, mean with the 95% t-interval band per variant.
+A sweep is split over sessions by `--only` and `--seed_start`/`--seeds`: each run's
+done.json keeps its config and commit, `--reuse` keeps only runs whose config and commit are
+this invocation's (and names what differs otherwise), and the JSON merges the runs of every
+invocation into `--out`, each invocation recorded in `invocations`.
+
+Writes `--out` (JSON): per run, the evaluations at every evaluation step (accuracy overall
+and by pages needed `hops<n>`; context overflow rate; delegations per episode), the final
+weights' correctness per question and per sub-agent call, its config, commit and time; per
+variant, the mean and the 95% t-interval over seeds of each of those at each step and at the
+end; what RL added to each warm start and M-GRPO's lead over each variant, seed by seed,
+with 95% t-intervals; the power analysis; and the `verdict`: unless M-GRPO beats the best
+baseline that reads nothing by 5 points, the instrument is uninformative and the table
+ranks nothing. And `--plot` (PNG): accuracy by step, mean and 95% t-interval per variant.
 """
 
 import collections
+import dataclasses
 import json
 import os
 import platform
@@ -53,7 +67,8 @@ _WORKDIR = flags.DEFINE_string("workdir", "/tmp/hierarchy_sweep", "Runs go to su
 _OUT = flags.DEFINE_string("out", "", "Results JSON (default benchmarks/results/"
                            "hierarchy-sweep-<size>.json; smoke: in --workdir).")
 _PLOT = flags.DEFINE_string("plot", "", "Curves PNG (default: --out with .png).")
-_ONLY = flags.DEFINE_list("only", None, "Run only these variants (e.g. mgrpo,single).")
+_ONLY = flags.DEFINE_list("only", None, "Run only these variants or controls (e.g. mgrpo,"
+                         "frozen_sub,single_full_context).")
 _REUSE = flags.DEFINE_bool("reuse", False, "Keep finished warm starts and runs in --workdir "
                            "(refused when a run's config or the code's commit changed).")
 _REUSE_ANY_COMMIT = flags.DEFINE_bool("reuse_any_commit", False, "With --reuse: keep runs made "
@@ -68,7 +83,12 @@ _INSTRUMENT = flags.DEFINE_bool("instrument", False, "Only the cheap measurement
 _FLAG = {"cpu": "runlocal", "gpu": "gpu", "smoke": "smoke"}
 # The warm start each variant starts from: variants with the same agents share one.
 WARM_START = {"mgrpo": "mgrpo", "frozen_sub": "mgrpo", "unaligned": "mgrpo",
-              "shared": "shared", "single": "single"}
+              "shared": "shared", "single": "single",
+              "single_full_context": "single_full_context"}
+# The config arguments of a warm start or control beyond task and size.
+EXTRA = {name: f"variant={variant}" for name, variant in (
+    ("mgrpo", "mgrpo"), ("shared", "shared"), ("single", "single"))}
+EXTRA.update(dict(mgrpo_config.HIERARCHY_CONTROLS))
 
 
 def git_commit() -> str:
@@ -136,7 +156,7 @@ def _evals(workdir: str) -> list[dict]:
 
 
 def warm_start(variant: str) -> dict:
-  arg = f"task=multihop,{_FLAG[_SIZE.value]},variant={variant}"
+  arg = f"task=multihop,{_FLAG[_SIZE.value]},{EXTRA[variant]}"
   workdir = os.path.join(_WORKDIR.value, f"sft-{variant}")
   c = sft_config.get_config(arg)
   wall = _timed(workdir, lambda: sft.train_sft(c, workdir), config_record(c))
@@ -148,16 +168,18 @@ def warm_start(variant: str) -> dict:
   return rec
 
 
-def rl_run(arg: str, init: str) -> dict:
+def rl_run(arg: str, init: str, name: str = "") -> dict:
+  """One RL run from `init`; `name` labels a control (default: the config's variant)."""
   c = mgrpo_config.get_config(f"{arg},init={init}")
-  workdir = os.path.join(_WORKDIR.value, f"{c.variant}_seed{c.seed}")
+  name = name or c.variant
+  workdir = os.path.join(_WORKDIR.value, f"{name}_seed{c.seed}")
   wall = _timed(workdir, lambda: colocated.train_and_evaluate(c, workdir), config_record(c))
   steps = [r for r in metrics.read_metrics(workdir) if "time/step_s" in r]
   train = {}
   for key in ("main/overflow", "single/overflow", "sub/overflow", "main/delegations"):
     if any(key in r for r in steps):
       train[key] = float(np.mean([r[key] for r in steps if key in r]))
-  rec = dict(kind="rl", config=f"configs/mgrpo.py:{arg},init={init}", variant=c.variant,
+  rec = dict(kind="rl", config=f"configs/mgrpo.py:{arg},init={init}", variant=name,
              seed=c.seed, commit=_run_commit(workdir), steps=c.num_steps, wall_s=round(wall, 1),
              rollout_s=round(sum(r["time/rollout_s"] for r in steps), 1),
              update_s=round(sum(r["time/step_s"] - r["time/rollout_s"] for r in steps), 1),
@@ -233,11 +255,25 @@ def _sub_call_correct(ep, question) -> bool:
   return rewards.normalize_answer(hop.answer) in rewards.normalize_answer(ep.final or "")
 
 
-def question_log(c) -> dict:
+@dataclasses.dataclass(frozen=True)
+class _Disabled:
+  """A tool that answers every call with an error: closed-book evaluation."""
+
+  name: str
+
+  def __call__(self, argument: str) -> str:
+    del argument
+    return f"Error: {self.name} is disabled (closed book)."
+
+
+def question_log(c, *, closed_book: bool = False) -> dict:
   """Greedy episodes of `c`'s agents (`c.init`'s weights) on the eval questions: correctness
-  per question and per sub-agent call (for question-level tests beside the per-seed ones)."""
+  per question and per sub-agent call (for question-level tests beside the per-seed ones).
+  `closed_book`: every tool answers with an error, so nothing can be read."""
   w = mgrpo_step.resolve_wiring(c, training=False)
   env = research_env.build_env(c)
+  if closed_book:
+    env.tools = {name: _Disabled(name) for name in env.tools}
   mesh = sharding.make_mesh(dict(c.mesh))
   agents = mgrpo_step.build_agents(c, w, env, mesh, jax.random.key(c.seed))
   questions = research_env.eval_questions(c, env)
@@ -256,15 +292,13 @@ def question_log(c) -> dict:
 
 
 def closed_book_run(init: str) -> dict:
-  """The main + sub warm start with tools disabled: the engine refuses every delegation
-  (limits.max_delegations = 0) and tells the main agent to answer from what it knows."""
+  """The main + sub warm start with tools disabled: the sub-agent's search and visit (and the
+  python tool) answer with an error, so the pair answers from what its weights hold."""
   arg = f"task=multihop,{_FLAG[_SIZE.value]},variant=mgrpo,init={init}"
-  c = mgrpo_config.get_config(arg)
-  c.limits.max_delegations = 0
   t0 = time.perf_counter()
-  log = question_log(c)
-  return dict(kind="closed_book", variant="closed_book", config=f"configs/mgrpo.py:{arg} "
-              "--config.limits.max_delegations=0", wall_s=round(time.perf_counter() - t0, 1),
+  log = question_log(mgrpo_config.get_config(arg), closed_book=True)
+  return dict(kind="closed_book", variant="closed_book", config=f"configs/mgrpo.py:{arg}, "
+              "every tool disabled", wall_s=round(time.perf_counter() - t0, 1),
               evals=[{"step": 0, "accuracy": log["accuracy"]}], questions=log)
 
 
@@ -283,7 +317,7 @@ def _final_questions(c, workdir: str) -> dict:
 def expert_run(variant: str, *, teacher: bool = False) -> dict:
   """The scripted experts under the same budget (no training): noise-free (the ceiling), or
   with `teacher` slipping as often as the warm start's demonstrations do."""
-  arg = f"task=multihop,{_FLAG[_SIZE.value]},variant={variant},policy=expert"
+  arg = f"task=multihop,{_FLAG[_SIZE.value]},{EXTRA[variant]},policy=expert"
   c = mgrpo_config.get_config(arg)
   if teacher:
     c.expert_noise = sft_config.get_config(arg).sft.expert_noise
@@ -396,8 +430,8 @@ def _write(records: list[dict], path: str, wall_s: float, power: dict) -> None:
   if os.path.exists(path):
     with open(path) as f:
       old = json.load(f)
-  merged = {_key(r): r for r in old.get("runs", []) if "commit" in r or r["kind"] in (
-      "expert", "teacher")}
+  # Runs of a JSON from before this protocol (no invocations recorded) are not merged.
+  merged = {_key(r): r for r in old.get("runs", [])} if "invocations" in old else {}
   merged.update({_key(r): r for r in records})
   records = list(merged.values())
   invocation = dict(
@@ -410,10 +444,11 @@ def _write(records: list[dict], path: str, wall_s: float, power: dict) -> None:
   invocations = [i for i in old.get("invocations", []) if i.get("started") !=
                  invocation["started"]] + [invocation]
   summary = summarize(records)
+  covered = {v: s["seeds"] for v, s in summary.items()}
   out = dict(
       command=f"python benchmarks/hierarchy_sweep.py --size={_SIZE.value} --seeds="
-              f"{power['seeds']} --reuse (as {len(invocations)} invocation(s), listed in "
-              "invocations)",
+              f"{power['seeds']} --reuse, as {len(invocations)} invocation(s) (listed in "
+              f"invocations); seeds run so far per variant: {covered}",
       # The sweep as a whole: every warm start's and run's own wall time (each counted once).
       runs_wall_s=round(sum(r.get("wall_s", 0) for r in records), 1),
       invocations=invocations, power_analysis=power,
@@ -473,7 +508,7 @@ def instrument(path: str) -> dict:
       test_hops_own_page_in_hits=round(float(np.mean([r is not None for r in ranks])), 4))
   c_eval = c.copy_and_resolve_references()
   records = [no_tool_run()] + [expert_run(v, teacher=t) for t in (False, True)
-                               for v in ("mgrpo", "single")]
+                               for v in ("mgrpo", "single", "single_full_context")]
   out = dict(command=" ".join(["python", "benchmarks/hierarchy_sweep.py"] + sys.argv[1:]),
              commit=git_commit(), wall_s=round(time.perf_counter() - t0, 1),
              config=f"configs/mgrpo.py:task=multihop,{_FLAG[_SIZE.value]}",
@@ -507,22 +542,23 @@ def main(argv):
   num_test = min(probe.num_eval_questions, len(research_env.build_env(probe).test))
   power = power_analysis(num_test)
   seeds = _SEEDS.value or power["seeds"]
-  args = list(mgrpo_config.hierarchy_sweep(_SIZE.value, seeds, seed_start=_SEED_START.value))
+  args = [(mgrpo_config.get_config(a).variant, a) for a in mgrpo_config.hierarchy_sweep(
+      _SIZE.value, seeds, seed_start=_SEED_START.value)]
+  args += list(mgrpo_config.hierarchy_controls(_SIZE.value, seeds, seed_start=_SEED_START.value))
   if _ONLY.value:
-    args = [a for a in args if any(f"variant={v}," in a for v in _ONLY.value)]
+    args = [(name, a) for name, a in args if name in _ONLY.value]
   t0 = time.perf_counter()
   records = [no_tool_run()] + [expert_run(v, teacher=t) for t in (False, True)
-                               for v in ("mgrpo", "single")]
+                               for v in ("mgrpo", "single", "single_full_context")]
   inits = {}
-  for arg in args:
-    variant = mgrpo_config.get_config(arg).variant
+  for variant, arg in args:
     if WARM_START[variant] not in inits:
       rec = warm_start(WARM_START[variant])
       records.append(rec)
       inits[WARM_START[variant]] = rec["workdir"]
-      if variant == "mgrpo" or WARM_START[variant] == "mgrpo":
+      if WARM_START[variant] == "mgrpo":
         records.append(closed_book_run(rec["workdir"]))
-    records.append(rl_run(arg, inits[WARM_START[variant]]))
+    records.append(rl_run(arg, inits[WARM_START[variant]], name=variant))
     _write(records, out, time.perf_counter() - t0, power)
   _write(records, out, time.perf_counter() - t0, power)
   print(f"Sweep ({_SIZE.value}, seeds {_SEED_START.value}..{_SEED_START.value + seeds - 1}): "

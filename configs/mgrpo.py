@@ -31,7 +31,7 @@ def arguments(arg: str | None) -> dict:
   """The typed arguments of `arg` (configs/sft.py takes the same)."""
   args = common.parse_args(arg, dict(variant="mgrpo", model="", hf_path="", init="",
                                      policy="model", seed=0, runlocal=False, smoke=False,
-                                     gpu=False, lora=0, task="world"))
+                                     gpu=False, lora=0, task="world", full_context=False))
   if args["variant"] not in VARIANTS:
     raise ValueError(f"variant={args['variant']!r}; expected one of {VARIANTS}.")
   if args["task"] not in TASKS:
@@ -103,8 +103,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if args["runlocal"] or args["smoke"] or (args["task"] == "multihop" and not args["gpu"]):
     _cpu(c)
   if args["task"] == "multihop":
-    _multihop(c, multihop_size(args))
+    _multihop(c, multihop_size(args), full_context=args["full_context"])
     return c
+  if args["full_context"]:
+    raise ValueError("full_context is a control of task=multihop.")
   if args["runlocal"]:
     _demo(c)
     if args["lora"]:
@@ -169,7 +171,14 @@ def _demo(c):
   c.num_steps, c.eval_every, c.num_eval_questions, c.checkpoint_every = 40, 20, 376, 20
 
 
-def _multihop(c, size: str):
+# task=multihop,full_context: a context that holds every page a question needs (the single
+# agent's control, issue 32): the smallest max_len (of 768, 1024, 1280, 1536) at which the
+# noise-free single expert finishes all 2000 CPU questions without an overflow (768: 15.2% of
+# them overflow; /work/scratch probe, recorded in hierarchy-instrument-cpu.json).
+FULL_CONTEXT_LEN = {"cpu": 1024, "smoke": 1024, "gpu": 16_384}
+
+
+def _multihop(c, size: str, full_context: bool = False):
   """Multi-hop research over long pages (envs.multihop), where the hierarchy can matter.
 
   Bridge chains of 1-4 links and comparisons of two entities (2 or 4 pages) over long pages:
@@ -202,6 +211,8 @@ def _multihop(c, size: str):
     c.limits.update(max_turns=12, max_new_tokens=256, max_len=4096, max_delegations=6)
     c.num_queries, c.num_rollouts, c.align_d = 8, 8, 4
     c.num_steps, c.eval_every, c.num_eval_questions, c.checkpoint_every = 200, 20, 512, 20
+    if full_context:
+      c.limits.max_len = FULL_CONTEXT_LEN[size]
     return
   c.world.update(num_people=80, num_orgs=40, num_places=40, num_works=40,
                  filler_sentences=(1, 2), num_questions=2000, search_k=2,
@@ -222,6 +233,8 @@ def _multihop(c, size: str):
   if size == "smoke":
     c.num_queries, c.num_rollouts = 2, 4
     c.num_steps, c.eval_every, c.num_eval_questions, c.checkpoint_every = 2, 1, 16, 1
+  if full_context:
+    c.limits.max_len = FULL_CONTEXT_LEN[size]
 
 
 def sweep():
@@ -232,6 +245,8 @@ def sweep():
 
 
 HIERARCHY_VARIANTS = ("mgrpo", "frozen_sub", "shared", "single", "unaligned")
+# Controls beside the variants: (name, the config arguments that make it).
+HIERARCHY_CONTROLS = (("single_full_context", "variant=single,full_context"),)
 
 
 def hierarchy_sweep(size: str = "cpu", seeds: int = 5, seed_start: int = 0):
@@ -244,3 +259,12 @@ def hierarchy_sweep(size: str = "cpu", seeds: int = 5, seed_start: int = 0):
   for variant in HIERARCHY_VARIANTS:
     for seed in range(seed_start, seed_start + seeds):
       yield f"task=multihop,{flag},variant={variant},seed={seed}"
+
+
+def hierarchy_controls(size: str = "cpu", seeds: int = 5, seed_start: int = 0):
+  """The controls of the hierarchy ablation: (name, config argument) per seed; the single
+  agent with a context that holds every page a question needs."""
+  flag = {"cpu": "runlocal", "gpu": "gpu", "smoke": "smoke"}[size]
+  for name, extra in HIERARCHY_CONTROLS:
+    for seed in range(seed_start, seed_start + seeds):
+      yield name, f"task=multihop,{flag},{extra},seed={seed}"
