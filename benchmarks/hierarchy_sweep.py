@@ -76,6 +76,9 @@ _REUSE_ANY_COMMIT = flags.DEFINE_bool("reuse_any_commit", False, "With --reuse: 
 _SEED_START = flags.DEFINE_integer("seed_start", 0, "First seed: this invocation runs seeds "
                                    "[seed_start, seed_start + seeds) (split a sweep over "
                                    "sessions; --reuse and the same --out merge them).")
+_EVAL_SPLIT = flags.DEFINE_enum("eval_split", "test", ["test", "valid"], "Which held-out split "
+                                 "runs evaluate: test for the table, valid for tuning and "
+                                 "timing runs (the test split stays unseen).")
 _INSTRUMENT = flags.DEFINE_bool("instrument", False, "Only the cheap measurements (no training): "
                                 "splits, leaks, the no-tool guesser, the teacher, the power "
                                 "analysis; writes hierarchy-instrument-<size>.json.")
@@ -159,6 +162,7 @@ def warm_start(variant: str) -> dict:
   arg = f"task=multihop,{_FLAG[_SIZE.value]},{EXTRA[variant]}"
   workdir = os.path.join(_WORKDIR.value, f"sft-{variant}")
   c = sft_config.get_config(arg)
+  c.eval_split = _EVAL_SPLIT.value
   wall = _timed(workdir, lambda: sft.train_sft(c, workdir), config_record(c))
   rec = dict(kind="warm_start", config=f"configs/sft.py:{arg}", variant=variant,
              commit=_run_commit(workdir),
@@ -171,6 +175,7 @@ def warm_start(variant: str) -> dict:
 def rl_run(arg: str, init: str, name: str = "") -> dict:
   """One RL run from `init`; `name` labels a control (default: the config's variant)."""
   c = mgrpo_config.get_config(f"{arg},init={init}")
+  c.eval_split = _EVAL_SPLIT.value
   name = name or c.variant
   workdir = os.path.join(_WORKDIR.value, f"{name}_seed{c.seed}")
   wall = _timed(workdir, lambda: colocated.train_and_evaluate(c, workdir), config_record(c))
@@ -231,6 +236,7 @@ def power_analysis(num_test: int, *, sd: float = PAIRED_SD, effect: float = EFFE
 def no_tool_run() -> dict:
   """The guesser that reads nothing (envs.multihop.no_tool_guesser) on the eval questions."""
   c = mgrpo_config.get_config(f"task=multihop,{_FLAG[_SIZE.value]}")
+  c.eval_split = _EVAL_SPLIT.value
   env = research_env.build_env(c)
   guess = multihop.no_tool_guesser(env.train)
   out = {}
@@ -296,7 +302,9 @@ def closed_book_run(init: str) -> dict:
   python tool) answer with an error, so the pair answers from what its weights hold."""
   arg = f"task=multihop,{_FLAG[_SIZE.value]},variant=mgrpo,init={init}"
   t0 = time.perf_counter()
-  log = question_log(mgrpo_config.get_config(arg), closed_book=True)
+  c = mgrpo_config.get_config(arg)
+  c.eval_split = _EVAL_SPLIT.value
+  log = question_log(c, closed_book=True)
   return dict(kind="closed_book", variant="closed_book", config=f"configs/mgrpo.py:{arg}, "
               "every tool disabled", wall_s=round(time.perf_counter() - t0, 1),
               evals=[{"step": 0, "accuracy": log["accuracy"]}], questions=log)
@@ -319,6 +327,7 @@ def expert_run(variant: str, *, teacher: bool = False) -> dict:
   with `teacher` slipping as often as the warm start's demonstrations do."""
   arg = f"task=multihop,{_FLAG[_SIZE.value]},{EXTRA[variant]},policy=expert"
   c = mgrpo_config.get_config(arg)
+  c.eval_split = _EVAL_SPLIT.value
   if teacher:
     c.expert_noise = sft_config.get_config(arg).sft.expert_noise
   workdir = os.path.join(_WORKDIR.value, f"{'teacher' if teacher else 'expert'}-{variant}")
@@ -436,7 +445,7 @@ def _write(records: list[dict], path: str, wall_s: float, power: dict) -> None:
   records = list(merged.values())
   invocation = dict(
       command=" ".join(["python", "benchmarks/hierarchy_sweep.py"] + sys.argv[1:]),
-      commit=git_commit(), wall_s=round(wall_s, 1),
+      commit=git_commit(), wall_s=round(wall_s, 1), eval_split=_EVAL_SPLIT.value,
       started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - wall_s)),
       machine=dict(cpus=os.cpu_count(), platform=platform.platform(), jax=jax.__version__,
                    devices=str(jax.devices()),
