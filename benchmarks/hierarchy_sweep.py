@@ -79,6 +79,9 @@ _SEED_START = flags.DEFINE_integer("seed_start", 0, "First seed: this invocation
 _EVAL_SPLIT = flags.DEFINE_enum("eval_split", "test", ["test", "valid"], "Which held-out split "
                                  "runs evaluate: test for the table, valid for tuning and "
                                  "timing runs (the test split stays unseen).")
+_TIMING = flags.DEFINE_string("timing", "", "With --instrument: a sweep JSON of one timed run "
+                               "(e.g. --only=mgrpo --seeds=1 --eval_split=valid) whose wall "
+                               "times size the sessions (session_budget).")
 _INSTRUMENT = flags.DEFINE_bool("instrument", False, "Only the cheap measurements (no training): "
                                 "splits, leaks, the no-tool guesser, the teacher, the power "
                                 "analysis; writes hierarchy-instrument-<size>.json.")
@@ -487,6 +490,29 @@ def _table(summary: dict) -> str:
   return "\n".join(lines)
 
 
+SESSION_S = 100 * 60  # Each invocation of the sweep must fit 100 minutes on 2 cores.
+
+
+def session_budget(sweep_json: dict, session_s: float = SESSION_S) -> dict:
+  """How many RL runs fit one invocation, from a timed sweep's records: with the warm start
+  (and its closed-book evaluation) in the same invocation, and with them reused."""
+  runs = sweep_json["runs"]
+  warm = sum(r["wall_s"] for r in runs if r["kind"] in ("warm_start", "closed_book"))
+  rl = [r["wall_s"] for r in runs if r["kind"] == "rl"]
+  if not rl:
+    raise ValueError("the timing JSON holds no RL run")
+  per_run = float(np.mean(rl))
+  inv = sweep_json["invocations"][-1]
+  return dict(source=inv["command"], loadavg_at_end=inv["machine"]["loadavg_at_end"],
+              warm_start_and_closed_book_s=round(warm, 1), rl_run_s=round(per_run, 1),
+              rl_runs=[dict(variant=r["variant"], seed=r["seed"], wall_s=r["wall_s"],
+                            rollout_s=r["rollout_s"], update_s=r["update_s"]) for r in runs
+                       if r["kind"] == "rl"],
+              session_s=session_s,
+              runs_per_session_with_warm_start=int((session_s - warm) // per_run),
+              runs_per_session_warm_start_reused=int(session_s // per_run))
+
+
 def instrument(path: str) -> dict:
   """The cheap measurements (no training): split and leak statistics, the no-tool guesser,
   the experts noise-free and as the warm start's teacher, the power analysis."""
@@ -501,7 +527,15 @@ def instrument(path: str) -> dict:
   # part of its job): each hop's entity searched by name through the tool, as the experts do.
   ranks = [next((i for i, (doc, _) in enumerate(experts.parse_hits(env.tools["search"](
       h.entity))) if doc == h.doc_id), None) for q in env.test for h in q.hops]
+  # Search replies in training traces may list a held-out page as a hit (its snippet: one
+  # sentence, which may name a training entity in a distractor); never its facts' pages in a
+  # chain. How often, for the searches the experts make on training questions:
+  held_pages = set().union(*held.values())
+  train_replies = [experts.parse_hits(env.tools["search"](h.entity))
+                   for q in env.train for h in q.hops]
   splits = dict(
+      train_searches_listing_a_held_out_page=round(float(np.mean(
+          [any(doc in held_pages for doc, _ in hits) for hits in train_replies])), 4),
       questions={s: len(getattr(env, s)) for s in ("train", "valid", "test")},
       pages={p: sum(e.part == p for e in the_world.entities) for p in world_lib.PARTS},
       held_out_pages_in_training_chains={s: len(v & train_pages) for s, v in held.items()},
@@ -528,6 +562,9 @@ def instrument(path: str) -> dict:
              baselines=records,
              machine=dict(cpus=os.cpu_count(), platform=platform.platform(),
                           loadavg_at_end=[round(x, 2) for x in os.getloadavg()]))
+  if _TIMING.value:
+    with open(_TIMING.value) as f:
+      out["session_budget"] = session_budget(json.load(f))
   with open(path, "w") as f:
     json.dump(out, f, indent=1)
   return out
