@@ -168,3 +168,18 @@ def test_power_analysis_and_verdict(load_benchmark):
   assert "uninformative" in v["reason"]
   assert sweep.verdict(summary, base(0.20))["informative"] is True
   assert sweep.verdict({}, base(0.2))["informative"] is None
+
+
+def test_session_budget_by_hand(load_benchmark):
+  """RL runs per 100-minute invocation from a timed sweep: (6000 - 900) // 300 with the warm
+  start in the session, 6000 // 300 without."""
+  sweep = load_benchmark("hierarchy_sweep")
+  rl = lambda seed, wall: dict(kind="rl", variant="mgrpo", seed=seed, wall_s=wall,
+                               rollout_s=1.0, update_s=1.0)
+  timed = dict(invocations=[dict(command="x", machine=dict(loadavg_at_end=[1.0]))],
+               runs=[dict(kind="warm_start", wall_s=800.0), dict(kind="closed_book", wall_s=100.0),
+                     rl(0, 250.0), rl(1, 350.0), dict(kind="expert", wall_s=5.0)])
+  b = sweep.session_budget(timed)
+  assert b["warm_start_and_closed_book_s"] == 900.0 and b["rl_run_s"] == 300.0
+  assert b["runs_per_session_with_warm_start"] == 17
+  assert b["runs_per_session_warm_start_reused"] == 20
