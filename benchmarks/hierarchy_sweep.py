@@ -65,7 +65,7 @@ _SIZE = flags.DEFINE_enum("size", "cpu", ["cpu", "gpu", "smoke"], "Task size (co
 _SEEDS = flags.DEFINE_integer("seeds", 0, "Seeds per variant (0: the power analysis's number).")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/hierarchy_sweep", "Runs go to subfolders.")
 _OUT = flags.DEFINE_string("out", "", "Results JSON (default benchmarks/results/"
-                           "hierarchy-sweep-<size>.json; smoke: in --workdir).")
+                           "hierarchy-heldout-<size>.json; smoke: in --workdir).")
 _PLOT = flags.DEFINE_string("plot", "", "Curves PNG (default: --out with .png).")
 _ONLY = flags.DEFINE_list("only", None, "Run only these variants or controls (e.g. mgrpo,"
                          "frozen_sub,single_full_context).")
@@ -582,7 +582,8 @@ def main(argv):
     for r in out["baselines"]:
       print(f"{r['kind']:10s} {r['variant']:10s} accuracy {r['evals'][0]['accuracy']}")
     return
-  out = _OUT.value or os.path.join(results, f"hierarchy-sweep-{_SIZE.value}.json")
+  # hierarchy-sweep-<size>.json is the first sweep's, on the task before issue 32.
+  out = _OUT.value or os.path.join(results, f"hierarchy-heldout-{_SIZE.value}.json")
   out_png = _PLOT.value or os.path.splitext(out)[0] + ".png"
   probe = mgrpo_config.get_config(f"task=multihop,{_FLAG[_SIZE.value]}")
   num_test = min(probe.num_eval_questions, len(research_env.build_env(probe).test))

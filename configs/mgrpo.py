@@ -14,8 +14,9 @@ policy=model|expert, seed=<int>, lora=<rank> (LoRA agents: both models' lora.ran
 fine-tuning), runlocal, smoke, gpu (one 80 GB GPU at the paper's limits: Qwen3-0.6B preset
 unless model= or hf_path=, bf16 compute over f32 master weights, remat, packed token-budget
 updates, cuDNN attention where it applies, memory proved by benchmarks/memory.py),
-task=world|multihop (multihop: long pages, 1-4 hop bridge and comparison questions,
-`_multihop`; its size is gpu, smoke, or cpu for runlocal or no flag).
+task=world|multihop (multihop: long pages, 1-4 hop bridge questions over held-out chains,
+`_multihop`; its size is gpu, smoke, or cpu for runlocal or no flag), full_context
+(task=multihop: a max_len that holds every page a question needs, the single agent's control).
 """
 
 import ml_collections
@@ -181,7 +182,7 @@ FULL_CONTEXT_LEN = {"cpu": 1024, "smoke": 1024, "gpu": 16_384}
 def _multihop(c, size: str, full_context: bool = False):
   """Multi-hop research over long pages (envs.multihop), where the hierarchy can matter.
 
-  Bridge chains of 1-4 links and comparisons of two entities (2 or 4 pages) over long pages:
+  Bridge chains of 1-4 links over long pages (comparisons removed, issue 32):
   `limits.max_len` holds a search and one page (the sub-agent's episode, or a single agent's
   on a one-page question) but not two pages, while the main agent's plan and short results
   take a fraction of it; so a single agent that visits pages overflows at its second one.
