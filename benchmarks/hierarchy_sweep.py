@@ -369,6 +369,25 @@ def summarize(records: list[dict]) -> dict:
     for variant, s in out.items():
       if variant != "mgrpo":
         s["mgrpo_minus"] = _difference_intervals(_mgrpo_minus(out["mgrpo"], s))
+        s["mgrpo_vs_by_question"] = question_tests(records, "mgrpo", variant)
+  return out
+
+
+def question_tests(records: list[dict], a: str, b: str) -> list[dict]:
+  """The question-level view, seed by seed: of the test questions on which variants `a` and
+  `b` (same seed, final weights) disagree, how many only `a` answers right (a_only) and only
+  `b` (b_only), and McNemar's exact two-sided p (binomial on the discordant questions)."""
+  logs = {(r["variant"], r["seed"]): r["questions"] for r in records
+          if r["kind"] == "rl" and "questions" in r}
+  out = []
+  for seed in sorted({s for v, s in logs if v == a} & {s for v, s in logs if v == b}):
+    qa, qb = logs[(a, seed)], logs[(b, seed)]
+    if qa["question_ids"] != qb["question_ids"]:
+      raise ValueError(f"seed {seed}: {a} and {b} answered different questions")
+    a_only = sum(x and not y for x, y in zip(qa["correct"], qb["correct"]))
+    b_only = sum(y and not x for x, y in zip(qa["correct"], qb["correct"]))
+    p = stats.binomtest(a_only, a_only + b_only).pvalue if a_only + b_only else 1.0
+    out.append(dict(seed=seed, a_only=a_only, b_only=b_only, mcnemar_p=round(float(p), 4)))
   return out
 
 

@@ -183,3 +183,22 @@ def test_session_budget_by_hand(load_benchmark):
   assert b["warm_start_and_closed_book_s"] == 900.0 and b["rl_run_s"] == 300.0
   assert b["runs_per_session_with_warm_start"] == 17
   assert b["runs_per_session_warm_start_reused"] == 20
+
+
+def test_question_level_tests_by_hand(load_benchmark):
+  """Per seed, the questions only one of two variants answers right, and McNemar's exact p:
+  a_only 3, b_only 0 -> 2 * 0.5^3 = 0.25; no discordant question -> p = 1."""
+  sweep = load_benchmark("hierarchy_sweep")
+  log = lambda correct: dict(question_ids=["q1", "q2", "q3", "q4"], correct=correct)
+  rl = lambda variant, seed, correct: dict(kind="rl", variant=variant, seed=seed,
+                                           questions=log(correct))
+  records = [rl("mgrpo", 0, [True, True, True, False]), rl("frozen_sub", 0, [False] * 4),
+             rl("mgrpo", 1, [True, False, True, False]),
+             rl("frozen_sub", 1, [True, False, True, False]), rl("frozen_sub", 2, [True] * 4)]
+  tests = sweep.question_tests(records, "mgrpo", "frozen_sub")
+  assert tests == [dict(seed=0, a_only=3, b_only=0, mcnemar_p=0.25),
+                   dict(seed=1, a_only=0, b_only=0, mcnemar_p=1.0)]
+  records.append(dict(kind="rl", variant="mgrpo", seed=2,
+                      questions=dict(question_ids=["x"], correct=[True])))
+  with pytest.raises(ValueError, match="different questions"):
+    sweep.question_tests(records, "mgrpo", "frozen_sub")
