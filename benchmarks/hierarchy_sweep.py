@@ -1,75 +1,157 @@
-"""The hierarchy ablation on multi-hop research over long pages (PAPERS.md 1.7, issue 18).
+"""The hierarchy ablation on multi-hop research over long pages (PAPERS.md 1.7, issues 18, 32).
 
-  python benchmarks/hierarchy_sweep.py --size=cpu --workdir=/tmp/hier     # the CPU sweep, ~71 min
-  python benchmarks/hierarchy_sweep.py --size=smoke --seeds=2 --workdir=/tmp/hs # end to end
-  python benchmarks/hierarchy_sweep.py --size=gpu --workdir=/w            # one H100/H200
+  python benchmarks/hierarchy_sweep.py --size=cpu --instrument   # the cheap figures, ~1 min
+  python benchmarks/hierarchy_sweep.py --size=cpu --only=mgrpo,frozen_sub --seeds=4 \
+      --seed_start=0 --workdir=/tmp/hier --reuse                  # one session's share
+  python benchmarks/hierarchy_sweep.py --size=smoke --seeds=1 --workdir=/tmp/hs # end to end
+  python benchmarks/hierarchy_sweep.py --size=gpu --workdir=/w   # one H100/H200
 
-Runs `configs/mgrpo.py:hierarchy_sweep(size)`: M-GRPO, frozen sub-agent, shared weights,
-single agent with every tool and M-GRPO without trajectory alignment (`unaligned`), for
-`--seeds` seeds each, on `task=multihop` (the same questions, limits and number of updates
-for every variant). Each set of agents gets one SFT warm start on the experts' traces
-(`configs/sft.py` with the same arguments, one recipe): main + sub (shared by mgrpo,
-frozen_sub and unaligned, which start from the same two agents), one model for `shared`, and
-the single agent; every seed starts from its variant's warm start. The noise-free experts are
-evaluated too: the ceiling under the context budget, per question kind; and so are the
-experts slipping as often as the warm start's demonstrations (`kind="teacher"`): what the
-warm start imitates.
+The protocol (docs/hierarchy-ablation.md), fixed before the runs: the task holds out whole
+chains of entities (validation and test splits; the test split serves the table only, every
+tuning choice uses `eval_split="valid"`); the number of seeds comes from `power_analysis`
+(80% power for a 5-point paired difference between M-GRPO and frozen_sub, unit = seed);
+evaluations answer every test question. Runs `configs/mgrpo.py:hierarchy_sweep(size)`:
+M-GRPO, frozen sub-agent, shared weights, single agent with every tool and M-GRPO without
+trajectory alignment (`unaligned`), and `hierarchy_controls`: the single agent whose context
+holds every page (`single_full_context`). Each set of agents gets one SFT warm start on the
+experts' traces (`configs/sft.py` with the same arguments): main + sub (shared by mgrpo,
+frozen_sub and unaligned), one model for `shared`, the single agent (correct demonstrations
+only), its full-context control; every seed starts from its variant's warm start. Beside
+them, baselines that read nothing: the no-tool guesser (`envs.multihop.no_tool_guesser`) and
+the main + sub warm start with every tool disabled (`closed_book`); and the scripted experts,
+noise-free (the ceiling) and slipping as the warm start's teacher does (`teacher`).
 
-Writes `--out` (JSON): per run, the held-out evaluations at every evaluation step (accuracy
-overall, by pages needed `hops<n>` and by kind; context overflow rate; delegations per
-episode) and the time spent; per variant, the mean and the 95% t-interval over seeds of each
-of those at each step and at the end; per variant, what RL added to its warm start and
-M-GRPO's lead over it, seed by seed, with 95% t-intervals. And `--plot` (PNG): held-out
-accuracy by step, overall and by hop count, mean with the 95% t-interval band per variant.
+A sweep is split over sessions by `--only` and `--seed_start`/`--seeds`: each run's
+done.json keeps its config and commit, `--reuse` keeps only runs whose config and commit are
+this invocation's (and names what differs otherwise), and the JSON merges the runs of every
+invocation into `--out`, each invocation recorded in `invocations`.
+
+Writes `--out` (JSON): per run, the evaluations at every evaluation step (accuracy overall
+and by pages needed `hops<n>`; context overflow rate; delegations per episode), the final
+weights' correctness per question and per sub-agent call, its config, commit and time; per
+variant, the mean and the 95% t-interval over seeds of each of those at each step and at the
+end; what RL added to each warm start and M-GRPO's lead over each variant, seed by seed,
+with 95% t-intervals; the power analysis; and the `verdict`: unless M-GRPO beats the best
+baseline that reads nothing by 5 points, the instrument is uninformative and the table
+ranks nothing. And `--plot` (PNG): accuracy by step, mean and 95% t-interval per variant.
 """
 
+import collections
+import dataclasses
 import json
 import os
 import platform
 import shutil
+import sys
+import subprocess
 import time
 
 import jax
 import numpy as np
 from absl import app, flags, logging
 
+from scipy import stats
+
 from configs import mgrpo as mgrpo_config
 from configs import sft as sft_config
-from mgrpo_jax import evaluate, metrics, plotting
-from mgrpo_jax.mgrpo import colocated, sft
+from mgrpo_jax import evaluate, keys, metrics, plotting, sharding
+from mgrpo_jax.agents import experts
+from mgrpo_jax.envs import multihop
+from mgrpo_jax.envs import world as world_lib
+from mgrpo_jax.mgrpo import colocated, play, setup, sft, tasks
+from mgrpo_jax.rl import hierarchy, rewards
 
 _SIZE = flags.DEFINE_enum("size", "cpu", ["cpu", "gpu", "smoke"], "Task size (configs/mgrpo.py).")
-_SEEDS = flags.DEFINE_integer("seeds", 5, "Seeds per variant.")
+_SEEDS = flags.DEFINE_integer("seeds", 0, "Seeds per variant (0: the power analysis's number).")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/hierarchy_sweep", "Runs go to subfolders.")
 _OUT = flags.DEFINE_string("out", "", "Results JSON (default benchmarks/results/"
-                           "hierarchy-sweep-<size>.json; smoke: in --workdir).")
+                           "hierarchy-heldout-<size>.json; smoke: in --workdir).")
 _PLOT = flags.DEFINE_string("plot", "", "Curves PNG (default: --out with .png).")
-_ONLY = flags.DEFINE_list("only", None, "Run only these variants (e.g. mgrpo,single).")
-_REUSE = flags.DEFINE_bool("reuse", False, "Keep finished warm starts and runs in --workdir.")
+_ONLY = flags.DEFINE_list("only", None, "Run only these variants or controls (e.g. mgrpo,"
+                         "frozen_sub,single_full_context).")
+_REUSE = flags.DEFINE_bool("reuse", False, "Keep finished warm starts and runs in --workdir "
+                           "(refused when a run's config or the code's commit changed).")
+_REUSE_ANY_COMMIT = flags.DEFINE_bool("reuse_any_commit", False, "With --reuse: keep runs made "
+                                      "at another commit (their config must still match).")
+_SEED_START = flags.DEFINE_integer("seed_start", 0, "First seed: this invocation runs seeds "
+                                   "[seed_start, seed_start + seeds) (split a sweep over "
+                                   "sessions; --reuse and the same --out merge them).")
+_EVAL_SPLIT = flags.DEFINE_enum("eval_split", "test", ["test", "valid"], "Which held-out split "
+                                 "runs evaluate: test for the table, valid for tuning and "
+                                 "timing runs (the test split stays unseen).")
+_TIMING = flags.DEFINE_string("timing", "", "With --instrument: a sweep JSON of one timed run "
+                               "(e.g. --only=mgrpo --seeds=1 --eval_split=valid) whose wall "
+                               "times size the sessions (session_budget).")
+_INSTRUMENT = flags.DEFINE_bool("instrument", False, "Only the cheap measurements (no training): "
+                                "splits, leaks, the no-tool guesser, the teacher, the power "
+                                "analysis; writes hierarchy-instrument-<size>.json.")
 
 _FLAG = {"cpu": "runlocal", "gpu": "gpu", "smoke": "smoke"}
 # The warm start each variant starts from: variants with the same agents share one.
 WARM_START = {"mgrpo": "mgrpo", "frozen_sub": "mgrpo", "unaligned": "mgrpo",
-              "shared": "shared", "single": "single"}
+              "shared": "shared", "single": "single",
+              "single_full_context": "single_full_context"}
+# The config arguments of a warm start or control beyond task and size.
+EXTRA = {name: f"variant={variant}" for name, variant in (
+    ("mgrpo", "mgrpo"), ("shared", "shared"), ("single", "single"))}
+EXTRA.update(dict(mgrpo_config.HIERARCHY_CONTROLS))
 
 
-def _done(workdir: str) -> bool:
-  return _REUSE.value and os.path.exists(os.path.join(workdir, "done.json"))
+def git_commit() -> str:
+  """HEAD's commit, with "+dirty" when tracked files differ from it ("unknown" outside git)."""
+  try:
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown"
+  return head + ("+dirty" if dirty else "")
 
 
-def _timed(workdir: str, run) -> float:
+def config_record(c) -> dict:
+  """A run's resolved config as JSON values (what --reuse compares)."""
+  return json.loads(c.to_json_best_effort(sort_keys=True))
+
+
+def check_reusable(done: dict, config: dict, commit: str, *, any_commit: bool = False) -> None:
+  """Raises ValueError naming what differs when a finished run (its done.json) was made with
+  another config or at another commit than this invocation's: such a run is not this sweep's."""
+  flat = lambda d, pre="": {k2: v2 for k, v in d.items() for k2, v2 in (
+      flat(v, f"{pre}{k}.").items() if isinstance(v, dict) else ((f"{pre}{k}", v),))}
+  old, new = flat(done.get("config", {})), flat(config)
+  differ = sorted(k for k in old.keys() | new.keys() if old.get(k, "<absent>") != new.get(
+      k, "<absent>"))
+  if differ:
+    raise ValueError("--reuse refused: the finished run's config differs in " + "; ".join(
+        f"{k}: {old.get(k, '<absent>')!r} -> {new.get(k, '<absent>')!r}" for k in differ[:10])
+        + (f" (and {len(differ) - 10} more)" if len(differ) > 10 else ""))
+  if not any_commit and done.get("commit") != commit:
+    raise ValueError(f"--reuse refused: the finished run was made at commit "
+                     f"{done.get('commit')!r}, this invocation runs {commit!r} "
+                     "(--reuse_any_commit keeps it if the change cannot affect it).")
+
+
+def _timed(workdir: str, run, config: dict) -> float:
   """Runs `run()` from scratch in `workdir` (or reuses a finished one); its wall seconds."""
   marker = os.path.join(workdir, "done.json")
-  if _done(workdir):
+  if _REUSE.value and os.path.exists(marker):
     with open(marker) as f:
-      return json.load(f)["wall_s"]
+      done = json.load(f)
+    check_reusable(done, config, git_commit(), any_commit=_REUSE_ANY_COMMIT.value)
+    return done["wall_s"]
   shutil.rmtree(workdir, ignore_errors=True)  # A sweep measures runs from scratch.
   t0 = time.perf_counter()
   run()
   wall = time.perf_counter() - t0
   with open(marker, "w") as f:
-    json.dump({"wall_s": wall}, f)
+    json.dump({"wall_s": wall, "config": config, "commit": git_commit()}, f)
   return wall
+
+
+def _run_commit(workdir: str) -> str:
+  with open(os.path.join(workdir, "done.json")) as f:
+    return json.load(f).get("commit", "unknown")
 
 
 def _evals(workdir: str) -> list[dict]:
@@ -80,41 +162,175 @@ def _evals(workdir: str) -> list[dict]:
 
 
 def warm_start(variant: str) -> dict:
-  arg = f"task=multihop,{_FLAG[_SIZE.value]},variant={variant}"
+  arg = f"task=multihop,{_FLAG[_SIZE.value]},{EXTRA[variant]}"
   workdir = os.path.join(_WORKDIR.value, f"sft-{variant}")
   c = sft_config.get_config(arg)
-  wall = _timed(workdir, lambda: sft.train_sft(c, workdir))
+  c.eval_split = _EVAL_SPLIT.value
+  wall = _timed(workdir, lambda: sft.train_sft(c, workdir), config_record(c))
   rec = dict(kind="warm_start", config=f"configs/sft.py:{arg}", variant=variant,
+             commit=_run_commit(workdir),
              steps=c.sft.num_steps, wall_s=round(wall, 1), workdir=workdir,
              evals=_evals(workdir))
   logging.info("Warm start %s: %.0f s.", variant, wall)
   return rec
 
 
-def rl_run(arg: str, init: str) -> dict:
+def rl_run(arg: str, init: str, name: str = "") -> dict:
+  """One RL run from `init`; `name` labels a control (default: the config's variant)."""
   c = mgrpo_config.get_config(f"{arg},init={init}")
-  workdir = os.path.join(_WORKDIR.value, f"{c.variant}_seed{c.seed}")
-  wall = _timed(workdir, lambda: colocated.train_and_evaluate(c, workdir))
+  c.eval_split = _EVAL_SPLIT.value
+  name = name or c.variant
+  workdir = os.path.join(_WORKDIR.value, f"{name}_seed{c.seed}")
+  wall = _timed(workdir, lambda: colocated.train_and_evaluate(c, workdir), config_record(c))
   steps = [r for r in metrics.read_metrics(workdir) if "time/step_s" in r]
   train = {}
   for key in ("main/overflow", "single/overflow", "sub/overflow", "main/delegations"):
     if any(key in r for r in steps):
       train[key] = float(np.mean([r[key] for r in steps if key in r]))
-  rec = dict(kind="rl", config=f"configs/mgrpo.py:{arg},init={init}", variant=c.variant,
-             seed=c.seed, steps=c.num_steps, wall_s=round(wall, 1),
+  rec = dict(kind="rl", config=f"configs/mgrpo.py:{arg},init={init}", variant=name,
+             seed=c.seed, commit=_run_commit(workdir), steps=c.num_steps, wall_s=round(wall, 1),
              rollout_s=round(sum(r["time/rollout_s"] for r in steps), 1),
              update_s=round(sum(r["time/step_s"] - r["time/rollout_s"] for r in steps), 1),
-             workdir=workdir, evals=_evals(workdir), train_means=train)
+             workdir=workdir, evals=_evals(workdir), train_means=train,
+             questions=_final_questions(c, workdir))
   logging.info("RL %s: %.0f s, accuracy %s.", arg, wall,
                [round(e["accuracy"], 3) for e in rec["evals"]])
   return rec
 
 
+# The power analysis, fixed before the runs (issue 32). The paired sd of M-GRPO minus
+# frozen_sub over 5 seeds in the first CPU sweep (hierarchy-sweep-cpu.json at 0ce0b92): 5.4
+# points. It is taken as the sd of the per-seed difference whatever the evaluation size (a
+# conservative reading: part of it was the 128 questions' binomial noise, which a larger
+# evaluation shrinks).
+PAIRED_SD, EFFECT, POWER, ALPHA = 0.054, 0.05, 0.80, 0.05
+
+
+def paired_t_power(n: int, effect: float, sd: float, alpha: float = ALPHA) -> float:
+  """Power of the two-sided paired t-test over `n` pairs to detect a mean difference `effect`
+  when the differences have sd `sd` (non-central t with n - 1 degrees of freedom)."""
+  df, ncp = n - 1, effect / sd * np.sqrt(n)
+  crit = stats.t.ppf(1 - alpha / 2, df)
+  return float(stats.nct.sf(crit, df, ncp) + stats.nct.cdf(-crit, df, ncp))
+
+
+def power_analysis(num_test: int, *, sd: float = PAIRED_SD, effect: float = EFFECT,
+                   power: float = POWER, alpha: float = ALPHA) -> dict:
+  """The seeds (paired by seed) for `power` to see `effect` between M-GRPO and frozen_sub, and
+  the evaluation size: every test question (`num_test`), with its binomial sd at p = 0.5."""
+  n = 2
+  while paired_t_power(n, effect, sd, alpha) < power:
+    n += 1
+  return dict(
+      test="two-sided paired t-test over seeds, unit = seed (M-GRPO minus frozen_sub, same "
+           "seed, same warm start, same test questions)",
+      paired_sd=sd, paired_sd_source="hierarchy-sweep-cpu.json at 0ce0b92: M-GRPO minus "
+      "frozen_sub, 5 seeds, final accuracy (+4.5 +- 6.7 points)", effect=effect, alpha=alpha,
+      target_power=power, seeds=n, power_at_seeds=round(paired_t_power(n, effect, sd, alpha), 4),
+      power_at_seeds_minus_1=round(paired_t_power(n - 1, effect, sd, alpha), 4),
+      normal_approximation_seeds=round(((stats.norm.ppf(1 - alpha / 2) + stats.norm.ppf(power))
+                                        * sd / effect) ** 2, 2),
+      eval_questions=num_test,
+      eval_binomial_sd_at_half=round(float(np.sqrt(0.25 / num_test)), 4),
+      computation="smallest n with P(|T| > t_{1-alpha/2, n-1}) >= power, T ~ noncentral t(n-1, "
+                  "effect / sd * sqrt(n)) (scipy.stats.nct); evaluation on the whole test split")
+
+
+def no_tool_run() -> dict:
+  """The guesser that reads nothing (envs.multihop.no_tool_guesser) on the eval questions."""
+  c = mgrpo_config.get_config(f"task=multihop,{_FLAG[_SIZE.value]}")
+  c.eval_split = _EVAL_SPLIT.value
+  env = tasks.build_env(c)
+  guess = multihop.no_tool_guesser(env.train)
+  out = {}
+  for split in ("valid", "test"):
+    questions = getattr(env, split)[:c.num_eval_questions]
+    right = [bool(rewards.exact_match(guess(q), q.answer)) for q in questions]
+    out[split] = dict(accuracy=round(float(np.mean(right)), 4) if right else None,
+                      questions=len(right))
+  return dict(kind="no_tool", variant="no_tool", config=f"configs/mgrpo.py:task=multihop,"
+              f"{_FLAG[_SIZE.value]}", rule="majority training answer per (template, final "
+              "attribute), else per attribute; 'no' for yes/no; the first-named entity for "
+              "'earlier' comparisons", evals=[{"step": 0, **out[c.eval_split]}], splits=out)
+
+
+def _sub_call_correct(ep, question) -> bool:
+  """A sub-agent call is right when it was asked about an entity of the question's chain and
+  its result contains that hop's answer (normalised)."""
+  subtask = ep.task.subtask.lower()
+  hop = next((h for h in question.hops if h.entity.lower() in subtask), None)
+  if hop is None or not ep.format_ok:
+    return False
+  return rewards.normalize_answer(hop.answer) in rewards.normalize_answer(ep.final or "")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Disabled:
+  """A tool that answers every call with an error: closed-book evaluation."""
+
+  name: str
+
+  def __call__(self, argument: str) -> str:
+    del argument
+    return f"Error: {self.name} is disabled (closed book)."
+
+
+def question_log(c, *, closed_book: bool = False) -> dict:
+  """Greedy episodes of `c`'s agents (`c.init`'s weights) on the eval questions: correctness
+  per question and per sub-agent call (for question-level tests beside the per-seed ones).
+  `closed_book`: every tool answers with an error, so nothing can be read."""
+  w = setup.resolve_wiring(c, training=False)
+  env = tasks.build_env(c)
+  if closed_book:
+    env.tools = {name: _Disabled(name) for name in env.tools}
+  mesh = sharding.make_mesh(dict(c.mesh))
+  agents = setup.build_agents(c, w, env, mesh, jax.random.key(c.seed))
+  questions = tasks.eval_questions(c, env)
+  policies = play.make_policies(c, w, env, agents, c.eval_sampling, version=0)
+  eps, sub_eps = play.run_rollouts(c, w, env, policies, questions, num_rollouts=1,
+                                   key=keys.eval_key(c, 0), step=0)
+  outcome = hierarchy.main_outcomes(eps, [q.answer for q in questions], len(questions), 1,
+                                    alpha=tuple(c.alpha))
+  correct = [bool(x) for x in np.asarray(outcome.correct)[:, 0]]
+  calls = [dict(q=ep.q, call=ep.call, correct=_sub_call_correct(ep, questions[ep.q]))
+           for ep in sub_eps]
+  return dict(question_ids=[q.id for q in questions], correct=correct, sub_calls=calls,
+              accuracy=round(float(np.mean(correct)), 4),
+              sub_call_accuracy=round(float(np.mean([x["correct"] for x in calls])), 4)
+              if calls else None)
+
+
+def closed_book_run(init: str) -> dict:
+  """The main + sub warm start with tools disabled: the sub-agent's search and visit (and the
+  python tool) answer with an error, so the pair answers from what its weights hold."""
+  arg = f"task=multihop,{_FLAG[_SIZE.value]},variant=mgrpo,init={init}"
+  t0 = time.perf_counter()
+  c = mgrpo_config.get_config(arg)
+  c.eval_split = _EVAL_SPLIT.value
+  log = question_log(c, closed_book=True)
+  return dict(kind="closed_book", variant="closed_book", config=f"configs/mgrpo.py:{arg}, "
+              "every tool disabled", wall_s=round(time.perf_counter() - t0, 1),
+              evals=[{"step": 0, "accuracy": log["accuracy"]}], questions=log)
+
+
+def _final_questions(c, workdir: str) -> dict:
+  """question_log of a finished run's final weights (its HF export), kept beside the run."""
+  path = os.path.join(workdir, "questions.json")
+  if not os.path.exists(path):
+    final = c.copy_and_resolve_references()
+    final.init = workdir
+    with open(path, "w") as f:
+      json.dump(question_log(final), f)
+  with open(path) as f:
+    return json.load(f)
+
+
 def expert_run(variant: str, *, teacher: bool = False) -> dict:
   """The scripted experts under the same budget (no training): noise-free (the ceiling), or
   with `teacher` slipping as often as the warm start's demonstrations do."""
-  arg = f"task=multihop,{_FLAG[_SIZE.value]},variant={variant},policy=expert"
+  arg = f"task=multihop,{_FLAG[_SIZE.value]},{EXTRA[variant]},policy=expert"
   c = mgrpo_config.get_config(arg)
+  c.eval_split = _EVAL_SPLIT.value
   if teacher:
     c.expert_noise = sft_config.get_config(arg).sft.expert_noise
   workdir = os.path.join(_WORKDIR.value, f"{'teacher' if teacher else 'expert'}-{variant}")
@@ -153,6 +369,25 @@ def summarize(records: list[dict]) -> dict:
     for variant, s in out.items():
       if variant != "mgrpo":
         s["mgrpo_minus"] = _difference_intervals(_mgrpo_minus(out["mgrpo"], s))
+        s["mgrpo_vs_by_question"] = question_tests(records, "mgrpo", variant)
+  return out
+
+
+def question_tests(records: list[dict], a: str, b: str) -> list[dict]:
+  """The question-level view, seed by seed: of the test questions on which variants `a` and
+  `b` (same seed, final weights) disagree, how many only `a` answers right (a_only) and only
+  `b` (b_only), and McNemar's exact two-sided p (binomial on the discordant questions)."""
+  logs = {(r["variant"], r["seed"]): r["questions"] for r in records
+          if r["kind"] == "rl" and "questions" in r}
+  out = []
+  for seed in sorted({s for v, s in logs if v == a} & {s for v, s in logs if v == b}):
+    qa, qb = logs[(a, seed)], logs[(b, seed)]
+    if qa["question_ids"] != qb["question_ids"]:
+      raise ValueError(f"seed {seed}: {a} and {b} answered different questions")
+    a_only = sum(x and not y for x, y in zip(qa["correct"], qb["correct"]))
+    b_only = sum(y and not x for x, y in zip(qa["correct"], qb["correct"]))
+    p = stats.binomtest(a_only, a_only + b_only).pvalue if a_only + b_only else 1.0
+    out.append(dict(seed=seed, a_only=a_only, b_only=b_only, mcnemar_p=round(float(p), 4)))
   return out
 
 
@@ -199,19 +434,59 @@ def plot(records: list[dict], out_png: str) -> str:
                                     "mean and 95% t-interval over seeds")
 
 
-def _write(records: list[dict], path: str, wall_s: float) -> None:
-  out = dict(
-      command=f"python benchmarks/hierarchy_sweep.py --size={_SIZE.value} "
-              f"--seeds={_SEEDS.value}" + (" --reuse" if _REUSE.value else ""),
-      # This invocation's time, and the sum of every warm start's and run's own wall time
-      # (with --reuse, runs finished by an earlier invocation count their original time).
-      wall_s=round(wall_s, 1), runs_wall_s=round(sum(r.get("wall_s", 0) for r in records), 1),
+def verdict(summary: dict, records: list[dict], margin: float = EFFECT) -> dict:
+  """Whether the table may rank the variants: only when M-GRPO's final accuracy beats the best
+  baseline that reads nothing (the no-tool guesser, the closed-book warm start) by `margin`."""
+  base = {r["kind"]: r["evals"][-1]["accuracy"] for r in records
+          if r["kind"] in ("no_tool", "closed_book") and r["evals"][-1].get("accuracy") is not None}
+  if "mgrpo" not in summary or not base:
+    return dict(informative=None, reason="M-GRPO or the no-reading baselines have not run yet")
+  best = max(base, key=base.get)
+  lead = summary["mgrpo"]["final"]["accuracy"]["mean"] - base[best]
+  ok = lead >= margin
+  return dict(informative=ok, baselines=base, best_baseline=best, mgrpo_lead=round(lead, 4),
+              margin=margin, reason=(f"M-GRPO leads {best} by {lead:+.3f}" + (
+                  "" if ok else f" < {margin}: the instrument is uninformative; the table does "
+                  "not rank the variants")))
+
+
+def _key(r: dict) -> str:
+  return f"{r['kind']}/{r['variant']}/{r.get('seed', '')}"
+
+
+def _write(records: list[dict], path: str, wall_s: float, power: dict) -> None:
+  """Writes the sweep's JSON, merged with the runs and invocations an earlier invocation wrote
+  to `path` (a sweep split over sessions: --seed_start / --only with --reuse)."""
+  old = {}
+  if os.path.exists(path):
+    with open(path) as f:
+      old = json.load(f)
+  # Runs of a JSON from before this protocol (no invocations recorded) are not merged.
+  merged = {_key(r): r for r in old.get("runs", [])} if "invocations" in old else {}
+  merged.update({_key(r): r for r in records})
+  records = list(merged.values())
+  invocation = dict(
+      command=" ".join(["python", "benchmarks/hierarchy_sweep.py"] + sys.argv[1:]),
+      commit=git_commit(), wall_s=round(wall_s, 1), eval_split=_EVAL_SPLIT.value,
+      started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - wall_s)),
       machine=dict(cpus=os.cpu_count(), platform=platform.platform(), jax=jax.__version__,
                    devices=str(jax.devices()),
-                   loadavg_at_end=[round(x, 2) for x in os.getloadavg()]),
-      note="Greedy held-out accuracy; intervals are mean +- t_{0.975, n-1} * sd / sqrt(n) over "
-           "seeds. Wall times include compilation and evaluation.",
-      summary=summarize(records), runs=records)
+                   loadavg_at_end=[round(x, 2) for x in os.getloadavg()]))
+  invocations = [i for i in old.get("invocations", []) if i.get("started") !=
+                 invocation["started"]] + [invocation]
+  summary = summarize(records)
+  covered = {v: s["seeds"] for v, s in summary.items()}
+  out = dict(
+      command=f"python benchmarks/hierarchy_sweep.py --size={_SIZE.value} --seeds="
+              f"{power['seeds']} --reuse, as {len(invocations)} invocation(s) (listed in "
+              f"invocations); seeds run so far per variant: {covered}",
+      # The sweep as a whole: every warm start's and run's own wall time (each counted once).
+      runs_wall_s=round(sum(r.get("wall_s", 0) for r in records), 1),
+      invocations=invocations, power_analysis=power,
+      note="Greedy accuracy on the test split (world.holdout: whole chains of held-out "
+           "entities, used for nothing else); intervals are mean +- t_{0.975, n-1} * sd / "
+           "sqrt(n) over seeds. Wall times include compilation and evaluation.",
+      verdict=verdict(summary, records), summary=summary, runs=records)
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path, "w") as f:
     json.dump(out, f, indent=1)
@@ -234,34 +509,135 @@ def _table(summary: dict) -> str:
   return "\n".join(lines)
 
 
+SESSION_S = 100 * 60  # Each invocation of the sweep must fit 100 minutes on 2 cores.
+
+
+def session_budget(sweep_json: dict, session_s: float = SESSION_S) -> dict:
+  """How many RL runs fit one invocation, from a timed sweep's records: with the warm start
+  (and its closed-book evaluation) in the same invocation, and with them reused."""
+  runs = sweep_json["runs"]
+  warm = sum(r["wall_s"] for r in runs if r["kind"] in ("warm_start", "closed_book"))
+  rl = [r["wall_s"] for r in runs if r["kind"] == "rl"]
+  if not rl:
+    raise ValueError("the timing JSON holds no RL run")
+  per_run = float(np.mean(rl))
+  inv = sweep_json["invocations"][-1]
+  return dict(source=inv["command"], loadavg_at_end=inv["machine"]["loadavg_at_end"],
+              warm_start_and_closed_book_s=round(warm, 1), rl_run_s=round(per_run, 1),
+              rl_runs=[dict(variant=r["variant"], seed=r["seed"], wall_s=r["wall_s"],
+                            rollout_s=r["rollout_s"], update_s=r["update_s"]) for r in runs
+                       if r["kind"] == "rl"],
+              session_s=session_s,
+              runs_per_session_with_warm_start=int((session_s - warm) // per_run),
+              runs_per_session_warm_start_reused=int(session_s // per_run))
+
+
+def instrument(path: str) -> dict:
+  """The cheap measurements (no training): split and leak statistics, the no-tool guesser,
+  the experts noise-free and as the warm start's teacher, the power analysis."""
+  t0 = time.perf_counter()
+  c = mgrpo_config.get_config(f"task=multihop,{_FLAG[_SIZE.value]}")
+  env = tasks.build_env(c)
+  the_world = world_lib.generate_world(tasks.world_config(c))
+  train_pages = {h.doc_id for q in env.train for h in q.hops}
+  held = {s: {h.doc_id for q in getattr(env, s) for h in q.hops} for s in ("valid", "test")}
+  corpus = {d.doc_id for d in env.documents}
+  # How often the page a sub-agent needs is not the first search hit (the choice of hit is
+  # part of its job): each hop's entity searched by name through the tool, as the experts do.
+  ranks = [next((i for i, (doc, _) in enumerate(experts.parse_hits(env.tools["search"](
+      h.entity))) if doc == h.doc_id), None) for q in env.test for h in q.hops]
+  # Search replies in training traces may list a held-out page as a hit (its snippet: one
+  # sentence, which may name a training entity in a distractor); never its facts' pages in a
+  # chain. How often, for the searches the experts make on training questions:
+  held_pages = set().union(*held.values())
+  train_replies = [experts.parse_hits(env.tools["search"](h.entity))
+                   for q in env.train for h in q.hops]
+  splits = dict(
+      train_searches_listing_a_held_out_page=round(float(np.mean(
+          [any(doc in held_pages for doc, _ in hits) for hits in train_replies])), 4),
+      questions={s: len(getattr(env, s)) for s in ("train", "valid", "test")},
+      pages={p: sum(e.part == p for e in the_world.entities) for p in world_lib.PARTS},
+      held_out_pages_in_training_chains={s: len(v & train_pages) for s, v in held.items()},
+      held_out_pages_in_warm_start_corpus={s: len(v & corpus) for s, v in held.items()},
+      leaking_questions=sum(multihop.leaks(the_world, q) for q in env.train + env.valid
+                            + env.test),
+      test_hops={n: sum(len(q.hops) == n for q in env.test) for n in (1, 2, 3, 4)},
+      test_answer_attributes=dict(sorted(collections.Counter(
+          q.hops[-1].attribute for q in env.test).items())),
+      comparisons=sum(bool(q.compare) for q in env.train + env.valid + env.test),
+      search_k=c.world.search_k, name_similarity=c.world.name_similarity,
+      test_hops_own_page_first_hit=round(float(np.mean([r == 0 for r in ranks])), 4),
+      test_hops_own_page_in_hits=round(float(np.mean([r is not None for r in ranks])), 4))
+  c_eval = c.copy_and_resolve_references()
+  records = [no_tool_run()] + [expert_run(v, teacher=t) for t in (False, True)
+                               for v in ("mgrpo", "single", "single_full_context")]
+  out = dict(command=" ".join(["python", "benchmarks/hierarchy_sweep.py"] + sys.argv[1:]),
+             commit=git_commit(), wall_s=round(time.perf_counter() - t0, 1),
+             config=f"configs/mgrpo.py:task=multihop,{_FLAG[_SIZE.value]}",
+             eval_split=c_eval.eval_split, num_eval_questions=min(c.num_eval_questions,
+                                                                  len(env.test)),
+             splits=splits, power_analysis=power_analysis(min(c.num_eval_questions,
+                                                              len(env.test))),
+             baselines=records,
+             machine=dict(cpus=os.cpu_count(), platform=platform.platform(),
+                          loadavg_at_end=[round(x, 2) for x in os.getloadavg()]))
+  if _TIMING.value:
+    with open(_TIMING.value) as f:
+      out["session_budget"] = session_budget(json.load(f))
+  with open(path, "w") as f:
+    json.dump(out, f, indent=1)
+  return out
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
   # A smoke run proves the pipeline, it measures nothing: its JSON stays in the workdir.
   results = _WORKDIR.value if _SIZE.value == "smoke" else "benchmarks/results"
-  out = _OUT.value or os.path.join(results, f"hierarchy-sweep-{_SIZE.value}.json")
+  if _INSTRUMENT.value:
+    path = _OUT.value or os.path.join(results, f"hierarchy-instrument-{_SIZE.value}.json")
+    out = instrument(path)
+    print(json.dumps({k: out[k] for k in ("splits", "power_analysis")}, indent=1))
+    for r in out["baselines"]:
+      print(f"{r['kind']:10s} {r['variant']:10s} accuracy {r['evals'][0]['accuracy']}")
+    return
+  # hierarchy-sweep-<size>.json is the first sweep's, on the task before issue 32.
+  out = _OUT.value or os.path.join(results, f"hierarchy-heldout-{_SIZE.value}.json")
   out_png = _PLOT.value or os.path.splitext(out)[0] + ".png"
-  args = list(mgrpo_config.hierarchy_sweep(_SIZE.value, _SEEDS.value))
+  probe = mgrpo_config.get_config(f"task=multihop,{_FLAG[_SIZE.value]}")
+  num_test = min(probe.num_eval_questions, len(tasks.build_env(probe).test))
+  power = power_analysis(num_test)
+  seeds = _SEEDS.value or power["seeds"]
+  args = [(mgrpo_config.get_config(a).variant, a) for a in mgrpo_config.hierarchy_sweep(
+      _SIZE.value, seeds, seed_start=_SEED_START.value)]
+  args += list(mgrpo_config.hierarchy_controls(_SIZE.value, seeds, seed_start=_SEED_START.value))
   if _ONLY.value:
-    args = [a for a in args if any(f"variant={v}," in a for v in _ONLY.value)]
+    args = [(name, a) for name, a in args if name in _ONLY.value]
   t0 = time.perf_counter()
-  records = [expert_run(v, teacher=t) for t in (False, True) for v in ("mgrpo", "single")]
+  records = [no_tool_run()] + [expert_run(v, teacher=t) for t in (False, True)
+                               for v in ("mgrpo", "single", "single_full_context")]
   inits = {}
-  for arg in args:
-    variant = mgrpo_config.get_config(arg).variant
+  for variant, arg in args:
     if WARM_START[variant] not in inits:
       rec = warm_start(WARM_START[variant])
       records.append(rec)
       inits[WARM_START[variant]] = rec["workdir"]
-    records.append(rl_run(arg, inits[WARM_START[variant]]))
-    _write(records, out, time.perf_counter() - t0)
-  print(f"Sweep ({_SIZE.value}, {_SEEDS.value} seeds): {time.perf_counter() - t0:.0f} s. "
-        f"{out}, {plot(records, out_png)}")
+      if WARM_START[variant] == "mgrpo":
+        records.append(closed_book_run(rec["workdir"]))
+    records.append(rl_run(arg, inits[WARM_START[variant]], name=variant))
+    _write(records, out, time.perf_counter() - t0, power)
+  _write(records, out, time.perf_counter() - t0, power)
+  print(f"Sweep ({_SIZE.value}, seeds {_SEED_START.value}..{_SEED_START.value + seeds - 1}): "
+        f"{time.perf_counter() - t0:.0f} s. {out}, {plot(records, out_png)}")
   for r in records:
     if r["kind"] != "rl":
       print(f"{r['kind']:10s} {r['variant']:10s} accuracy "
-            f"{[round(e['accuracy'], 3) for e in r['evals']]} ({r.get('wall_s', 0):.0f} s)")
-  print(_table(summarize(records)))
+            f"{[e.get('accuracy') for e in r['evals']]} ({r.get('wall_s', 0):.0f} s)")
+  with open(out) as f:
+    written = json.load(f)
+  print(written["verdict"]["reason"])
+  if written["verdict"]["informative"] is not False:
+    print(_table(written["summary"]))
 
 
 if __name__ == "__main__":

@@ -96,7 +96,14 @@ def world(seed: int = 0) -> ml_collections.ConfigDict:
       num_questions=400,  # Generated, then split.
       hop_weights=(1.0, 1.0, 1.0),  # Relative frequency of 1-, 2-, 3-hop questions.
       test_fraction=0.25,
+      # (validation, test) fractions of each kind's entities held out as parts of the world
+      # whose links stay inside them (envs.world.split_by_part): questions are split by whole
+      # chains and the warm start's corpus holds only training pages. (0, 0): the split by
+      # first entity at test_fraction (envs.world.split_questions), and no validation split.
+      holdout=(0.0, 0.0),
+      min_answer_space=0,  # multihop: skip chains whose answer has fewer possible values.
       search_k=3,  # Hits per search.
+      shuffle_hits=False,  # Hits in an order drawn from the query, not by score (envs.search).
       visit_chars=800,  # Characters of a visited document.
       system_prompt=True,  # Tiny models trained on short traces may drop it.
   ))

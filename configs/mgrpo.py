@@ -14,8 +14,9 @@ policy=model|expert, seed=<int>, lora=<rank> (LoRA agents: both models' lora.ran
 fine-tuning), runlocal, smoke, gpu (one 80 GB GPU at the paper's limits: Qwen3-0.6B preset
 unless model= or hf_path=, bf16 compute over f32 master weights, remat, packed token-budget
 updates, cuDNN attention where it applies, memory proved by benchmarks/memory.py),
-task=world|multihop (multihop: long pages, 1-4 hop bridge and comparison questions,
-`_multihop`; its size is gpu, smoke, or cpu for runlocal or no flag).
+task=world|multihop (multihop: long pages, 1-4 hop bridge questions over held-out chains,
+`_multihop`; its size is gpu, smoke, or cpu for runlocal or no flag), full_context
+(task=multihop: a max_len that holds every page a question needs, the single agent's control).
 """
 
 import ml_collections
@@ -31,7 +32,7 @@ def arguments(arg: str | None) -> dict:
   """The typed arguments of `arg` (configs/sft.py takes the same)."""
   args = common.parse_args(arg, dict(variant="mgrpo", model="", hf_path="", init="",
                                      policy="model", seed=0, runlocal=False, smoke=False,
-                                     gpu=False, lora=0, task="world"))
+                                     gpu=False, lora=0, task="world", full_context=False))
   if args["variant"] not in VARIANTS:
     raise ValueError(f"variant={args['variant']!r}; expected one of {VARIANTS}.")
   if args["task"] not in TASKS:
@@ -95,6 +96,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.num_steps = 100
   c.eval_every = 20  # Steps; step 0 is always evaluated.
   c.num_eval_questions = 64
+  # Which held-out questions evaluations answer: "test" (the table's) or "valid" (every tuning
+  # choice; needs world.holdout).
+  c.eval_split = "test"
   c.checkpoint_every = 10
   c.max_to_keep = 2
   c.log_every = 1  # Steps between plain log lines when no terminal shows the progress bar.
@@ -104,8 +108,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if args["runlocal"] or args["smoke"] or (args["task"] == "multihop" and not args["gpu"]):
     _cpu(c)
   if args["task"] == "multihop":
-    _multihop(c, multihop_size(args))
+    _multihop(c, multihop_size(args), full_context=args["full_context"])
     return c
+  if args["full_context"]:
+    raise ValueError("full_context is a control of task=multihop.")
   if args["runlocal"]:
     _demo(c)
     if args["lora"]:
@@ -170,10 +176,17 @@ def _demo(c):
   c.num_steps, c.eval_every, c.num_eval_questions, c.checkpoint_every = 40, 20, 376, 20
 
 
-def _multihop(c, size: str):
+# task=multihop,full_context: a context that holds every page a question needs (the single
+# agent's control, issue 32): the smallest max_len (of 768, 1024, 1280, 1536) at which the
+# noise-free single expert finishes all 2000 CPU questions without an overflow (768: 15.2% of
+# them overflow; /work/scratch probe, recorded in hierarchy-instrument-cpu.json).
+FULL_CONTEXT_LEN = {"cpu": 1024, "smoke": 1024, "gpu": 16_384}
+
+
+def _multihop(c, size: str, full_context: bool = False):
   """Multi-hop research over long pages (envs.multihop), where the hierarchy can matter.
 
-  Bridge chains of 1-4 links and comparisons of two entities (2 or 4 pages) over long pages:
+  Bridge chains of 1-4 links over long pages (comparisons removed, issue 32):
   `limits.max_len` holds a search and one page (the sub-agent's episode, or a single agent's
   on a one-page question) but not two pages, while the main agent's plan and short results
   take a fraction of it; so a single agent that visits pages overflows at its second one.
@@ -186,14 +199,25 @@ def _multihop(c, size: str):
   # A real checkpoint reads its own tokenizer's ids (pages then count its tokens: check the
   # budget with policy=expert, as tests/envs/test_multihop.py does for byte+world).
   c.tokenizer = c.main_model.hf_path or "byte+world"
-  c.world.update(kind="multihop", compare_fraction=0.5, hop_weights=(1.0, 2.0, 2.0, 2.0),
-                 distractors_per_doc=2, visit_chars=100_000)  # Pages are shown whole.
+  # Issue 32: reading must be required. Binary comparisons (a coin flip for a guesser) are
+  # removed; answers have at least 20 possible values (24 countries and rivers; no settlement
+  # sizes, media or occupations); held-out questions are whole chains of held-out entities
+  # (validation and test parts, 15% each); look-alike names among search hits shown in an order
+  # drawn from the query (search_k >= 2), so choosing the hit is the sub-agent's job. The
+  # guesser (envs.multihop.no_tool_guesser) scores at most 10% on the test split
+  # (benchmarks/results/hierarchy-instrument-cpu.json).
+  c.world.update(kind="multihop", compare_fraction=0.0, hop_weights=(1.0, 2.0, 2.0, 2.0),
+                 distractors_per_doc=2, visit_chars=100_000,  # Pages are shown whole.
+                 num_countries=24, num_rivers=24, min_answer_space=20, holdout=(0.15, 0.15),
+                 name_similarity=0.5, shuffle_hits=True)
   if size == "gpu":
     c.world.update(num_people=400, num_orgs=200, num_places=200, num_works=200,
                    filler_sentences=(40, 56), num_questions=8000, search_k=3)
     c.limits.update(max_turns=12, max_new_tokens=256, max_len=4096, max_delegations=6)
     c.num_queries, c.num_rollouts, c.align_d = 8, 8, 4
     c.num_steps, c.eval_every, c.num_eval_questions, c.checkpoint_every = 200, 20, 512, 20
+    if full_context:
+      c.limits.max_len = FULL_CONTEXT_LEN[size]
     return
   c.world.update(num_people=80, num_orgs=40, num_places=40, num_works=40,
                  filler_sentences=(1, 2), num_questions=2000, search_k=2,
@@ -209,10 +233,13 @@ def _multihop(c, size: str):
   # the demo's 4) keeps the 5 variants x 5 seeds sweep at about 71 minutes on 2 cores.
   c.num_queries, c.num_rollouts, c.align_d = 3, 8, 3
   c.main_optim.learning_rate = c.sub_optim.learning_rate = 2e-4
-  c.num_steps, c.eval_every, c.num_eval_questions, c.checkpoint_every = 30, 10, 128, 10
+  # Evaluations answer every test question (286 at this size; the sweep's power analysis).
+  c.num_steps, c.eval_every, c.num_eval_questions, c.checkpoint_every = 30, 10, 1000, 10
   if size == "smoke":
     c.num_queries, c.num_rollouts = 2, 4
     c.num_steps, c.eval_every, c.num_eval_questions, c.checkpoint_every = 2, 1, 16, 1
+  if full_context:
+    c.limits.max_len = FULL_CONTEXT_LEN[size]
 
 
 def sweep():
@@ -223,14 +250,26 @@ def sweep():
 
 
 HIERARCHY_VARIANTS = ("mgrpo", "frozen_sub", "shared", "single", "unaligned")
+# Controls beside the variants: (name, the config arguments that make it).
+HIERARCHY_CONTROLS = (("single_full_context", "variant=single,full_context"),)
 
 
-def hierarchy_sweep(size: str = "cpu", seeds: int = 5):
+def hierarchy_sweep(size: str = "cpu", seeds: int = 5, seed_start: int = 0):
   """The hierarchy ablation on multi-hop research (benchmarks/hierarchy_sweep.py).
 
-  Every variant on the same task, limits and number of updates, `seeds` seeds each.
+  Every variant on the same task, limits and number of updates, seeds
+  [seed_start, seed_start + seeds) each (the sweep's power analysis chooses how many).
   """
   flag = {"cpu": "runlocal", "gpu": "gpu", "smoke": "smoke"}[size]
   for variant in HIERARCHY_VARIANTS:
-    for seed in range(seeds):
+    for seed in range(seed_start, seed_start + seeds):
       yield f"task=multihop,{flag},variant={variant},seed={seed}"
+
+
+def hierarchy_controls(size: str = "cpu", seeds: int = 5, seed_start: int = 0):
+  """The controls of the hierarchy ablation: (name, config argument) per seed; the single
+  agent with a context that holds every page a question needs."""
+  flag = {"cpu": "runlocal", "gpu": "gpu", "smoke": "smoke"}[size]
+  for name, extra in HIERARCHY_CONTROLS:
+    for seed in range(seed_start, seed_start + seeds):
+      yield name, f"task=multihop,{flag},{extra},seed={seed}"

@@ -15,10 +15,11 @@ comparison of two-link chains. Everything is a pure function of the seeds.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import itertools
 import random
-from typing import Sequence
+from typing import Callable, Sequence
 
 from mgrpo_jax.envs import world as world_lib
 
@@ -99,6 +100,9 @@ def _pairs(world, spec, rng: random.Random) -> list[tuple[world_lib.Entity, worl
     pairs = [p for both in itertools.zip_longest(yes, no) for p in both if p]
   else:  # "earlier" needs two different years.
     pairs = [p for p in pairs if value[p[0]] != value[p[1]]]
+  # Both entities of one part of the world (`WorldConfig.holdout`): a held-out comparison
+  # needs no training page. With one part this keeps every pair, in the same order.
+  pairs = [p for p in pairs if of_kind[p[0]].part == of_kind[p[1]].part]
   return [(of_kind[i], of_kind[j]) if rng.random() < 0.5 else (of_kind[j], of_kind[i])
           for i, j in pairs]
 
@@ -124,20 +128,31 @@ def comparison_questions(world: world_lib.World, hops: int, num: int,
   return out
 
 
-def _leaks(world: world_lib.World, q: world_lib.Question) -> bool:
-  """True when the answer is written on the first page the question needs (a shortcut)."""
-  return q.answer.lower() in world.document(q.hops[0].doc_id).text.lower()
+def leaks(world: world_lib.World, q: world_lib.Question) -> bool:
+  """True when a bridge answer is written on a page of its chain before the last (a shortcut:
+  a common year or country that an earlier page happens to mention). Every such page counts,
+  not only the first; the last page is the one that states the answer."""
+  answer = q.answer.lower()
+  return any(answer in world.document(h.doc_id).text.lower() for h in q.hops[:-1])
+
+
+def answer_space(world: world_lib.World, attribute: str) -> int:
+  """How many distinct values `attribute` takes over the world's entities."""
+  return len({e.attributes[attribute] for e in world.entities if attribute in e.attributes})
 
 
 def make_questions(world: world_lib.World, *, num: int,
                    hop_weights: Sequence[float] = (1.0, 1.0, 1.0, 1.0),
-                   compare_fraction: float = 0.5, seed: int = 0) -> list[world_lib.Question]:
+                   compare_fraction: float = 0.5, seed: int = 0,
+                   min_answer_space: int = 0) -> list[world_lib.Question]:
   """`num` distinct questions; `hop_weights[i]` weighs questions needing i + 1 pages.
 
   At 2 and 4 pages, `compare_fraction` of the level's questions are comparisons (rounded),
   the rest bridge chains; at 1 and 3 all are chains. A bridge question whose answer is
-  written on its first page (a common year or country that page happens to mention) is
-  skipped: answering it must need the later pages.
+  written on a page of its chain before the last (`leaks`) is skipped: answering it must
+  need every page. A bridge question asking for an attribute with fewer than
+  `min_answer_space` distinct values in the world (a settlement size, a medium) is skipped
+  too: its answer could be guessed without reading (`no_tool_guesser`).
   """
   if not 0.0 <= compare_fraction <= 1.0:
     raise ValueError(f"compare_fraction must be in [0, 1], got {compare_fraction}")
@@ -148,10 +163,50 @@ def make_questions(world: world_lib.World, *, num: int,
     questions += comparison_questions(world, level, n_compare, rng)
     chains = world_lib.chain_questions(world, level) if count > n_compare else []
     rng.shuffle(chains)
-    chains = [q for q in chains if level == 1 or not _leaks(world, q)][: count - n_compare]
+    chains = [q for q in chains if not leaks(world, q)
+              and answer_space(world, q.hops[-1].attribute) >= min_answer_space]
+    chains = chains[: count - n_compare]
     if count - n_compare > len(chains):
       raise ValueError(f"asked for {count - n_compare} {level}-hop chains; the world has "
-                       f"{len(chains)} whose answer is not on their first page")
+                       f"{len(chains)} whose answer is on no earlier page and has at least "
+                       f"{min_answer_space} possible values")
     questions += chains
   rng.shuffle(questions)
   return questions
+
+
+def template(q: world_lib.Question) -> str:
+  """The question's wording without its entity names ("Who founded {}?"): its template."""
+  text = q.text
+  names = [q.hops[0].entity] + ([q.hops[q.side_hops].entity] if q.compare else [])
+  for name in names:
+    text = text.replace(name, "{}")
+  return text
+
+
+def no_tool_guesser(train: Sequence[world_lib.Question]) -> Callable[[world_lib.Question], str]:
+  """The guesser of issue 32, which never reads a page: the bar a trained agent must clear.
+
+  "same" comparisons: "no"; "earlier" comparisons: the first-named entity; a bridge question:
+  the most common training answer among training questions of the same template and final
+  attribute, else of the same final attribute, else "" (ties: the answer seen first).
+  """
+  by_key: dict[tuple[str, str], collections.Counter] = {}
+  by_attr: dict[str, collections.Counter] = {}
+  for q in train:
+    if q.compare or not q.hops:
+      continue
+    attr = q.hops[-1].attribute
+    by_key.setdefault((template(q), attr), collections.Counter())[q.answer] += 1
+    by_attr.setdefault(attr, collections.Counter())[q.answer] += 1
+
+  def guess(q: world_lib.Question) -> str:
+    if q.compare == "same":
+      return NO
+    if q.compare == "earlier":
+      return q.hops[0].entity
+    counts = by_key.get((template(q), q.hops[-1].attribute)) or by_attr.get(q.hops[-1].attribute)
+    # Counter.most_common keeps insertion order among equal counts: the first seen wins.
+    return counts.most_common(1)[0][0] if counts else ""
+
+  return guess

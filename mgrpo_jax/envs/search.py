@@ -11,6 +11,8 @@ for a real search API when the web is reachable.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import random
 import re
 from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
@@ -108,16 +110,35 @@ def _guarded(name: str, run: Callable[[str], str], argument: Any) -> str:
     return f"Error: {name} failed ({type(e).__name__})."
 
 
+def shuffled(hits: Sequence[Hit], query: str) -> list[Hit]:
+  """`hits` in an order drawn from the query's text alone (the same query, the same order)."""
+  seed = int.from_bytes(hashlib.sha1(" ".join(tokenize(query)).encode()).digest()[:8], "big")
+  out = list(hits)
+  random.Random(seed).shuffle(out)
+  return out
+
+
 @dataclasses.dataclass(frozen=True)
 class SearchTool:
-  """`search`: the top `k` local documents for a query, formatted by `format_hits`."""
+  """`search`: the top `k` local documents for a query, formatted by `format_hits`.
+
+  `shuffle`: the k hits in an order drawn from the query (`shuffled`), not by score. A query
+  naming an entity ranks its own page first (it names the entity in every sentence), so
+  taking the first hit would always be right; shuffled, the agent must pick the hit whose
+  title is the entity (among look-alike names), as on a search engine whose ranking errs.
+  """
 
   index: Retriever
   k: int = 3
   name: str = "search"
+  shuffle: bool = False
+
+  def _run(self, query: str) -> str:
+    hits = self.index.search(query, self.k)
+    return format_hits(shuffled(hits, query) if self.shuffle else hits)
 
   def __call__(self, argument: str) -> str:
-    return _guarded(self.name, lambda q: format_hits(self.index.search(q, self.k)), argument)
+    return _guarded(self.name, self._run, argument)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +195,7 @@ class WebSearchTool:
     return _guarded(self.name, self._run, argument)
 
 
-def local_tools(index: Retriever, *, k: int = 3, max_chars: int = 800) -> dict[str, Tool]:
+def local_tools(index: Retriever, *, k: int = 3, max_chars: int = 800,
+                shuffle: bool = False) -> dict[str, Tool]:
   """The sub-agent's offline tool set, keyed by the name a policy calls: search and visit."""
-  return {"search": SearchTool(index, k), "visit": VisitTool(index, max_chars)}
+  return {"search": SearchTool(index, k, shuffle=shuffle), "visit": VisitTool(index, max_chars)}

@@ -7,7 +7,9 @@ whose sentences state its attributes in shuffled order, mixed with distractor se
 other entities, so a search for a name also returns documents that merely mention it. A
 question follows a chain of 1-3 links ("In which country is the birthplace of the founder of
 X?"); each hop's answer is written literally in that hop's document, so an agent can copy it.
-Everything is a pure function of the seeds.
+A world may hold separate parts (`WorldConfig.holdout`: train, validation and test entities,
+linked only inside their part), so held-out questions are whole chains of pages that no
+training question reads (`split_by_part`). Everything is a pure function of the seeds.
 """
 
 from __future__ import annotations
@@ -122,6 +124,13 @@ class WorldConfig:
   # (low, high): each document gets a number of filler sentences in this range, prose naming
   # other entities (`FILLER`), drawn from a stream of its own: (0, 0) leaves the world as it was.
   filler_sentences: tuple[int, int] = (0, 0)
+  # (validation, test) fractions of each kind's entities held out as separate parts whose
+  # links stay inside their part, so a chain never leaves its part (`split_by_part`): the
+  # pages of a held-out question are in no training question's chain. (0, 0): one part.
+  holdout: tuple[float, float] = (0.0, 0.0)
+
+
+PARTS = ("train", "valid", "test")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +141,7 @@ class Entity:
   kind: str
   attributes: Mapping[str, str]
   doc_id: str
+  part: str = "train"  # Which of `PARTS` the entity (and its page) belongs to.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,8 +200,15 @@ class World:
   def _by_doc(self) -> dict[str, Document]:
     return {d.doc_id: d for d in self.documents}
 
+  @functools.cached_property
+  def _by_doc_entity(self) -> dict[str, Entity]:
+    return {e.doc_id: e for e in self.entities}
+
   def entity(self, name: str) -> Entity:
     return self._by_name[name]
+
+  def entity_of_doc(self, doc_id: str) -> Entity:
+    return self._by_doc_entity[doc_id]
 
   def document(self, doc_id: str) -> Document:
     return self._by_doc[doc_id]
@@ -295,6 +312,25 @@ def _lengthen(rng: random.Random, doc: Document, record: dict, names: list[str],
   return dataclasses.replace(doc, text=" ".join(sentences))
 
 
+def _part_sizes(cfg: WorldConfig) -> dict[str, dict[str, int]]:
+  """Entities per part and kind: `cfg.holdout` of each kind, rounded, to validation and test."""
+  counts = {"place": cfg.num_places, "person": cfg.num_people, "organisation": cfg.num_orgs,
+            "work": cfg.num_works}
+  fractions = dict(zip(PARTS, (1.0 - sum(cfg.holdout),) + tuple(cfg.holdout)))
+  sizes = {}
+  for part, fraction in fractions.items():
+    if part != "train" and fraction == 0:
+      continue
+    sizes[part] = {k: round(n * fraction) for k, n in counts.items()}
+  held = {k: sum(sizes[p][k] for p in sizes if p != "train") for k in counts}
+  sizes["train"] = {k: counts[k] - held[k] for k in counts}
+  for part, n in sizes.items():
+    if min(n["place"], n["person"], n["organisation"]) < 1:
+      raise ValueError(f"holdout={cfg.holdout} leaves part {part!r} without a person, "
+                       f"organisation or place: {n}")
+  return sizes
+
+
 def generate_world(cfg: WorldConfig = WorldConfig()) -> World:
   """Builds the world of `cfg`: same config, same entities and documents, byte for byte."""
   if min(cfg.num_people, cfg.num_orgs, cfg.num_places) < 1 or cfg.num_works < 0:
@@ -304,28 +340,42 @@ def generate_world(cfg: WorldConfig = WorldConfig()) -> World:
   low, high = cfg.filler_sentences
   if not 0 <= low <= high:
     raise ValueError(f"filler_sentences must be (low, high) with 0 <= low <= high: {cfg}")
+  if min(cfg.holdout) < 0 or sum(cfg.holdout) >= 1:
+    raise ValueError(f"holdout must be two fractions >= 0 summing to < 1: {cfg}")
+  sizes = _part_sizes(cfg)
   rng = random.Random(cfg.seed)
   namer = _Namer(rng, cfg.name_similarity)
   countries = [namer.word(2) + rng.choice(("ia", "land", "mark")) for _ in range(cfg.num_countries)]
   rivers = [namer.word(2) for _ in range(cfg.num_rivers)]
-  places = [{"name": namer.word(rng.choice((2, 3))), "kind": "place",
-             "country": rng.choice(countries), "river": rng.choice(rivers),
-             "population": rng.choice(_POPULATIONS)} for _ in range(cfg.num_places)]  # fmt: skip
-  people = _people(rng, namer, cfg.num_people, places)
-  orgs = _orgs(rng, namer, cfg.num_orgs, people, places)
-  for person in people:  # employers exist only once the organisations do
-    person["employer"] = rng.choice(orgs)["name"]
-  records = places + people + orgs + _works(rng, namer, cfg.num_works, people, orgs)
+  # Each step runs part by part, links drawn inside the part; with one part (holdout (0, 0))
+  # the draws are those of the world before parts existed, so old worlds stay byte-identical.
+  places = {p: [{"name": namer.word(rng.choice((2, 3))), "kind": "place",
+                 "country": rng.choice(countries), "river": rng.choice(rivers),
+                 "population": rng.choice(_POPULATIONS)} for _ in range(n["place"])]
+            for p, n in sizes.items()}  # fmt: skip
+  people = {p: _people(rng, namer, n["person"], places[p]) for p, n in sizes.items()}
+  orgs = {p: _orgs(rng, namer, n["organisation"], people[p], places[p])
+          for p, n in sizes.items()}
+  for p in sizes:
+    for person in people[p]:  # employers exist only once the organisations do
+      person["employer"] = rng.choice(orgs[p])["name"]
+  works = {p: _works(rng, namer, n["work"], people[p], orgs[p]) for p, n in sizes.items()}
+  records, parts = [], []
+  for by_part in (places, people, orgs, works):
+    for p, recs in by_part.items():
+      records += recs
+      parts += [p] * len(recs)
   # Doc ids follow a shuffled order, so an id says nothing about the entity's kind.
   ranks = list(range(len(records)))
   rng.shuffle(ranks)
   width = max(3, len(str(len(records) - 1)))
   doc_ids = [f"doc{r:0{width}d}" for r in ranks]
+  # Distractor sentences may name entities of any part: a name, never a fact about it.
   names = [r["name"] for r in records]
   entities, documents = [], []
-  for record, doc_id in zip(records, doc_ids):
+  for record, doc_id, part in zip(records, doc_ids, parts):
     attrs = {a: record[a] for a in ATTRIBUTES[record["kind"]]}
-    entities.append(Entity(record["name"], record["kind"], attrs, doc_id))
+    entities.append(Entity(record["name"], record["kind"], attrs, doc_id, part))
     documents.append(_document(rng, record, doc_id, names, cfg.distractors_per_doc))
   if high > 0:
     # Its own stream: the entities and the base pages stay those of the world without filler.
@@ -469,3 +519,30 @@ def split_questions(questions: Sequence[Question], test_fraction: float,
     taken += sizes[group]
   train = [q for q in questions if key(q) not in test_groups]
   return train, [q for q in questions if key(q) in test_groups]
+
+
+def question_part(world: World, question: Question) -> str | None:
+  """The part of every page `question` needs, or None when its pages span several parts."""
+  parts = {world.entity_of_doc(h.doc_id).part for h in question.hops}
+  return parts.pop() if len(parts) == 1 else None
+
+
+def split_by_part(world: World, questions: Sequence[Question]) -> dict[str, list[Question]]:
+  """The questions of each part of the world (`WorldConfig.holdout`), in the input order.
+
+  A question lands in a part only when every page of its chain (both chains of a comparison)
+  is that part's; a question that spans parts is dropped (with links kept inside parts, only
+  a comparison of two entities of different parts can).
+  """
+  out = {p: [] for p in PARTS}
+  for q in questions:
+    part = question_part(world, q)
+    if part is not None:
+      out[part].append(q)
+  return out
+
+
+def part_documents(world: World, part: str) -> tuple[Document, ...]:
+  """The pages of the entities of `part` (e.g. the training pages: a warm start's corpus)."""
+  docs = {e.doc_id for e in world.entities if e.part == part}
+  return tuple(d for d in world.documents if d.doc_id in docs)

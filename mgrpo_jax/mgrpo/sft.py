@@ -138,9 +138,15 @@ def train_sft(c: ml_collections.ConfigDict, workdir: str) -> dict:
   ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=1)
   start = workdir_lib.restore_agents(ckpt, agents)
 
+  # An agent that plays several roles ('shared') gets batch_size rows of each role per step,
+  # as the pair's agents do (drawn from its mixed list it got ~1 main row in 4: issue 32).
+  by_role = {name: [[e for e in eps if e.role == role] for role in dict.fromkeys(
+      e.role for e in eps)] for name, eps in data.items()}
+
   def batch_of(name: str, step: int) -> batch_lib.Batch:
     rng = np.random.default_rng([c.seed, step, len(name)])
-    rows, weights = _pick(data[name], sft.batch_size, rng), [None] * sft.batch_size
+    rows = [e for eps in by_role[name] for e in _pick(eps, sft.batch_size, rng)]
+    weights = [None] * len(rows)
     for extra_rows, weight in ((others[name], sft.other_roles_weight),
                                (corpus, sft.corpus_weight)):
       if weight and extra_rows:

@@ -25,31 +25,48 @@ class Env:
   index: search.Retriever
   tools: dict
   documents: tuple = ()  # The world's pages (the SFT corpus), whatever `index` searches.
+  valid: list = dataclasses.field(default_factory=list)  # Tuning questions (world.holdout).
 
 
 def build_env(c: ml_collections.ConfigDict) -> Env:
   """The offline research world with its train/test split and tools."""
   w = c.world
-  wcfg = world.WorldConfig(seed=w.seed, num_people=w.num_people, num_orgs=w.num_orgs,
-                           num_places=w.num_places, num_works=w.num_works,
-                           num_countries=w.num_countries, num_rivers=w.num_rivers,
-                           distractors_per_doc=w.distractors_per_doc,
-                           name_similarity=w.name_similarity,
-                           filler_sentences=tuple(w.filler_sentences))
+  wcfg = world_config(c)
   the_world = world.generate_world(wcfg)
   if w.kind == "multihop":
     questions = multihop.make_questions(the_world, num=w.num_questions,
                                         hop_weights=tuple(w.hop_weights),
-                                        compare_fraction=w.compare_fraction, seed=w.seed)
+                                        compare_fraction=w.compare_fraction, seed=w.seed,
+                                        min_answer_space=w.min_answer_space)
   else:
     questions = world.make_questions(the_world, num=w.num_questions,
                                      hop_weights=tuple(w.hop_weights), seed=w.seed)
-  train, test = world.split_questions(questions, w.test_fraction, seed=w.seed)
+  documents, valid = the_world.documents, []
+  if sum(w.holdout) > 0:
+    # Split by whole chains; the warm start's corpus is the training pages only.
+    parts = world.split_by_part(the_world, questions)
+    train, valid, test = parts["train"], parts["valid"], parts["test"]
+    documents = world.part_documents(the_world, "train")
+  else:
+    train, test = world.split_questions(questions, w.test_fraction, seed=w.seed)
   index = retrieval.make_retriever(c.retrieval, the_world.documents)
-  tools = dict(search.local_tools(index, k=w.search_k, max_chars=w.visit_chars),
+  tools = dict(search.local_tools(index, k=w.search_k, max_chars=w.visit_chars,
+                                  shuffle=w.shuffle_hits),
                python=python_tool.PythonTool())
   tokenizer = tk.load_tokenizer(c.tokenizer, words=tokenizer_words(c.tokenizer, the_world))
-  return Env(tokenizer, train, test, index, tools, the_world.documents)
+  return Env(tokenizer, train, test, index, tools, documents, valid)
+
+
+def world_config(c: ml_collections.ConfigDict) -> world.WorldConfig:
+  """The generated world of `c.world`."""
+  w = c.world
+  return world.WorldConfig(seed=w.seed, num_people=w.num_people, num_orgs=w.num_orgs,
+                           num_places=w.num_places, num_works=w.num_works,
+                           num_countries=w.num_countries, num_rivers=w.num_rivers,
+                           distractors_per_doc=w.distractors_per_doc,
+                           name_similarity=w.name_similarity,
+                           filler_sentences=tuple(w.filler_sentences),
+                           holdout=tuple(w.holdout))
 
 
 def tokenizer_words(spec: str, the_world: world.World) -> tuple[str, ...]:
@@ -66,5 +83,5 @@ def tokenizer_words(spec: str, the_world: world.World) -> tuple[str, ...]:
 
 
 def eval_questions(c, env: Env) -> list:
-  """The held-out questions an evaluation answers."""
-  return env.test[:c.num_eval_questions]
+  """The held-out questions an evaluation answers: `c.eval_split`'s ("valid" while tuning)."""
+  return getattr(env, c.get("eval_split", "test"))[:c.num_eval_questions]

@@ -1,0 +1,138 @@
+"""Issue 32's task: held-out parts of the world, the leak check over every page, the guesser."""
+
+import pytest
+
+from configs import mgrpo as mgrpo_config
+from mgrpo_jax.mgrpo import tasks
+from mgrpo_jax.agents import experts
+from mgrpo_jax.envs import multihop, search
+from mgrpo_jax.envs import world as world_lib
+from mgrpo_jax.rl import rewards
+
+_CFG = world_lib.WorldConfig(seed=3, num_people=40, num_orgs=20, num_places=20, num_works=20,
+                             holdout=(0.2, 0.25))
+
+
+def test_links_stay_inside_their_part():
+  world = world_lib.generate_world(_CFG)
+  parts = {e.name: e.part for e in world.entities}
+  assert {p: sum(v == p for v in parts.values()) for p in world_lib.PARTS} == {
+      "train": 22 + 11 + 11 + 11, "valid": 8 + 4 + 4 + 4, "test": 10 + 5 + 5 + 5}
+  for e in world.entities:
+    for attr, value in e.attributes.items():
+      if attr in world_lib.LINKS:
+        assert parts[value] == e.part, (e.name, attr, value)
+
+
+def test_one_part_world_is_the_old_world():
+  """holdout (0, 0) draws exactly what the world drew before parts existed."""
+  base = world_lib.WorldConfig(seed=3)
+  assert world_lib.generate_world(base).entities == world_lib.generate_world(
+      world_lib.WorldConfig(seed=3, holdout=(0.0, 0.0))).entities
+  assert {e.part for e in world_lib.generate_world(base).entities} == {"train"}
+  with pytest.raises(ValueError, match="holdout"):
+    world_lib.generate_world(world_lib.WorldConfig(seed=3, holdout=(0.5, 0.5)))
+
+
+def test_split_by_part_keeps_only_single_part_questions():
+  world = world_lib.generate_world(_CFG)
+  questions = multihop.make_questions(world, num=300, hop_weights=(1, 2, 2, 2),
+                                      compare_fraction=0.5, seed=1)
+  split = world_lib.split_by_part(world, questions)
+  assert all(split[p] for p in world_lib.PARTS)
+  assert sum(map(len, split.values())) == len(questions)  # Links and pairs stay in a part.
+  for part, qs in split.items():
+    for q in qs:
+      assert {world.entity_of_doc(h.doc_id).part for h in q.hops} == {part}
+
+
+def test_multihop_task_holds_out_whole_chains():
+  """The sweep's task (CPU size): no validation or test page is in a training question's
+  chain or in the warm start's corpus (env.documents, which sft.corpus_rows turns into rows),
+  and every held-out question's pages are all held out."""
+  env = tasks.build_env(mgrpo_config.get_config("task=multihop,runlocal"))
+  train_pages = {h.doc_id for q in env.train for h in q.hops}
+  corpus = {d.doc_id for d in env.documents}
+  assert len(env.valid) >= 200 and len(env.test) >= 200
+  for q in env.valid + env.test:
+    pages = {h.doc_id for h in q.hops}
+    assert not pages & train_pages and not pages & corpus
+  assert train_pages <= corpus
+  assert not {q.text for q in env.train} & {q.text for q in env.valid + env.test}
+  assert not any(q.compare for q in env.train + env.valid + env.test)  # Binary ones removed.
+
+
+def _world(pages: dict[str, str]) -> world_lib.World:
+  docs = tuple(world_lib.Document(d, d.upper(), text) for d, text in pages.items())
+  return world_lib.World(world_lib.WorldConfig(), (), docs)
+
+
+def _hop(doc_id: str, answer: str = "x", attribute: str = "birthplace",
+         entity: str = "E") -> world_lib.Hop:
+  return world_lib.Hop(entity, attribute, answer, doc_id, "?")
+
+
+def test_leak_check_reads_every_page_before_the_last():
+  world = _world({"d1": "Alpha is here.", "d2": "Near Zorn lies Beta.", "d3": "Zorn is it."})
+  chain = lambda *docs: world_lib.Question("q", "?", "Zorn", tuple(_hop(d) for d in docs))
+  assert multihop.leaks(world, chain("d2", "d1", "d3"))  # On the first page.
+  assert multihop.leaks(world, chain("d1", "d2", "d3"))  # On a middle page only.
+  assert not multihop.leaks(world, chain("d1", "d3"))  # Only on the last, answering page.
+  assert not multihop.leaks(world, chain("d3"))
+
+
+def _q(text, answer, entity, attribute="country", compare="", side=0, second="B"):
+  hops = (_hop("d1", answer, attribute, entity),)
+  if compare:
+    hops += (_hop("d2", answer, attribute, second),)
+  return world_lib.Question(text, text, answer, hops, compare=compare, side_hops=side)
+
+
+def test_no_tool_guesser_rules():
+  train = [_q("In which country is Al?", "Ostia", "Al"),
+           _q("In which country is Bo?", "Ostia", "Bo"),
+           _q("In which country is Cy?", "Zemark", "Cy"),
+           _q("In which country is the birthplace of Di?", "Zemark", "Di"),
+           _q("On which river does Ed lie?", "Vel", "Ed", "river"),
+           _q("On which river does Fa lie?", "Orn", "Fa", "river")]
+  guess = multihop.no_tool_guesser(train)
+  # Majority per template and final attribute (not per attribute alone: Zemark ties there).
+  assert guess(_q("In which country is Gu?", "?", "Gu")) == "Ostia"
+  assert guess(_q("In which country is the birthplace of Ho?", "?", "Ho")) == "Zemark"
+  assert guess(_q("On which river does Ix lie?", "?", "Ix", "river")) == "Vel"  # First seen.
+  # An unseen template falls back to the attribute's majority; an unseen attribute to "".
+  assert guess(_q("In which country is the headquarters of Jo?", "?", "Jo")) == "Ostia"
+  assert guess(_q("Who founded Ka?", "?", "Ka", "founder")) == ""
+  assert guess(_q("Were Al and Bo born in the same country?", "yes", "Al", compare="same",
+                  side=1, second="Bo")) == "no"
+  assert guess(_q("Who was born earlier, Lu or Mo?", "Mo", "Lu", "birth_year", "earlier",
+                  1, "Mo")) == "Lu"
+  assert multihop.template(_q("Who was born earlier, Lu or Mo?", "Mo", "Lu", "birth_year",
+                              "earlier", 1, "Mo")) == "Who was born earlier, {} or {}?"
+
+
+def test_no_tool_guesser_is_at_most_ten_percent_on_the_test_split():
+  env = tasks.build_env(mgrpo_config.get_config("task=multihop,runlocal"))
+  guess = multihop.no_tool_guesser(env.train)
+  right = [bool(rewards.exact_match(guess(q), q.answer)) for q in env.test]
+  assert sum(right) / len(right) <= 0.10
+  # On its own training questions it is far better: the rule is not a broken one.
+  train_right = [bool(rewards.exact_match(guess(q), q.answer)) for q in env.train]
+  assert sum(train_right) / len(train_right) > sum(right) / len(right)
+
+
+def test_shuffled_search_hits_leave_the_choice_to_the_agent():
+  """The multi-hop task's search: the same hits as by score, in an order drawn from the
+  query (the same query, the same order), so the needed page is often not the first hit."""
+  env = tasks.build_env(mgrpo_config.get_config("task=multihop,runlocal"))
+  tool = env.tools["search"]
+  assert tool.shuffle and tool.k >= 2
+  first = []
+  for q in env.test[:40]:
+    h = q.hops[0]
+    reply = tool(h.entity)
+    assert reply == tool(h.entity)
+    assert sorted(reply.splitlines()) == sorted(
+        search.format_hits(env.index.search(h.entity, tool.k)).splitlines())
+    first.append(experts.parse_hits(reply)[0][0] == h.doc_id)
+  assert 0.2 < sum(first) / len(first) < 0.9
