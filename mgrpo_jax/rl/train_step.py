@@ -359,6 +359,9 @@ def make_train_step(model_config: Qwen3Config, loss_config: LossConfig,
   if max_tokens_per_micro < 8:
     raise ValueError(f"max_tokens_per_micro must be >= 8, got {max_tokens_per_micro}.")
   rows_multiple = 1
+  # cuDNN's packed attention describes at most this many sequences per row.
+  max_segments = (model_config.attention_max_segments
+                  if model_config.attention == "cudnn_packed" else 0)
   if mesh is None:
     jitted = jax.jit(step, donate_argnames=("state",))
   else:
@@ -374,7 +377,8 @@ def make_train_step(model_config: Qwen3Config, loss_config: LossConfig,
     batch = _routes_for_replay(model_config, Batch.of(batch))
     packed = Batch(**packing.pack(batch.as_dict(),
                                   max_tokens_per_micro=max_tokens_per_micro,
-                                  agg=loss_config.agg, rows_multiple=rows_multiple))
+                                  agg=loss_config.agg, rows_multiple=rows_multiple,
+                                  max_segments=max_segments))
     if mesh is not None:
       packed = jax.tree.map(lambda v: jax.device_put(v, replicated if np.ndim(v) == 0
                                                      else rows_sh), packed)

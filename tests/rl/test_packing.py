@@ -65,6 +65,16 @@ def test_pack_rows_multiple():
   assert p["tokens"].shape[1] % 4 == 0
 
 
+def test_pack_max_segments():
+  # cuDNN's packed attention describes a bounded number of sequences per row.
+  free = packing.pack(_batch(), max_tokens_per_micro=64, agg="token-mean", min_len=8)
+  assert free["segment_ids"].max() > 1
+  capped = packing.pack(_batch(), max_tokens_per_micro=64, agg="token-mean", min_len=8,
+                        max_segments=1)
+  assert capped["segment_ids"].max() == 1
+  assert capped["loss_mask"].sum() == free["loss_mask"].sum()  # Every sequence is kept.
+
+
 def _state(tx, seed=0):
   return ts.init_state(models.init_params(CFG, jax.random.key(seed)), tx, jax.random.key(1))
 
