@@ -100,6 +100,7 @@ def _gathered_head_logprobs(hidden_BxTxD, head_DxV, targets_BxT, mesh, rows, hea
   P = jax.sharding.PartitionSpec
   row_spec = P(rows or None)
   replicated = tuple(a for a in rows if a not in head_spec)
+  shards = math.prod(mesh.shape[a] for a in rows)
 
   def per_device(h_BxTxD, head, y_BxT):
     # Rows split over axes the head is not (data, expert): its gradient is summed over
@@ -110,8 +111,10 @@ def _gathered_head_logprobs(hidden_BxTxD, head_DxV, targets_BxT, mesh, rows, hea
     # chunk-summed gradient).
     for i, axis in gathered:
       head = jax.lax.all_gather(head, axis, axis=i, tiled=True)
+    # `chunk` counts the tokens of all devices' rows, as without the mesh: each device
+    # holds its share of a chunk's logits at a time.
     return _local_chunked_logprobs(h_BxTxD, head, y_BxT, temperature=temperature,
-                                   chunk=chunk)
+                                   chunk=max(1, chunk // shards))
 
   fn = jax.shard_map(per_device, mesh=mesh, in_specs=(row_spec, head_spec, row_spec),
                      out_specs=(row_spec, row_spec))
