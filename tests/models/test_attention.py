@@ -195,6 +195,8 @@ def test_resolve():
     r("flash", cached=False, packed=False, t=1, s=1)
   with pytest.raises(models.ConfigError, match="attention"):
     models.get_preset("tiny", attention="flash")
+  with pytest.raises(models.ConfigError, match="attention_max_segments must be an int >= 1"):
+    models.get_preset("tiny", attention_max_segments=0)
 
 
 @pytest.mark.parametrize("dtype,head_dim", [(jnp.float32, 128), (jnp.bfloat16, 20),
