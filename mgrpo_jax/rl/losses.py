@@ -75,7 +75,7 @@ def chunked_logprobs(hidden_BxTxD, head_DxV, targets_BxT, *, temperature: float 
   Under a mesh (`jax.set_mesh` / `use_abstract_mesh`, as the sharded train step runs) whose
   batch axes split the rows, each device scores its own rows (`shard_map`) with the head
   all-gathered once, before the chunk loop: left to XLA, the FSDP-sharded head was
-  gathered three times and its gradient reduce-scattered in every chunk (issue 34). The
+  gathered three times and its gradient reduce-scattered in every chunk. The
   head's gradient is then summed over the chunks locally and reduce-scattered once.
   """
   mesh = jax.sharding.get_abstract_mesh()
