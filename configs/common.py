@@ -14,7 +14,8 @@ def model(preset: str = "tiny") -> ml_collections.ConfigDict:
       remat=False,  # Recompute layers in the backward pass,
       remat_policy="nothing",  # keeping nothing, or "save_dots": the weight matmuls' outputs.
       # Attention kernel: "auto" (cuDNN on GPU for padded batches, else the einsum reference
-      # for small [T, T], else blockwise), "cudnn", "blockwise" or "reference".
+      # for small [T, T], else blockwise), "cudnn", "cudnn_packed" (cuDNN for packed updates
+      # too; GPU, not yet checked on one), "blockwise" or "reference".
       attention="auto",
       attention_block=512,  # Tokens per tile of the blockwise kernel.
       decode_splits=0,  # > 1: decode attention reads the cache in this many chunks at once.

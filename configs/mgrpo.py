@@ -136,6 +136,8 @@ def _gpu(c, preset: str):
       # A random-weight preset keeps Qwen3's vocabulary (the tokenizer's ids fit inside it),
       # so its memory is the real model's.
       mc.vocab_size = models.get_preset(preset).vocab_size
+    # attention="auto" keeps packed updates on the blockwise kernel; cuDNN's for them is
+    # --config.main_model.attention=cudnn_packed (default once its gpu test has passed).
     mc.update(param_dtype="float32", compute_dtype="bfloat16", remat=True, attention="auto",
               max_tokens_per_micro=32_768, logits_chunk_mb=2048)
 

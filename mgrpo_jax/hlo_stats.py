@@ -406,8 +406,11 @@ def collectives(module: Module, partitions: int, node_of: Sequence[int] | None =
 
 
 def loops_with(module: Module, function: str) -> list[Instr]:
-  """The whiles whose source stack (the HLO's stack frames) passes through `function`."""
-  return [w for w, _ in module.whiles() if function in module.frames.get(_frame_id(w), ())]
+  """The whiles whose source stack (the HLO's stack frames) passes through a function whose
+  name contains `function` (a shard_map body's stack starts at its own function, e.g.
+  `_local_chunked_logprobs` under `chunked_logprobs`)."""
+  return [w for w, _ in module.whiles()
+          if any(function in f for f in module.frames.get(_frame_id(w), ()))]
 
 
 def _frame_id(instr: Instr) -> int | None:

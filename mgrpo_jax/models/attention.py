@@ -14,8 +14,12 @@ slots, while RoPE positions may restart inside a packed row. Implementations:
 - "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")` (fused flash kernel) for
   uncached right-padded batches on GPU, in bfloat16 or float16 with a head dim that is a
   multiple of 8 and at most 128 (`cudnn_unsupported`).
-- "auto": cuDNN where it applies on GPU, else the reference for small [T, S] (cheapest on
-  CPU at demo sizes), else blockwise.
+- "cudnn_packed": cuDNN's fused kernel also for packed rows (the update's segment ids),
+  through its sequence-packing mode (per-row segment lengths and offsets); otherwise as
+  "cudnn". GPU only, opt-in: "auto" never takes it until a lent GPU has checked it
+  (tests/models/test_attention.py's `gpu` test).
+- "auto": cuDNN where it applies on GPU (unpacked rows), else the reference for small
+  [T, S] (cheapest on CPU at demo sizes), else blockwise.
 """
 
 import functools
@@ -23,7 +27,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-IMPLEMENTATIONS = ("auto", "cudnn", "blockwise", "reference")
+IMPLEMENTATIONS = ("auto", "cudnn", "cudnn_packed", "blockwise", "reference")
+CUDNN_IMPLEMENTATIONS = ("cudnn", "cudnn_packed")
 # "auto" keeps the reference while one row's scores per head stay this small (1024 x 1024).
 _AUTO_REFERENCE_MAX_TS = 1 << 20
 # What cuDNN's fused kernel takes (jax checks both when it lowers the call): half-precision
@@ -271,6 +276,47 @@ def cudnn(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, lengths_B, *, implementation: str =
   return jnp.transpose(out.reshape(b, t, kv, g, h), (0, 2, 3, 1, 4))
 
 
+def segment_lengths_and_offsets(seg_BxT, max_segments: int):
+  """cuDNN's sequence-packing description of packed rows (segment ids 1.. in order, 0 on
+  trailing padding): lengths [B, M] and start offsets [B, M + 1], -1 past a row's last
+  segment, M = `max_segments` (segments past it are left out: the packer keeps to it)."""
+  b, _ = seg_BxT.shape
+  counts = jnp.zeros((b, max_segments + 1), jnp.int32).at[
+      jnp.arange(b)[:, None], seg_BxT].add(1, mode="drop")
+  lengths = counts[:, 1:]  # Segment s + 1's length; 0 past the row's last segment.
+  ends = jnp.cumsum(lengths, axis=1)
+  n = jnp.sum(lengths > 0, axis=1, keepdims=True)
+  offsets = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), ends], axis=1)
+  offsets = jnp.where(jnp.arange(max_segments + 1) <= n, offsets, -1)
+  return jnp.where(lengths > 0, lengths, -1), offsets
+
+
+def cudnn_packed(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, seg_BxT, *, max_segments: int):
+  """cuDNN's fused causal attention within each packed segment (uncached, S = T).
+
+  Rows hold at most `max_segments` segments (`Qwen3Config.attention_max_segments`, which
+  the packer keeps to): cuDNN's softmax statistics are [B * max_segments, heads, T] floats.
+  Padding (segment 0) belongs to no segment: its outputs are not defined (the update
+  masks them out of the loss; they reach no real token, which only sees its segment).
+  """
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa  # GPU-only kernel.
+
+  b, kv, g, t, h = q_BxKxGxTxH.shape
+  # jax's cuDNN training path takes even lengths only (the update's T = L - 1 is odd): one
+  # more padding slot, in no segment, sliced off again.
+  pad = t % 2
+  q = jnp.transpose(q_BxKxGxTxH, (0, 3, 1, 2, 4)).reshape(b, t, kv * g, h)
+  k = jnp.transpose(k_BxKxSxH, (0, 2, 1, 3))
+  v = jnp.transpose(v_BxKxSxH, (0, 2, 1, 3))
+  q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+  seg = jnp.pad(seg_BxT.astype(jnp.int32), ((0, 0), (0, pad)))
+  lengths, offsets = segment_lengths_and_offsets(seg, max_segments)
+  out = cudnn_fa.dot_product_attention(
+      q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets,
+      scale=float(h) ** -0.5, mask_type=cudnn_fa.MaskType.PADDING_CAUSAL, qkv_layout="BTNH")
+  return jnp.transpose(out[:, :t].reshape(b, t, kv, g, h), (0, 2, 3, 1, 4))
+
+
 def cudnn_unsupported(dtype, head_dim: int) -> str | None:
   """Why cuDNN's fused kernel cannot take inputs of `dtype` and `head_dim`; None if it can."""
   name = jnp.dtype(dtype).name
@@ -287,11 +333,13 @@ def resolve(impl: str, *, cached: bool, packed: bool, t: int, s: int, dtype,
   if impl not in IMPLEMENTATIONS:
     raise ValueError(f"attention={impl!r}; expected one of {IMPLEMENTATIONS}.")
   why_not = cudnn_unsupported(dtype, head_dim)
-  if impl == "cudnn" and why_not:
-    raise ValueError(f"attention='cudnn' cannot run: {why_not}. Use attention='auto', which "
+  if impl in CUDNN_IMPLEMENTATIONS and why_not:
+    raise ValueError(f"attention={impl!r} cannot run: {why_not}. Use attention='auto', which "
                      "takes cuDNN only where it applies.")
+  if impl == "cudnn_packed" and not cached:
+    return "cudnn_packed" if packed else "cudnn"
   cudnn_ok = not cached and not packed
-  if impl == "cudnn" and not cudnn_ok:
+  if impl in CUDNN_IMPLEMENTATIONS and not cudnn_ok:
     # Cached queries and packed rows need the general mask: cuDNN's padded-causal mask
     # cannot express them, so they take the memory-bounded pure-JAX kernel.
     return "blockwise"
@@ -304,7 +352,7 @@ def resolve(impl: str, *, cached: bool, packed: bool, t: int, s: int, dtype,
 
 def attend(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, *, q_idx_BxT, kv_valid_BxS, q_seg_BxT=None,
            kv_seg_BxS=None, impl: str = "auto", cached: bool = False, block: int = 512,
-           decode_splits: int = 0):
+           decode_splits: int = 0, max_segments: int = 64):
   """Attention under the shared masking rule, by the implementation `impl` resolves to.
 
   Without a cache, rows must be right-padded (`kv_valid` a prefix) for cuDNN to apply.
@@ -322,5 +370,8 @@ def attend(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, *, q_idx_BxT, kv_valid_BxS, q_seg_
                      kv_seg_BxS)
   if which == "cudnn":
     return cudnn(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, kv_valid_BxS.sum(-1))
+  if which == "cudnn_packed":
+    return cudnn_packed(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, q_seg_BxT,
+                        max_segments=max_segments)
   return blockwise(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, q_idx_BxT, kv_valid_BxS, q_seg_BxT,
                    kv_seg_BxS, block_q=block, block_kv=block)

@@ -59,10 +59,14 @@ class Qwen3Config:
   # outputs, recomputing norms, activations and attention).
   remat: bool = False
   remat_policy: str = "nothing"
-  # Attention kernel (models/attention.py): "auto" | "cudnn" | "blockwise" | "reference",
+  # Attention kernel (models/attention.py): "auto" | "cudnn" | "cudnn_packed" (cuDNN for
+  # packed rows too; GPU, opt-in) | "blockwise" | "reference",
   # and the blockwise kernel's tile size. Runtime choices, not part of config.json.
   attention: str = "auto"
   attention_block: int = 512
+  # "cudnn_packed": the most sequences one packed row holds (the packer keeps to it; cuDNN's
+  # softmax statistics take rows x this x heads x T floats). Runtime.
+  attention_max_segments: int = 64
   # Decode attention over the cache in this many chunks at once (flash-decoding,
   # attention.split_kv); 0 or 1: one pass. Runtime.
   decode_splits: int = 0
@@ -115,9 +119,9 @@ class Qwen3Config:
     if self.attention not in IMPLEMENTATIONS:
       raise ConfigError(
           f"Qwen3Config.attention={self.attention!r}; expected one of {IMPLEMENTATIONS}.")
-    if self.attention == "cudnn" and (why := cudnn_unsupported(self.compute_dtype,
-                                                               self.head_dim)):
-      raise ConfigError(f"Qwen3Config.attention='cudnn' with compute_dtype="
+    if self.attention in ("cudnn", "cudnn_packed") and (
+        why := cudnn_unsupported(self.compute_dtype, self.head_dim)):
+      raise ConfigError(f"Qwen3Config.attention={self.attention!r} with compute_dtype="
                         f"{self.compute_dtype!r}, head_dim={self.head_dim}: cuDNN's fused "
                         f"kernel cannot run ({why}); use attention='auto'.")
     if not isinstance(self.attention_block, int) or self.attention_block < 8:
@@ -126,6 +130,9 @@ class Qwen3Config:
     if self.remat_policy not in REMAT_POLICIES:
       raise ConfigError(f"Qwen3Config.remat_policy={self.remat_policy!r}; expected one of "
                         f"{REMAT_POLICIES}.")
+    if not isinstance(self.attention_max_segments, int) or self.attention_max_segments < 1:
+      raise ConfigError(f"Qwen3Config.attention_max_segments must be an int >= 1, got "
+                        f"{self.attention_max_segments!r}.")
     if not isinstance(self.decode_splits, int) or self.decode_splits < 0:
       raise ConfigError(
           f"Qwen3Config.decode_splits must be an int >= 0, got {self.decode_splits!r}.")

@@ -221,7 +221,8 @@ class Attention(nnx.Module):
     out = attention.attend(q, k, v, q_idx_BxT=q_idx_BxT, kv_valid_BxS=key_mask_BxS,
                            q_seg_BxT=segment_ids_BxT, kv_seg_BxS=segment_ids_BxT,
                            impl=cfg.attention, cached=cache_kv is not None,
-                           block=cfg.attention_block, decode_splits=cfg.decode_splits)
+                           block=cfg.attention_block, decode_splits=cfg.decode_splits,
+                           max_segments=cfg.attention_max_segments)
     o = self.o[...].astype(dt).reshape(kv, g, cfg.head_dim, -1)
     y = jnp.einsum("bkgth,kghd->btd", out, o)
     return _adapted(self, "o", y, out, "bkgth,kghr->btr", "btr,rd->btd",

@@ -10,8 +10,12 @@ reaches neither the loss nor its gradient.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+
+from mgrpo_jax import sharding as shard_lib
 
 __all__ = [
     "AGGREGATIONS",
@@ -67,7 +71,58 @@ def chunked_logprobs(hidden_BxTxD, head_DxV, targets_BxT, *, temperature: float 
   whose body is rematerialised, so the forward and the backward hold one [B, c, V] block
   at a time (rows stay whole, so a row-sharded batch stays row-sharded). Entropy carries
   no gradient. Returns (logp [B, T], entropy [B, T]), float32.
+
+  Under a mesh (`jax.set_mesh` / `use_abstract_mesh`, as the sharded train step runs) whose
+  batch axes split the rows, each device scores its own rows (`shard_map`) with the head
+  all-gathered once, before the chunk loop: left to XLA, the FSDP-sharded head was
+  gathered three times and its gradient reduce-scattered in every chunk. The
+  head's gradient is then summed over the chunks locally and reduce-scattered once.
   """
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty:
+    split = lambda a: a is not None and mesh.shape[a] > 1
+    rows = tuple(a for a in shard_lib.BATCH if a in mesh.axis_names and split(a))
+    spec = jax.sharding.PartitionSpec(*(a if split(a) else None for a in
+                                        shard_lib.param_spec("lm_head", head_DxV.shape, mesh)))
+    gathered = tuple((i, a) for i, a in enumerate(spec) if a is not None)
+    # A vocabulary split over `tensor` would need a distributed log-sum-exp; left to XLA.
+    if ((rows or gathered) and "tensor" not in spec
+        and hidden_BxTxD.shape[0] % math.prod(mesh.shape[a] for a in rows) == 0):
+      return _gathered_head_logprobs(hidden_BxTxD, head_DxV, targets_BxT, mesh, rows, spec,
+                                     gathered, temperature=temperature, chunk=chunk)
+  return _local_chunked_logprobs(hidden_BxTxD, head_DxV, targets_BxT,
+                                 temperature=temperature, chunk=chunk)
+
+
+def _gathered_head_logprobs(hidden_BxTxD, head_DxV, targets_BxT, mesh, rows, head_spec,
+                            gathered, *, temperature, chunk):
+  """`chunked_logprobs` per device: its rows against the head gathered once (see there)."""
+  P = jax.sharding.PartitionSpec
+  row_spec = P(rows or None)
+  replicated = tuple(a for a in rows if a not in head_spec)
+  shards = math.prod(mesh.shape[a] for a in rows)
+
+  def per_device(h_BxTxD, head, y_BxT):
+    # Rows split over axes the head is not (data, expert): its gradient is summed over
+    # them (the transpose of this cast), on the shard, after the reduce-scatter.
+    if replicated:
+      head = jax.lax.pcast(head, replicated, to="varying")
+    # The one gather of the head per forward (its transpose: one reduce-scatter of the
+    # chunk-summed gradient).
+    for i, axis in gathered:
+      head = jax.lax.all_gather(head, axis, axis=i, tiled=True)
+    # `chunk` counts the tokens of all devices' rows, as without the mesh: each device
+    # holds its share of a chunk's logits at a time.
+    return _local_chunked_logprobs(h_BxTxD, head, y_BxT, temperature=temperature,
+                                   chunk=max(1, chunk // shards))
+
+  fn = jax.shard_map(per_device, mesh=mesh, in_specs=(row_spec, head_spec, row_spec),
+                     out_specs=(row_spec, row_spec))
+  return fn(hidden_BxTxD, head_DxV, targets_BxT)
+
+
+def _local_chunked_logprobs(hidden_BxTxD, head_DxV, targets_BxT, *, temperature, chunk):
+  """`chunked_logprobs` on arrays as they are (no mesh logic)."""
   b, t, d = hidden_BxTxD.shape
   c = min(t, max(1, chunk // b))
   if c == t:

@@ -32,12 +32,13 @@ def _lengths(mask_BxT: np.ndarray) -> np.ndarray:
   return np.where(last > 0, last + 1, 0)
 
 
-def _first_fit(lengths: np.ndarray, row_len: int) -> list[list[int]]:
-  """Rows of sequence indices, longest first, each into the first row with room."""
+def _first_fit(lengths: np.ndarray, row_len: int, max_segments: int = 0) -> list[list[int]]:
+  """Rows of sequence indices, longest first, each into the first row with room (and,
+  with `max_segments` > 0, fewer than that many sequences)."""
   rows, room = [], []
   for i in sorted(np.flatnonzero(lengths), key=lambda i: (-lengths[i], i)):
     for r, free in enumerate(room):
-      if free >= lengths[i]:
+      if free >= lengths[i] and not 0 < max_segments <= len(rows[r]):
         rows[r].append(i)
         room[r] -= lengths[i]
         break
@@ -48,13 +49,14 @@ def _first_fit(lengths: np.ndarray, row_len: int) -> list[list[int]]:
 
 
 def pack(batch: dict, *, max_tokens_per_micro: int, agg: str, rows_multiple: int = 1,
-         min_len: int = 128, pad_id: int = 0) -> dict:
+         min_len: int = 128, pad_id: int = 0, max_segments: int = 0) -> dict:
   """Packs a padded train batch (see rl.train_step) into [M, R, L] micro-batches.
 
   Returns the per-token arrays of the padded batch plus `positions`, `segment_ids` (0 on
   padding, 1.. per sequence within a row), `seq_tokens`, a per-token `adv`, and the scalar
   `denominator` of `agg` over the whole batch. R is a multiple of `rows_multiple` (the
-  mesh's batch axes), so every micro-batch splits evenly over devices.
+  mesh's batch axes), so every micro-batch splits evenly over devices. `max_segments` > 0
+  caps the sequences per row (cuDNN's packed attention describes at most that many).
   """
   tokens = np.asarray(batch["tokens"])
   mask = np.asarray(batch["loss_mask"], np.float32)
@@ -68,7 +70,7 @@ def pack(batch: dict, *, max_tokens_per_micro: int, agg: str, rows_multiple: int
   # Rows per micro-batch: what the budget holds, rounded down to whole device groups.
   per_micro = max(1, max_tokens_per_micro // row_len)
   per_micro = max(rows_multiple, per_micro // rows_multiple * rows_multiple)
-  rows = _first_fit(lengths, row_len)
+  rows = _first_fit(lengths, row_len, max_segments)
   num_micro = max(1, -(-len(rows) // per_micro))
   shape = (num_micro * per_micro, row_len)
   adv = np.asarray(batch["adv"], np.float32)

@@ -381,11 +381,16 @@ def make_train_step(model_config: Qwen3Config, loss_config: LossConfig,
   if max_tokens_per_micro is None:
     prepare = lambda batch: place(_routes_for_replay(model_config, batch))
   else:
+    # cuDNN's packed attention describes at most this many sequences per row.
+    max_segments = (model_config.attention_max_segments
+                    if model_config.attention == "cudnn_packed" else 0)
+
     def prepare(batch):
       batch = _routes_for_replay(model_config, batch)
       return place(Batch(**packing.pack(batch.as_dict(),
                                         max_tokens_per_micro=max_tokens_per_micro,
-                                        agg=loss_config.agg, rows_multiple=rows_multiple)))
+                                        agg=loss_config.agg, rows_multiple=rows_multiple,
+                                        max_segments=max_segments)))
   return TrainStep(jitted, prepare, frozen)
 
 

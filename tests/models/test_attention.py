@@ -123,6 +123,60 @@ def test_cudnn_call_layout_matches_reference():
   np.testing.assert_allclose(np.asarray(o)[w], np.asarray(o_ref)[w], atol=2e-6)
 
 
+def test_cudnn_packed_segments_describe_the_rows():
+  # cuDNN's sequence packing: each row's segment lengths and start offsets, -1 past its last
+  # segment; attention within each described segment equals the packed reference.
+  q_idx, valid, seg, _, live = _cases()["packed"]
+  describe = jax.jit(attention.segment_lengths_and_offsets, static_argnums=1)
+  lengths, offsets = describe(seg, 6)
+  np.testing.assert_array_equal(lengths, [[10, 15, 12, -1, -1, -1], [8, 12, -1, -1, -1, -1]])
+  np.testing.assert_array_equal(offsets, [[0, 10, 25, 37, -1, -1, -1],
+                                          [0, 8, 20, -1, -1, -1, -1]])
+  # A bound of 3 segments holds row 0 exactly.
+  np.testing.assert_array_equal(describe(seg, 3)[1], [[0, 10, 25, 37], [0, 8, 20, -1]])
+  q, k, v = _qkv()
+  o_ref = np.asarray(attention.reference(q, k, v, q_idx, valid, seg, seg))
+  for b in range(B):
+    for n, start in zip(np.asarray(lengths[b]), np.asarray(offsets[b])):
+      if n < 0:
+        break
+      span = slice(start, start + n)
+      alone = attention.reference(q[b:b + 1, :, :, span], k[b:b + 1, :, span],
+                                  v[b:b + 1, :, span], q_idx[b:b + 1, :n],
+                                  jnp.ones((1, n), bool))
+      np.testing.assert_allclose(o_ref[b:b + 1, :, :, span], alone, atol=2e-6)
+
+
+def test_cudnn_packed_is_the_fused_call_compiled_for_an_h100(monkeypatch):
+  # Deviceless: the packed kernel lowers to cuDNN's fused attention custom call for an
+  # H100 target (XLA:GPU's pipeline on this CPU; needs the CUDA wheels, jax[cuda12]).
+  import pathlib
+  from jax._src.cudnn import fused_attention_stablehlo
+  from jax.experimental import topologies
+  # jax asks the local GPU for its compute capability (packing needs Hopper); there is
+  # none here, so it is told the target's: an H100, 9.0.
+  monkeypatch.setattr(fused_attention_stablehlo, "check_compute_capability",
+                      lambda c: tuple(map(int, c.split("."))) <= (9, 0))
+  spec = pathlib.Path(__file__).parents[2] / "benchmarks" / "gpu_targets" / "h100_sxm.txtpb"
+  try:
+    devices = topologies.get_topology_desc(platform="cuda", target_config=spec.read_text(),
+                                           topology="1x1x1").devices
+  except Exception as e:  # noqa: BLE001 - no CUDA plugin: nothing to compile for.
+    pytest.skip(f"no deviceless CUDA compiler here: {e}")
+  _, _, seg, _, live = _cases()["packed"]
+  shape = lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16,
+                                         sharding=jax.sharding.SingleDeviceSharding(devices[0]))
+  q, k, v = _qkv()
+  hb = 16  # cuDNN's head dim: a multiple of 8.
+  q, k, v = (jnp.concatenate([x, x], -1) for x in (q, k, v))
+  assert q.shape[-1] == hb
+  fused = lambda q, k, v: attention.cudnn_packed(q, k, v, jnp.asarray(seg), max_segments=4)
+  grad = jax.grad(_loss(fused, live), argnums=(0, 1, 2))
+  hlo = jax.jit(grad).lower(shape(q), shape(k), shape(v)).compile().as_text()
+  assert 'custom_call_target="__cudnn$fmhaSoftmax"' in hlo
+  assert 'custom_call_target="__cudnn$fmhaSoftmaxBackward"' in hlo
+
+
 def test_resolve():
   r = functools.partial(attention.resolve, dtype=jnp.bfloat16, head_dim=128)
   on_gpu = jax.default_backend() == "gpu"
@@ -132,10 +186,17 @@ def test_resolve():
   assert r("auto", cached=False, packed=False, t=64, s=64) == (
       "cudnn" if on_gpu else "reference")
   assert r("auto", cached=True, packed=False, t=4096, s=4096) == "blockwise"
+  # cuDNN for packed rows only when asked for by name ("auto" keeps blockwise there).
+  assert r("cudnn_packed", cached=False, packed=True, t=64, s=64) == "cudnn_packed"
+  assert r("cudnn_packed", cached=False, packed=False, t=64, s=64) == "cudnn"
+  assert r("cudnn_packed", cached=True, packed=True, t=1, s=64) == "blockwise"
+  assert r("auto", cached=False, packed=True, t=4096, s=4096) == "blockwise"
   with pytest.raises(ValueError, match="attention='flash'"):
     r("flash", cached=False, packed=False, t=1, s=1)
   with pytest.raises(models.ConfigError, match="attention"):
     models.get_preset("tiny", attention="flash")
+  with pytest.raises(models.ConfigError, match="attention_max_segments must be an int >= 1"):
+    models.get_preset("tiny", attention_max_segments=0)
 
 
 @pytest.mark.parametrize("dtype,head_dim", [(jnp.float32, 128), (jnp.bfloat16, 20),
@@ -169,6 +230,28 @@ def test_cudnn_equals_reference_on_gpu(dtype, atol):
                                np.asarray(ref(q, k, v), np.float32)[w], atol=atol)
     g_ref = jax.grad(_loss(ref, live), argnums=(0, 1, 2))(q, k, v)
     g_cud = jax.grad(_loss(fused, live), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(g_cud, g_ref):
+      np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                 atol=10 * atol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,atol", [(jnp.bfloat16, 3e-2), (jnp.float16, 5e-3)])
+def test_cudnn_packed_equals_reference_on_gpu(dtype, atol):
+  # Packed rows (segment ids, trailing padding) through cuDNN's sequence packing, against
+  # the float32 reference on the real tokens; head dim 16 (cuDNN: a multiple of 8).
+  q_idx, valid, seg, _, live = _cases()["packed"]
+  q, k, v = (jnp.concatenate([x, -x], -1) for x in _qkv(dtype))
+  with jax.default_matmul_precision("highest"):
+    ref = lambda q, k, v: attention.reference(q.astype(jnp.float32), k.astype(jnp.float32),
+                                              v.astype(jnp.float32), q_idx, valid, seg, seg)
+    fused = jax.jit(lambda q, k, v: attention.cudnn_packed(q, k, v, seg, max_segments=4))
+    w = np.broadcast_to(np.asarray(live)[:, None, None, :, None], q.shape)
+    np.testing.assert_allclose(np.asarray(fused(q, k, v), np.float32)[w],
+                               np.asarray(ref(q, k, v), np.float32)[w], atol=atol)
+    g_ref = jax.grad(_loss(ref, live), argnums=(0, 1, 2))(q, k, v)
+    g_cud = jax.jit(jax.grad(_loss(fused, live), argnums=(0, 1, 2)))(q, k, v)
+    assert float(jnp.abs(g_ref[1]).max()) > 1e-2
     for a, b in zip(g_cud, g_ref):
       np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                  atol=10 * atol)

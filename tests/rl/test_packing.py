@@ -1,5 +1,7 @@
 """Packing and chunked scoring: packed losses and gradients equal the padded batch's."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -62,6 +64,16 @@ def test_pack_rows_multiple():
   p = packing.pack(_batch(), max_tokens_per_micro=64, agg="token-mean", min_len=8,
                    rows_multiple=4)
   assert p["tokens"].shape[1] % 4 == 0
+
+
+def test_pack_max_segments():
+  # cuDNN's packed attention describes a bounded number of sequences per row.
+  free = packing.pack(_batch(), max_tokens_per_micro=64, agg="token-mean", min_len=8)
+  assert free["segment_ids"].max() > 1
+  capped = packing.pack(_batch(), max_tokens_per_micro=64, agg="token-mean", min_len=8,
+                        max_segments=1)
+  assert capped["segment_ids"].max() == 1
+  assert capped["loss_mask"].sum() == free["loss_mask"].sum()  # Every sequence is kept.
 
 
 def _state(tx, seed=0):
@@ -129,6 +141,51 @@ def test_chunked_logprobs_equal_full():
     g_chunk = jax.jit(jax.grad(lambda h, w: jnp.sum(chunked(h, w)[0] * c), argnums=(0, 1)))(h, w)
     for a, b in zip(g_chunk, g_full):
       np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def _loop_bodies(hlo: str) -> dict:
+  """{while-body computation name: its text} of an HLO module's text."""
+  names = set(re.findall(r"body=%?([\w.\-]+)", hlo))
+  return {m.group(1): m.group(2) for m in re.finditer(
+      r"^%?([\w.\-]+) [^\n]*\{\n(.*?)\n\}", hlo, re.S | re.M) if m.group(1) in names}
+
+
+@pytest.mark.devices(8)
+@pytest.mark.parametrize("axes", [dict(fsdp=8), dict(data=2, fsdp=2, expert=2)])
+def test_chunked_logprobs_on_a_mesh_gather_the_head_once(axes):
+  """Under an FSDP mesh each device scores its rows against the head gathered once: the
+  same log-probs, entropies and gradients as the plain chunked scoring, and neither the
+  head's gather nor its gradient's reduce-scatter inside the chunk loop."""
+  mesh = sharding.make_mesh(axes)
+  params = models.init_params(CFG, jax.random.key(0))
+  tokens = jnp.asarray(np.random.RandomState(1).randint(0, CFG.vocab_size, (8, 12)))
+  hidden, head = models.qwen3.hidden_and_head(
+      CFG, params, tokens, jnp.broadcast_to(jnp.arange(12), tokens.shape))
+  y = jnp.roll(tokens, -1, axis=1)
+  c = jnp.asarray(np.random.RandomState(2).normal(size=y.shape), jnp.float32)
+
+  def loss(h, w):
+    logp, ent = losses.chunked_logprobs(h, w, y, temperature=0.8, chunk=16)
+    return jnp.sum(logp * c), (logp, ent)
+
+  grad = jax.grad(loss, argnums=(0, 1), has_aux=True)
+  (g_h, g_w), (logp, ent) = jax.jit(grad)(hidden, head)
+
+  def on_mesh(h, w):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return grad(h, w)
+
+  h_sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(sharding.BATCH))
+  w_sh = jax.sharding.NamedSharding(mesh, sharding.param_spec("lm_head", head.shape, mesh))
+  jitted = jax.jit(on_mesh, in_shardings=(h_sh, w_sh))
+  (m_h, m_w), (m_logp, m_ent) = jitted(hidden, head)
+  for got, want in ((m_logp, logp), (m_ent, ent), (m_h, g_h), (m_w, g_w)):
+    np.testing.assert_allclose(got, want, atol=1e-5)
+  assert float(jnp.max(jnp.abs(g_w))) > 1e-3  # The head's gradient is not trivially zero.
+  hlo = jitted.lower(hidden, head).compile().as_text()
+  assert re.search(r"all-gather", hlo)  # The head is gathered once...
+  for name, body in _loop_bodies(hlo).items():  # ...outside the chunk loop.
+    assert not re.search(r"all-gather|reduce-scatter|all-reduce", body), name
 
 
 def test_logits_chunk_from_megabytes():
