@@ -35,7 +35,8 @@ def write_config(workdir: str, c: ml_collections.ConfigDict) -> None:
 
 
 def save_final_hf(workdir: str, agents: dict, tokenizer: tk.Tokenizer | None = None) -> None:
-  """Final weights as HF checkpoints under workdir/hf/<agent> (an `init=` for later runs).
+  """Final weights as HF checkpoints under workdir/hf/<agent> (an `init=` for later runs),
+  with the run's HF tokenizer files, so an export loads with AutoTokenizer as it is.
 
   A LoRA agent's checkpoint has its adapters merged in, and the adapters alone go to
   workdir/lora/<agent> as a PEFT directory for its base (`Agent.base_path`). Every process
@@ -57,6 +58,8 @@ def save_final_hf(workdir: str, agents: dict, tokenizer: tk.Tokenizer | None = N
       models.save_hf(path, lora.base_config(cfg), params)
       lora.save_peft(os.path.join(workdir, "lora", name), cfg, adapters,
                      base_model=agent.base_path)
+    if tokenizer is not None:  # An HF tokenizer's files: the export loads with AutoTokenizer.
+      tk.save_tokenizer(tokenizer, path)
     if getattr(tokenizer, "words", ()):
       with open(os.path.join(path, WORDS_FILE), "w") as f:
         json.dump({"words": list(tokenizer.words)}, f)

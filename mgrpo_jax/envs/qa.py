@@ -115,3 +115,20 @@ def without_support(documents: Iterable[Document], questions: Iterable[QAQuestio
   """`documents` less every supporting paragraph of `questions` (the leakage check's corpus)."""
   gold = {p.key for q in questions for h in q.hops for p in h.support}
   return [d for d in documents if Paragraph(d.title, d.text).key not in gold]
+
+
+def eval_metrics(prefix: str, questions: Sequence[QAQuestion], episodes, sub_episodes,
+                 index: search_lib.Retriever) -> dict:  # fmt: skip
+  """`{prefix}/f1` of the answers (0 for an invalid episode) and the retrieval recall of the
+  supporting paragraphs per hop, over what the searches of each question's episodes showed.
+
+  `episodes` are the lead agent's, one per question in order (`.q` is the question's
+  index); sub-agent episodes are matched to their question by `.q`.
+  """
+  f1 = [scores(ep.final if ep.format_ok else None, questions[ep.q])[1] for ep in episodes]
+  shown: list[list[str]] = [[] for _ in questions]
+  for ep in list(episodes) + list(sub_episodes):
+    shown[ep.q] += searched_doc_ids([ep])
+  m = {f"{prefix}/f1": sum(f1) / max(len(f1), 1)}
+  m.update(recall_metrics(prefix, questions, shown, index))
+  return m
