@@ -6,8 +6,8 @@
 
 Takes the same arguments as configs/mgrpo.py (the variant decides which agents are trained).
   python launch/train.py --config=configs/sft.py:task=qa,smoke \
-      --config.data.train=tests/data/qa/musique.jsonl --config.data.eval=tests/data/qa/musique.jsonl \
-      --workdir=/tmp/qa_sft
+      --config.data.train=tests/data/qa/musique.jsonl \
+      --config.data.eval=tests/data/qa/musique.jsonl --workdir=/tmp/qa_sft
 """
 
 import ml_collections

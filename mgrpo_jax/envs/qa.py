@@ -107,11 +107,13 @@ def recall_metrics(prefix: str, questions: Sequence[QAQuestion], per_question_id
   if not every:
     return {}
   m = {f"{prefix}/retrieval_recall": sum(every) / len(every)}
-  m.update({f"{prefix}/retrieval_recall_hop{n}": sum(h) / len(h) for n, h in sorted(by_hop.items())})
+  m.update({f"{prefix}/retrieval_recall_hop{n}": sum(h) / len(h)
+            for n, h in sorted(by_hop.items())})
   return m
 
 
-def without_support(documents: Iterable[Document], questions: Iterable[QAQuestion]) -> list[Document]:
+def without_support(documents: Iterable[Document],
+                    questions: Iterable[QAQuestion]) -> list[Document]:
   """`documents` less every supporting paragraph of `questions` (the leakage check's corpus)."""
   gold = {p.key for q in questions for h in q.hops for p in h.support}
   return [d for d in documents if Paragraph(d.title, d.text).key not in gold]

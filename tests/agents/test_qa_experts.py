@@ -18,7 +18,8 @@ def musique():
 
 
 def test_fill_and_query():
-  assert qa_experts.fill("Who was in charge of #2 ?", ["x", "Austria"]) == "Who was in charge of Austria ?"
+  filled = qa_experts.fill("Who was in charge of #2 ?", ["x", "Austria"])
+  assert filled == "Who was in charge of Austria ?"
   assert qa_experts.fill("#3 of #1", ["a"]) == "#3 of a"
   assert qa_experts.query_of("Hello Love >> performer") == "Hello Love performer"
 
@@ -45,7 +46,8 @@ def test_sub_visits_hits_in_order_and_answers_only_from_a_page_that_states_it(mu
   page = lambda d: f"[{d.doc_id}] {d.title}\n{d.text}"
   assert sub.turn(subtask, [reply, page(docs[0])], None) == f"<visit>{docs[1].doc_id}</visit>"
   # Neither page states Hank Snow: nothing found, after exactly the hits shown.
-  assert sub.turn(subtask, [reply, page(docs[0]), page(docs[1])], None) == "<result>unknown</result>"
+  nothing = sub.turn(subtask, [reply, page(docs[0]), page(docs[1])], None)
+  assert nothing == "<result>unknown</result>"
   gold = qs[1].hops[0].support[0]
   hello = next(d for d in docs if (d.title, d.text) == (gold.title, gold.text))
   assert sub.turn(subtask, [reply, page(hello)], None) == "<result>Hank Snow</result>"
