@@ -176,8 +176,7 @@ def solve_qa(question: QAQuestion, index: search_lib.Retriever, known: Mapping, 
     _, actions, replies, v = _episode(sub, "sub", turn.argument, tools, max_turns)
     subtasks.append(turn.argument)
     results.append(v.final.argument if v.format_ok else experts.NO_RESULT)
-    shown += qa.searched_doc_ids([dataclasses.make_dataclass("E", ["actions", "observations"])(
-        actions, replies)])
+    shown += qa.hit_ids(r for a, r in zip(actions, replies) if a == "search")
   answer = validator.final.argument if validator.format_ok else None
   em, f1 = qa.scores(answer, question)
   return {"answer": answer, "em": em, "f1": f1, "subtasks": subtasks, "sub_results": results,

@@ -71,15 +71,16 @@ def scores(prediction: str | None, q: QAQuestion) -> tuple[float, float]:
   return float(rewards.exact_match(prediction, q.answers)), rewards.best_f1(prediction, q.answers)
 
 
+def hit_ids(search_replies: Iterable[str]) -> list[str]:
+  """Doc ids of the "[doc_id] Title: snippet" lines of search replies (`search.format_hits`)."""
+  return [line[1:line.index("]")] for reply in search_replies for line in reply.splitlines()
+          if line.startswith("[") and "]" in line]  # fmt: skip
+
+
 def searched_doc_ids(episodes: Iterable) -> list[str]:
   """Doc ids shown by the search replies of episodes (sub-agent or single-agent ones)."""
-  ids = []
-  for ep in episodes:
-    for action, reply in zip(ep.actions, ep.observations):
-      if action == "search":
-        ids += [line[1:line.index("]")] for line in reply.splitlines()
-                if line.startswith("[") and "]" in line]  # fmt: skip
-  return ids
+  return hit_ids(reply for ep in episodes for action, reply in zip(ep.actions, ep.observations)
+                 if action == "search")
 
 
 def hop_recall(q: QAQuestion, doc_ids: Iterable[str], index: search_lib.Retriever) -> list[bool]:
