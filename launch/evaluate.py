@@ -10,7 +10,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from mgrpo_jax import compile_cache, distributed, evaluate, run_config
+from mgrpo_jax import compile_cache, distributed, evaluate, workdir
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file[:args]; default: the "
                                           "config.json of the run in --workdir.",
@@ -30,7 +30,7 @@ def main(argv):
   config = _CONFIG.value
   if config is None:
     try:
-      config = run_config.load(_WORKDIR.value)
+      config = workdir.load_config(_WORKDIR.value)
     except FileNotFoundError as e:
       raise app.UsageError(str(e)) from None
   result = evaluate.run(config, _WORKDIR.value, run_location=_RUN.value)

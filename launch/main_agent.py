@@ -13,7 +13,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from mgrpo_jax import compile_cache, distributed, run_config
+from mgrpo_jax import compile_cache, distributed, workdir
 from mgrpo_jax.mgrpo import decoupled
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file[:args].",
@@ -35,8 +35,8 @@ def main(argv):
   compile_cache.enable_from_flags()  # Restarts and sweeps skip compiling again.
   logging.info("Devices: %s", jax.devices())
   try:
-    run_config.check_resume(_WORKDIR.value, _CONFIG.value, allow_change=_ALLOW_CHANGE.value)
-  except run_config.ConfigChangeError as e:
+    workdir.check_resume(_WORKDIR.value, _CONFIG.value, allow_change=_ALLOW_CHANGE.value)
+  except workdir.ConfigChangeError as e:
     raise app.UsageError(str(e)) from None
   decoupled.run_main_agent(_CONFIG.value, _WORKDIR.value, _EXCHANGE.value,
                           timeout_s=_TIMEOUT.value)

@@ -11,7 +11,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from mgrpo_jax import compile_cache, distributed, run_config
+from mgrpo_jax import compile_cache, distributed, workdir
 from mgrpo_jax.mgrpo import colocated, sft
 from mgrpo_jax.magrpo import program as magrpo_program
 
@@ -36,8 +36,8 @@ def main(argv):
   if config.program not in PROGRAMS:
     raise app.UsageError(f"config.program={config.program!r}; expected one of {list(PROGRAMS)}.")
   try:
-    run_config.check_resume(_WORKDIR.value, config, allow_change=_ALLOW_CHANGE.value)
-  except run_config.ConfigChangeError as e:
+    workdir.check_resume(_WORKDIR.value, config, allow_change=_ALLOW_CHANGE.value)
+  except workdir.ConfigChangeError as e:
     raise app.UsageError(str(e)) from None
   PROGRAMS[config.program](config, _WORKDIR.value)
 

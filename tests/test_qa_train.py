@@ -12,7 +12,9 @@ import random
 import pytest
 
 from configs import mgrpo, sft as sft_config
-from mgrpo_jax import colocated, evaluate, hf_demo, metrics, research_env, run_config, sft
+from mgrpo_jax import evaluate, hf_demo, metrics
+from mgrpo_jax import workdir as workdir_lib
+from mgrpo_jax.mgrpo import colocated, sft, tasks
 from mgrpo_jax import tokenizer as tk
 
 MUSIQUE = str(pathlib.Path(__file__).parent / "data" / "qa" / "musique.jsonl")
@@ -30,13 +32,13 @@ def test_warm_start_two_mgrpo_steps_and_evaluation(tmp_path):
   nll = [m["sft/sub/nll"] for m in metrics.read_metrics(warm) if "sft/sub/nll" in m]
   assert len(nll) == 2 and nll[1] < nll[0]  # The experts' traces are learnt.
   c = _qa(mgrpo, f"task=qa,smoke,init={warm}")
-  run_config.save(rl, c)  # As launch/train.py does.
+  workdir_lib.write_config(rl, c)  # As launch/train.py does.
   colocated.train_and_evaluate(c, rl)
   lines = metrics.read_metrics(rl)
   assert [m["step"] for m in lines] == [0, 1, 2]
   assert {"main/loss", "sub/loss", "eval/f1", "eval/retrieval_recall_hop1"} <= set(lines[0])
   # The finished run evaluates from its workdir alone.
-  result = evaluate.run(run_config.load(rl), rl)
+  result = evaluate.run(workdir_lib.load_config(rl), rl)
   assert result["step"] == 2 and result["num_questions"] == 4
   assert {"accuracy", "f1", "retrieval_recall", "retrieval_recall_hop2"} <= set(result)
   assert json.load(open(os.path.join(rl, "eval.json")))["f1"] == result["f1"]
@@ -54,10 +56,10 @@ def test_qa_config_errors(tmp_path):
   c = _qa(mgrpo)
   c.retrieval.corpus = "/data/wiki.jsonl"
   with pytest.raises(ValueError, match="retrieval.corpus='/data/wiki.jsonl' to config.data.corpus"):
-    research_env.build_env(c)
+    tasks.build_env(c)
   c = _qa(mgrpo, format="jsonl")
   with pytest.raises(ValueError, match="'jsonl' has no paragraphs"):
-    research_env.build_env(c)
+    tasks.build_env(c)
   c = _qa(mgrpo, "task=qa,policy=expert", format="jsonl", corpus=str(tmp_path / "c.jsonl"))
   (tmp_path / "c.jsonl").write_text('{"id": "a", "contents": "\\"A\\"\\nText."}\n')
   with pytest.raises(ValueError, match="no gold structure"):
@@ -70,7 +72,7 @@ def test_qwen3_checkpoint_trains_with_its_own_tokenizer(tmp_path):
 
   ckpt = hf_demo.write_random_checkpoint(str(tmp_path / "qwen3"))
   c = mgrpo.get_config(f"smoke,hf_path={ckpt}")
-  env = research_env.build_env(c)
+  env = tasks.build_env(c)
   assert isinstance(env.tokenizer, tk.HFTokenizer)
   c.num_steps = 1
   colocated.train_and_evaluate(c, str(tmp_path / "run"))

@@ -5,7 +5,7 @@ import json
 import ml_collections
 import pytest
 
-from mgrpo_jax import run_config
+from mgrpo_jax import workdir
 
 
 def _config(**kw):
@@ -22,37 +22,37 @@ def _config(**kw):
 
 
 def test_fresh_workdir_saves_and_reads_back(tmp_path):
-  assert run_config.check_resume(str(tmp_path), _config()) == {}
-  back = run_config.load(str(tmp_path))
+  assert workdir.check_resume(str(tmp_path), _config()) == {}
+  back = workdir.load_config(str(tmp_path))
   assert back.main_optim.learning_rate == 1e-6 and list(back.alpha) == [0.1, 0.9]
   # The same config again (tuples and lists alike) is no change.
-  assert run_config.check_resume(str(tmp_path), _config()) == {}
-  assert not (tmp_path / run_config.CHANGES_FILE).exists()
+  assert workdir.check_resume(str(tmp_path), _config()) == {}
+  assert not (tmp_path / workdir.CHANGES_FILE).exists()
 
 
 def test_a_changed_run_is_refused_naming_the_fields(tmp_path):
-  run_config.check_resume(str(tmp_path), _config())
+  workdir.check_resume(str(tmp_path), _config())
   changed = _config(seed=3, **{"main_optim.learning_rate": 1e-5})
-  with pytest.raises(run_config.ConfigChangeError) as e:
-    run_config.check_resume(str(tmp_path), changed)
+  with pytest.raises(workdir.ConfigChangeError) as e:
+    workdir.check_resume(str(tmp_path), changed)
   assert "main_optim.learning_rate: 1e-06 -> 1e-05" in str(e.value)
   assert "seed: 0 -> 3" in str(e.value) and "allow_config_change" in str(e.value)
-  assert run_config.load(str(tmp_path)).seed == 0  # Nothing written.
+  assert workdir.load_config(str(tmp_path)).seed == 0  # Nothing written.
 
 
 def test_extending_is_free_and_allowed_changes_are_recorded(tmp_path):
-  run_config.check_resume(str(tmp_path), _config())
-  assert run_config.check_resume(str(tmp_path), _config(num_steps=9, eval_every=3)) == {
+  workdir.check_resume(str(tmp_path), _config())
+  assert workdir.check_resume(str(tmp_path), _config(num_steps=9, eval_every=3)) == {
       "eval_every": (1, 3), "num_steps": (2, 9)}
-  assert run_config.load(str(tmp_path)).num_steps == 9
-  run_config.check_resume(str(tmp_path), _config(num_steps=9, eval_every=3, seed=4),
+  assert workdir.load_config(str(tmp_path)).num_steps == 9
+  workdir.check_resume(str(tmp_path), _config(num_steps=9, eval_every=3, seed=4),
                           allow_change=True)
-  records = [json.loads(l) for l in (tmp_path / run_config.CHANGES_FILE).read_text().splitlines()]
+  records = [json.loads(l) for l in (tmp_path / workdir.CHANGES_FILE).read_text().splitlines()]
   assert [r["allowed"] for r in records] == [False, True]
   assert records[1]["fields"] == {"seed": [0, 4]}
-  assert run_config.load(str(tmp_path)).seed == 4
+  assert workdir.load_config(str(tmp_path)).seed == 4
 
 
 def test_load_without_a_run_names_the_file(tmp_path):
   with pytest.raises(FileNotFoundError, match="config.json does not exist.*pass --config"):
-    run_config.load(str(tmp_path))
+    workdir.load_config(str(tmp_path))
