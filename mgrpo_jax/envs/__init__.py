@@ -1,4 +1,4 @@
-"""Environments: the offline research world, its search and visit tools, benchmark and QA loaders."""
+"""Environments: the offline research world, its search and visit tools, benchmark/QA loaders."""
 
 from mgrpo_jax.envs.datasets import (
   DatasetError,
