@@ -1,11 +1,17 @@
 """A workdir owns its config: resume checks, the change record, and reading it back."""
 
 import json
+import os
+import subprocess
+import sys
 
 import ml_collections
 import pytest
 
+from configs import mgrpo
 from mgrpo_jax import workdir
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _config(**kw):
@@ -56,3 +62,20 @@ def test_extending_is_free_and_allowed_changes_are_recorded(tmp_path):
 def test_load_without_a_run_names_the_file(tmp_path):
   with pytest.raises(FileNotFoundError, match="config.json does not exist.*pass --config"):
     workdir.load_config(str(tmp_path))
+
+
+def test_evaluate_launcher_reads_the_workdirs_config(tmp_path):
+  """launch/evaluate.py --workdir=W without --config: W's config.json, else a short error."""
+  run = lambda: subprocess.run([sys.executable, "launch/evaluate.py", f"--workdir={tmp_path}"],
+                               cwd=REPO, capture_output=True, text=True, timeout=300,
+                               env={**os.environ, "JAX_PLATFORMS": "cpu"})  # fmt: skip
+  proc = run()
+  assert proc.returncode != 0 and "config.json does not exist" in proc.stderr
+  c = mgrpo.get_config("task=qa,policy=expert")
+  c.data.update(format="musique", eval=os.path.join(REPO, "tests", "data", "qa", "musique.jsonl"))
+  workdir.write_config(str(tmp_path), c)
+  proc = run()
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  result = json.loads((tmp_path / "eval.json").read_text())
+  assert result["policy"] == "expert" and result["num_questions"] == 12
+  assert result["accuracy"] >= 0.5 and "retrieval_recall_hop1" in result
