@@ -14,9 +14,16 @@ policy=model|expert, seed=<int>, lora=<rank> (LoRA agents: both models' lora.ran
 fine-tuning), runlocal, smoke, gpu (one 80 GB GPU at the paper's limits: Qwen3-0.6B preset
 unless model= or hf_path=, bf16 compute over f32 master weights, remat, packed token-budget
 updates, cuDNN attention where it applies, memory proved by benchmarks/memory.py),
-task=world|multihop (multihop: long pages, 1-4 hop bridge questions over held-out chains,
-`_multihop`; its size is gpu, smoke, or cpu for runlocal or no flag), full_context
-(task=multihop: a max_len that holds every page a question needs, the single agent's control).
+task=world|multihop|qa (multihop: long pages, 1-4 hop bridge questions over held-out chains,
+`_multihop`; its size is gpu, smoke, or cpu for runlocal or no flag; qa: your questions,
+`_qa`, e.g.
+  python launch/evaluate.py --config=configs/mgrpo.py:task=qa,policy=expert \
+      --config.data.format=musique --config.data.eval=musique_dev.jsonl --workdir=/tmp/qa
+  python launch/train.py --config=configs/mgrpo.py:task=qa,gpu,hf_path=/ckpt/Qwen3-0.6B,\
+init=/tmp/sft --config.data.train=train.jsonl --config.data.eval=dev.jsonl \
+      --config.data.corpus=http://127.0.0.1:8000/retrieve --workdir=/tmp/qa_rl
+see docs/own-data.md), full_context (task=multihop: a max_len that holds every page a
+question needs, the single agent's control).
 """
 
 import ml_collections
@@ -25,7 +32,7 @@ from configs import common
 from mgrpo_jax import models
 
 VARIANTS = ("mgrpo", "frozen_sub", "single", "shared", "unaligned")
-TASKS = ("world", "multihop")
+TASKS = ("world", "multihop", "qa")
 
 
 def arguments(arg: str | None) -> dict:
@@ -60,9 +67,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # policy=expert: the probability of a slip per decision (0: the noise-free experts; the
   # warm start's teacher slips at configs/sft.py's sft.expert_noise).
   c.expert_noise = 0.0
-  # "byte", "byte+names" (+ the world's names as words), "byte+world" (+ its phrases too; see
-  # tasks.tokenizer_words) or a local HF tokenizer directory.
-  c.tokenizer = "byte"
+  # "" = the checkpoint's own (main_model.hf_path's tokenizer and chat template; "byte"
+  # without a checkpoint), "byte", "byte+names" (+ the world's names as words), "byte+world"
+  # (+ its phrases too; see tasks.tokenizer_words) or a local HF tokenizer directory.
+  c.tokenizer = ""
   preset = args["model"] or ("tiny_wide" if args["runlocal"] and not args["smoke"] else "tiny")
   c.main_model = common.model(preset)
   c.sub_model = common.model(preset)
@@ -105,13 +113,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.max_staleness = 0  # Sub-agent versions a result may lag (checked by the main program).
   if args["gpu"]:
     _gpu(c, preset=args["model"] or "qwen3_0p6b")
-  if args["runlocal"] or args["smoke"] or (args["task"] == "multihop" and not args["gpu"]):
+  if args["runlocal"] or args["smoke"] or (args["task"] != "world" and not args["gpu"]):
     _cpu(c)
   if args["task"] == "multihop":
     _multihop(c, multihop_size(args), full_context=args["full_context"])
     return c
   if args["full_context"]:
     raise ValueError("full_context is a control of task=multihop.")
+  if args["task"] == "qa":
+    _qa(c, multihop_size(args))
+    return c
   if args["runlocal"]:
     _demo(c)
     if args["lora"]:
@@ -242,6 +253,45 @@ def _multihop(c, size: str, full_context: bool = False):
     c.num_steps, c.eval_every, c.num_eval_questions, c.checkpoint_every = 2, 1, 16, 1
   if full_context:
     c.limits.max_len = FULL_CONTEXT_LEN[size]
+
+
+def _qa(c, size: str):
+  """Real multi-hop QA (mgrpo_jax/envs/qa.py): the user's questions, corpus and checkpoint.
+
+  `config.data` names the data; `retrieval` keeps only how to search (BM25's k1 and b, the
+  index directory, the server's timeout): the corpus is `data.corpus`. Hits per search and
+  characters per visit stay `world.search_k` and `world.visit_chars`. The limits fit the
+  experts' traces: a main episode delegates each hop (MuSiQue has 2-4) and answers; a
+  sub-agent searches, visits up to search_k hits and reports. Sizes: "gpu" and "cpu" share
+  the task (5 hits, pages cut at 1500 characters: 99% of MuSiQue's supporting paragraphs are
+  shorter); "cpu" holds a sub-agent's five pages in bytes (max_len 8192); "smoke" (tiny
+  model, byte tokenizer) reads 2 hits of 400 characters, for the CPU suite.
+  """
+  c.data = ml_collections.ConfigDict(dict(
+      format="musique",  # "musique" | "hotpotqa" | "jsonl" (questions and answers only).
+      # jsonl: the file's keys for each record's id, question and answer (a string or a list
+      # of accepted answers; an absent id is "<file>-<index>").
+      fields=ml_collections.ConfigDict(dict(id="id", question="question", answer="answer")),
+      train="",  # Questions to train on (.json list or .jsonl); needed to train.
+      eval="",  # Held-out questions evaluated (.json list or .jsonl).
+      # "" = the data files' paragraphs, deduplicated by title and text; a path: an
+      # {"id", "contents"} JSONL corpus (indexed with bm25s); http(s)://...: a Search-R1
+      # /retrieve server. A "jsonl" dataset has no paragraphs: name a corpus.
+      corpus="",
+  ))
+  c.world.update(search_k=5, visit_chars=1500, system_prompt=True)
+  c.limits.update(max_turns=8, max_new_tokens=512, max_len=8192, max_delegations=6)
+  c.align_d = 4  # MuSiQue asks 2-4 hops: the experts delegate 2.4 times per question.
+  c.num_eval_questions = 500
+  if size == "cpu":
+    c.limits.update(max_new_tokens=96)
+    c.num_queries, c.num_rollouts, c.align_d = 2, 4, 3
+  if size == "smoke":
+    c.world.update(search_k=2, visit_chars=400, system_prompt=False)
+    c.limits.update(max_turns=5, max_new_tokens=24, max_len=2048, max_delegations=4)
+    # 4 x 2 rollouts (8 rows: the suite's 8 CPU devices split them), as the world's smoke.
+    c.num_queries, c.num_rollouts, c.align_d = 4, 2, 2
+    c.num_steps, c.eval_every, c.num_eval_questions, c.checkpoint_every = 2, 2, 4, 2
 
 
 def sweep():

@@ -5,6 +5,9 @@
   python benchmarks/mgrpo_demo.py   # both, through the library, with accuracies in a JSON
 
 Takes the same arguments as configs/mgrpo.py (the variant decides which agents are trained).
+  python launch/train.py --config=configs/sft.py:task=qa,smoke \
+      --config.data.train=tests/data/qa/musique.jsonl \
+      --config.data.eval=tests/data/qa/musique.jsonl --workdir=/tmp/qa_sft
 """
 
 import ml_collections
@@ -33,6 +36,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   smoke = args["smoke"]
   if args["task"] == "multihop":
     _multihop(c, mgrpo.multihop_size(args), args["variant"])
+    return c
+  if args["task"] == "qa":
+    _qa(c, mgrpo.multihop_size(args))
     return c
   if args["runlocal"] and not smoke:
     # The CPU demo (launch/demo.py): a tiny model, enough distinct questions that it learns
@@ -84,6 +90,21 @@ def _multihop(c, size: str, variant: str = "mgrpo"):
     c.sft.update(num_questions=32, num_steps=2, batch_size=4, eval_every=2, checkpoint_every=1)
   if variant == "single":
     c.sft.update(only_correct=True, num_questions=SINGLE_QUESTIONS_FACTOR * c.sft.num_questions)
+
+
+def _qa(c, size: str):
+  """The warm start on real QA data: the gold-structure experts' traces (agents/qa_experts.py).
+
+  One trace per training question (cycled to `num_questions`); the experts make no slips
+  (a slip would be a guess about real text), so noise is 0 and only format-valid traces are
+  kept, right or wrong (a hop the search misses ends in "unknown", as it should).
+  """
+  c.sft.update(num_questions=2000, expert_noise=0.0, num_steps=500, batch_size=16,
+               learning_rate=1e-5, eval_every=100, checkpoint_every=100)
+  if size != "gpu":
+    c.sft.update(learning_rate=1e-3, batch_size=8)
+  if size == "smoke":
+    c.sft.update(num_questions=8, num_steps=2, batch_size=8, eval_every=2, checkpoint_every=2)
 
 
 def sweep():

@@ -13,7 +13,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from mgrpo_jax import compile_cache, distributed
+from mgrpo_jax import compile_cache, distributed, workdir
 from mgrpo_jax.mgrpo import decoupled
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file[:args].",
@@ -23,6 +23,8 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "This program's own directory: m
 _EXCHANGE = flags.DEFINE_string("exchange", None, "Run location shared with the peer (exchange "
                                 "and checkpoints): tensorstore kvstore URL or JSON spec.")
 _TIMEOUT = flags.DEFINE_float("timeout_s", 600.0, "How long to wait for the peer.")
+_ALLOW_CHANGE = flags.DEFINE_bool("allow_config_change", False, "Resume with a config that "
+                                   "differs from the run's own (recorded in the workdir).")
 flags.mark_flags_as_required(["config", "workdir", "exchange"])
 
 
@@ -32,6 +34,10 @@ def main(argv):
   distributed.initialize_from_flags()  # Multi-host runs; a no-op for one process.
   compile_cache.enable_from_flags()  # Restarts and sweeps skip compiling again.
   logging.info("Devices: %s", jax.devices())
+  try:
+    workdir.check_resume(_WORKDIR.value, _CONFIG.value, allow_change=_ALLOW_CHANGE.value)
+  except workdir.ConfigChangeError as e:
+    raise app.UsageError(str(e)) from None
   decoupled.run_sub_agent(_CONFIG.value, _WORKDIR.value, _EXCHANGE.value,
                           timeout_s=_TIMEOUT.value)
 

@@ -221,3 +221,30 @@ def check_batch_divides_mesh(rows: int, mesh, field: str) -> None:
   if rows % shards:
     raise ConfigValueError(f"{field} gives batches of {rows} rows, which do not split over "
                            f"data*fsdp={shards} devices of config.mesh; change one of them.")
+
+
+def check_qa_data(c) -> None:
+  """task=qa's `data` block: its format, and one place that names the corpus.
+
+  Under task=qa `data.corpus` says what is searched (its form picks the backend: a path is
+  indexed with bm25s, a URL is a server) and `retrieval` only how, so a corpus or server
+  named in `retrieval` too is an error; "jsonl" data has no paragraphs, so it
+  needs `data.corpus`; a byte tokenizer with a world's words has no world here.
+  """
+  check_config(c, {"data.format": ("musique", "hotpotqa", "jsonl")})
+  d, r = c.data, c.retrieval
+  if r.corpus or r.url:
+    named = " and ".join(f"retrieval.{k}={r[k]!r}" for k in ("corpus", "url") if r[k])
+    raise ConfigValueError(f"task=qa names its corpus in config.data.corpus (a JSONL path or a "
+                           f"Search-R1 URL); config.retrieval keeps only how to search. Move "
+                           f"{named} to config.data.corpus.")
+  if d.format == "jsonl" and not d.corpus:
+    raise ConfigValueError("config.data.format='jsonl' has no paragraphs to search: set "
+                           "config.data.corpus to an {id, contents} JSONL corpus or a "
+                           "Search-R1 /retrieve URL.")
+  if not d.train and not d.eval:
+    raise ConfigValueError("task=qa needs config.data.train (to train) and/or config.data.eval "
+                           "(to evaluate): .json or .jsonl files of questions.")
+  if c.tokenizer in ("byte+names", "byte+world"):
+    raise ConfigValueError(f"config.tokenizer={c.tokenizer!r} takes a generated world's words; "
+                           "task=qa has none: use '' (the checkpoint's), 'byte' or a directory.")

@@ -77,7 +77,7 @@ def run(c: ml_collections.ConfigDict, workdir: str, *, run_location=None) -> dic
     return _run_magrpo(c, workdir)
   w = setup.resolve_wiring(c, training=False)
   env = tasks.build_env(c)
-  setup.check_task(c, w, env)
+  setup.check_task(c, w, env, training=False)
   agents, step = {}, 0
   if c.policy != "expert":
     mesh = sharding.make_mesh(dict(c.mesh))

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_collections
+from absl import logging
 
 from mgrpo_jax import models
 from mgrpo_jax import tokenizer as tk
@@ -125,9 +126,14 @@ def _model_params(mc, tokenizer, key, mesh, init_dir: str, name: str, bases=None
 def _check_vocabulary(path: str, vocab_size: int, tokenizer: tk.Tokenizer) -> None:
   """Refuses a checkpoint made with another tokenizer (its ids would mean other strings)."""
   if vocab_size < tokenizer.vocab_size:
-    raise ValueError(f"{path}: the checkpoint has {vocab_size} token ids but the tokenizer has "
-                     f"{tokenizer.vocab_size}; it was trained with another tokenizer (config."
-                     f"tokenizer or config.world changed?): rerun the warm start.")
+    raise ValueError(f"{path}: the checkpoint has {vocab_size} token ids but "
+                     f"{tk.describe(tokenizer)} has more; they do not belong together "
+                     f"(config.tokenizer names another tokenizer than the checkpoint's, or "
+                     f"config.world changed since the warm start).")
+  own = tk.has_tokenizer_files(path) and not isinstance(tokenizer, tk.HFTokenizer)
+  if own:  # Fits, but the model never saw these ids: the user asked for it, so only a warning.
+    logging.warning("%s has its own tokenizer, but this run feeds it %s (config.tokenizer=''"
+                    " would use the checkpoint's).", path, tk.describe(tokenizer))
   words_file = os.path.join(path, workdir_lib.WORDS_FILE)
   if os.path.exists(words_file):
     with open(words_file) as f:

@@ -1,5 +1,15 @@
-"""What a run keeps in its workdir: its config, its checkpoints restored, its final HF weights."""
+"""What a run keeps in its workdir: its config, its checkpoints restored, its final HF weights.
 
+A workdir owns its config: `config.json` is written when a run starts, evaluation reads it
+back (`load_config`), and a resume may not silently change it (`check_resume`): fields that
+only extend or observe the run (`EXTENDS_OR_OBSERVES`: more steps, other evaluation and
+checkpoint intervals) may change; any other difference is refused naming the fields, unless
+the user allows it (`--allow_config_change`), which appends the change to
+`config_changes.jsonl` beside it. Either way `config.json` then holds the config the run
+goes on with.
+"""
+
+import datetime
 import json
 import os
 
@@ -26,16 +36,9 @@ def restore_agents(ckpt: ckpt_lib.Checkpointer, agents: dict) -> int:
   return int(meta["step"])
 
 
-def write_config(workdir: str, c: ml_collections.ConfigDict) -> None:
-  """The run's config beside its metrics (written when a run starts fresh; by process 0)."""
-  if not distributed.is_primary():
-    return
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(c.to_json_best_effort(indent=2))
-
-
 def save_final_hf(workdir: str, agents: dict, tokenizer: tk.Tokenizer | None = None) -> None:
-  """Final weights as HF checkpoints under workdir/hf/<agent> (an `init=` for later runs).
+  """Final weights as HF checkpoints under workdir/hf/<agent> (an `init=` for later runs),
+  with the run's HF tokenizer files, so an export loads with AutoTokenizer as it is.
 
   A LoRA agent's checkpoint has its adapters merged in, and the adapters alone go to
   workdir/lora/<agent> as a PEFT directory for its base (`Agent.base_path`). Every process
@@ -57,6 +60,94 @@ def save_final_hf(workdir: str, agents: dict, tokenizer: tk.Tokenizer | None = N
       models.save_hf(path, lora.base_config(cfg), params)
       lora.save_peft(os.path.join(workdir, "lora", name), cfg, adapters,
                      base_model=agent.base_path)
+    if tokenizer is not None:  # An HF tokenizer's files: the export loads with AutoTokenizer.
+      tk.save_tokenizer(tokenizer, path)
     if getattr(tokenizer, "words", ()):
       with open(os.path.join(path, WORDS_FILE), "w") as f:
         json.dump({"words": list(tokenizer.words)}, f)
+
+
+# ------------------------------------------------------------------ the run's config
+
+CONFIG_FILE = "config.json"
+CHANGES_FILE = "config_changes.jsonl"
+# Fields a resume may change freely (an SFT run's own schedule under `sft.` too).
+EXTENDS_OR_OBSERVES = ("num_steps", "eval_every", "checkpoint_every", "log_every",
+                       "num_eval_questions", "sft.num_steps", "sft.eval_every",
+                       "sft.checkpoint_every")  # fmt: skip
+
+
+class ConfigChangeError(ValueError):
+  """A resume was given a config that differs from the run's own."""
+
+
+def _plain(c) -> dict:
+  """The config as JSON values (tuples as lists), as `config.json` holds it."""
+  return json.loads(c.to_json_best_effort() if hasattr(c, "to_json_best_effort") else json.dumps(c))
+
+
+def _flatten(d, prefix: str = "") -> dict:
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict) and v:
+      out.update(_flatten(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+def differences(stored: dict, current: dict) -> dict[str, tuple]:
+  """Dotted field -> (stored value, current value) for every field that differs."""
+  a, b = _flatten(stored), _flatten(current)
+  missing = object()
+  return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
+          if a.get(k, missing) != b.get(k, missing)}
+
+
+def load_config(workdir: str) -> ml_collections.ConfigDict:
+  """The config a run in `workdir` was started with (its `config.json`)."""
+  path = os.path.join(workdir, CONFIG_FILE)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path} does not exist: {workdir!r} holds no run's config; "
+                            "pass --config.")
+  with open(path) as f:
+    return ml_collections.ConfigDict(json.load(f))
+
+
+def write_config(workdir: str, c) -> None:
+  """Writes `c` as the run's config (by process 0)."""
+  if not distributed.is_primary():
+    return
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, CONFIG_FILE), "w") as f:
+    f.write(json.dumps(_plain(c), indent=2))
+
+
+def check_resume(workdir: str, c, *, allow_change: bool = False) -> dict[str, tuple]:
+  """Refuses to go on with a run whose stored config differs from `c` (see module doc).
+
+  A workdir without `config.json` starts fresh: `c` is saved. Returns the differences
+  (empty when none). Only process 0 reads and writes the file (others return {}).
+  """
+  if not distributed.is_primary():
+    return {}
+  path = os.path.join(workdir, CONFIG_FILE)
+  if not os.path.exists(path):
+    write_config(workdir, c)
+    return {}
+  with open(path) as f:
+    changed = differences(json.load(f), _plain(c))
+  refused = {k: v for k, v in changed.items() if k not in EXTENDS_OR_OBSERVES}
+  if refused and not allow_change:
+    lines = "\n".join(f"  {k}: {old!r} -> {new!r}" for k, (old, new) in refused.items())
+    raise ConfigChangeError(
+        f"{workdir} holds a run with another config; a resume must not change:\n{lines}\n"
+        "Pass --allow_config_change to go on with the new values (recorded in "
+        f"{os.path.join(workdir, CHANGES_FILE)}), or use a new --workdir.")
+  if changed:
+    record = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+              "allowed": bool(refused), "fields": {k: list(v) for k, v in changed.items()}}
+    with open(os.path.join(workdir, CHANGES_FILE), "a") as f:
+      f.write(json.dumps(record) + "\n")
+    write_config(workdir, c)
+  return changed

@@ -23,8 +23,9 @@ WHOLE = ("to_dict", "items", "values")  # Methods that read every field of a sec
 
 # Each config file's arguments whose fields differ (tasks, sizes, LoRA).
 CONFIGS = {
-    "mgrpo": (mgrpo_config, ("smoke", "runlocal", "gpu", "task=multihop", "smoke,lora=4")),
-    "sft": (sft_config, ("smoke", "runlocal", "task=multihop")),
+    "mgrpo": (mgrpo_config, ("smoke", "runlocal", "gpu", "task=multihop", "smoke,lora=4",
+                             "task=qa,smoke")),
+    "sft": (sft_config, ("smoke", "runlocal", "task=multihop", "task=qa")),
     "magrpo": (magrpo_config, ("smoke", "runlocal", "task=code", "task=tldr", "task=article")),
 }
 

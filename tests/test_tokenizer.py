@@ -365,3 +365,28 @@ def test_load_tokenizer_byte_words(spec):
   assert tok.words == WORDS
   with pytest.raises(ValueError, match=spec.replace("+", "\\+")):
     tk.load_tokenizer(spec)
+
+
+def test_tokenizer_follows_the_checkpoint(hf_dir, tmp_path):
+  """config.tokenizer '': the checkpoint's own tokenizer; a named one wins; no files: an error."""
+  assert tk.resolve_spec("", str(hf_dir)) == str(hf_dir)
+  assert tk.resolve_spec("", "") == "byte"
+  assert tk.resolve_spec("byte+world", str(hf_dir)) == "byte+world"
+  with pytest.raises(FileNotFoundError, match="checkpoint's own tokenizer.*no tokenizer files"):
+    tk.resolve_spec("", str(tmp_path))
+  assert tk.has_tokenizer_files(hf_dir) and not tk.has_tokenizer_files(tmp_path)
+
+
+def test_saved_tokenizer_loads_with_auto_tokenizer_and_tokenizes_alike(hf_tok, tmp_path):
+  from transformers import AutoTokenizer
+
+  assert not tk.save_tokenizer(tk.ByteTokenizer(), tmp_path / "byte")
+  assert tk.save_tokenizer(hf_tok, tmp_path / "export")
+  auto = AutoTokenizer.from_pretrained(str(tmp_path / "export"), local_files_only=True)
+  text = "<|im_start|>user\nWho wrote Brand?<|im_end|>\n<search>Brand author</search>"
+  assert auto.encode(text, add_special_tokens=False) == hf_tok.encode(text)
+  chat = [{"role": "user", "content": "Q"}]
+  assert auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+      hf_tok.render_chat(chat, True)
+  assert "byte tokenizer" in tk.describe(tk.ByteTokenizer())
+  assert str(hf_tok.directory) in tk.describe(hf_tok)

@@ -1,9 +1,11 @@
-"""Environments: the offline research world, its search and visit tools, benchmark loaders."""
+"""Environments: the offline research world, its search and visit tools, benchmark/QA loaders."""
 
 from mgrpo_jax.envs.datasets import (
   DatasetError,
+  QAQuestion,
   load_benchmark,
   load_gaia,
+  load_qa,
   load_webwalkerqa,
   load_xbench_deepsearch,
 )
@@ -34,7 +36,8 @@ from mgrpo_jax.envs.writing import WritingExample, WritingReward, article_reward
 __all__ = [
   "Bm25Retriever", "DatasetError", "Document", "HttpRetriever", "Retriever", "export_corpus", "Entity", "Hit", "Hop", "Question", "SearchTool",
   "Tool", "VisitTool", "WebSearchTool", "World", "WorldConfig", "WritingExample", "WritingReward",
-  "article_reward", "format_hits", "generate_world", "load_benchmark", "load_gaia",
+  "QAQuestion", "article_reward", "format_hits", "generate_world", "load_benchmark", "load_gaia",
+  "load_qa",
   "load_webwalkerqa", "load_xbench_deepsearch", "local_tools", "make_questions", "split_questions",
   "tldr_reward",
 ]  # fmt: skip

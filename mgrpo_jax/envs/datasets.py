@@ -1,20 +1,27 @@
-"""Loaders for the deep-research benchmarks' question files (GAIA, XBench-DeepSearch, WebWalkerQA).
+"""Question files: the deep-research benchmarks (GAIA, XBench-DeepSearch, WebWalkerQA) and
+multi-hop QA data with its paragraphs and gold structure (MuSiQue, HotpotQA, any JSONL).
 
 Each reads a local jsonl file (one JSON object per line; blank lines skipped) into `Question`
 records with `id`, `text` and `answer`, so benchmark questions flow through the same rollout
 and reward code as the offline world's. Field names differ between releases, so each loader
 tries a few known names per field, and `field_map` overrides them (a dotted name such as
 "info.difficulty_level" reaches into a nested object). A bad line raises `DatasetError` naming
-the file, the line number and the field. The questions need live web search to answer.
+the file, the line number and the field. The benchmarks' questions need live web search.
+
+`load_qa` reads multi-hop QA (task=qa): MuSiQue (its decomposition: one `QAHop` per
+sub-question), HotpotQA's distractor setting (hops from the supporting facts) or "jsonl" (any
+file of questions and answers, no gold structure), each with its records' paragraphs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from mgrpo_jax.envs.world import Question
+from mgrpo_jax.rl.rewards import normalize_answer
 
 _KEYS = ("id", "text", "answer", "difficulty")
 # Known field names, tried in order. An empty tuple means the field is optional and absent.
@@ -132,3 +139,228 @@ def load_benchmark(name: str, path: str | os.PathLike, *,
   if name not in LOADERS:
     raise ValueError(f"unknown benchmark {name!r}; known: {sorted(LOADERS)}")
   return LOADERS[name](path, field_map=field_map)
+
+
+# --------------------------------------------------------------- multi-hop QA (task=qa)
+
+QA_FORMATS = ("musique", "hotpotqa", "jsonl")
+
+
+@dataclasses.dataclass(frozen=True)
+class Paragraph:
+  """One paragraph of a QA record (gold or distractor): a page of the corpus."""
+
+  title: str
+  text: str
+
+  @property
+  def key(self) -> tuple[str, str]:
+    """What deduplicates paragraphs: the title and the text, whitespace collapsed."""
+    return " ".join(self.title.split()), " ".join(self.text.split())
+
+
+@dataclasses.dataclass(frozen=True)
+class QAHop:
+  """One step of a QA question's gold structure.
+
+  `question` may hold `#k` for hop k's answer (1-based, MuSiQue's convention); `answers` are
+  the accepted sub-answers (the first is the gold one); `support` the paragraphs holding it.
+  """
+
+  question: str
+  answers: tuple[str, ...]
+  support: tuple[Paragraph, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class QAQuestion(Question):
+  """A real multi-hop question: `hops` are `QAHop`s (empty for "jsonl": no gold structure).
+
+  `paragraphs` are the record's own paragraphs (the default corpus). `final` says how the
+  gold answer follows from the hops: "last" (the last hop's answer) or "gold" (a HotpotQA
+  comparison: the answer is judged from both hops' findings, which no hop states).
+  """
+
+  paragraphs: tuple[Paragraph, ...] = ()
+  final: str = "last"
+
+
+def _records(path: str | os.PathLike) -> Iterator[tuple[str, Any]]:
+  """(where, record) of a `.json` list or a `.jsonl` file; `where` names file and line/index."""
+  path = os.fspath(path)
+  if not os.path.isfile(path):
+    raise DatasetError(f"{path}: no such file")
+  with open(path, encoding="utf-8") as f:
+    head = f.read(4096).lstrip()
+    f.seek(0)
+    if path.endswith(".json") or head.startswith("["):
+      try:
+        data = json.load(f)
+      except json.JSONDecodeError as e:
+        raise DatasetError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+      if not isinstance(data, list):
+        raise DatasetError(f"{path}: a .json file must hold a list of records, "
+                           f"got {type(data).__name__}")  # fmt: skip
+      for i, record in enumerate(data):
+        yield f"{path}: record {i}", record
+      return
+    for line_no, line in enumerate(f, start=1):
+      if line.strip():
+        try:
+          yield f"{path}:{line_no}", json.loads(line)
+        except json.JSONDecodeError as e:
+          raise DatasetError(f"{path}:{line_no}: not valid JSON ({e.msg})") from None
+
+
+def _need(record: Any, name: str, where: str, kind: type | tuple) -> Any:
+  """`record[name]` (dotted names reach into objects), checked to be of `kind`."""
+  if not isinstance(record, dict):
+    raise DatasetError(f"{where}: expected a JSON object, got {type(record).__name__}")
+  value = _get(record, name)
+  if value is None:
+    raise DatasetError(f"{where}: missing field {name!r}; keys present: {sorted(record)}")
+  if not isinstance(value, kind) or (isinstance(value, str) and not value.strip()):
+    want = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+    raise DatasetError(f"{where}: field {name!r} must be a non-empty {want}, "
+                       f"got {str(value)[:60]!r}")  # fmt: skip
+  return value
+
+
+def _answers(value: Any, where: str, name: str) -> tuple[str, ...]:
+  """A string answer, or a list of accepted ones (the first is the gold answer)."""
+  values = value if isinstance(value, list) else [value]
+  out = tuple(dict.fromkeys(t for t in map(_text, values) if t is not None))
+  if not out:
+    raise DatasetError(f"{where}: field {name!r} holds no answer text: {str(value)[:60]!r}")
+  return out
+
+
+def _musique(record: Any, where: str) -> QAQuestion | None:
+  """A MuSiQue record; None for an unanswerable one (MuSiQue-full), which has no answer."""
+  if isinstance(record, dict) and record.get("answerable") is False:
+    return None
+  paragraphs = []
+  for i, p in enumerate(_need(record, "paragraphs", where, list)):
+    at = f"{where}: paragraphs[{i}]"
+    paragraphs.append(Paragraph(_need(p, "title", at, str).strip(),
+                                _need(p, "paragraph_text", at, str).strip()))  # fmt: skip
+  answers = _answers(_need(record, "answer", where, (str, int, float)), where, "answer")
+  aliases = _answers(record.get("answer_aliases") or [], where, "answer_aliases") \
+      if record.get("answer_aliases") else ()
+  answers = tuple(dict.fromkeys(answers + aliases))
+  hops = []
+  decomposition = _need(record, "question_decomposition", where, list)
+  for i, h in enumerate(decomposition):
+    at = f"{where}: question_decomposition[{i}]"
+    idx = _need(h, "paragraph_support_idx", at, int)
+    if not 0 <= idx < len(paragraphs):
+      raise DatasetError(f"{at}: paragraph_support_idx {idx} is not among the record's "
+                         f"{len(paragraphs)} paragraphs")  # fmt: skip
+    hop_answers = _answers(_need(h, "answer", at, (str, int, float)), at, "answer")
+    if i == len(decomposition) - 1:  # The last hop answers the question: its aliases count.
+      hop_answers = tuple(dict.fromkeys(hop_answers + answers))
+    hops.append(QAHop(_need(h, "question", at, str).strip(), hop_answers, (paragraphs[idx],)))
+  return QAQuestion(id=str(_need(record, "id", where, (str, int))), text=_need(
+      record, "question", where, str).strip(), answer=answers[0], aliases=answers[1:],
+      hops=tuple(hops), source="musique", paragraphs=tuple(paragraphs))  # fmt: skip
+
+
+def _hotpot_hops(question: str, answer: str, kind: str, by_title: dict,
+                 facts: dict) -> tuple[tuple[QAHop, ...], str]:
+  """Hops from HotpotQA's supporting facts: one per supporting paragraph, in order.
+
+  A bridge question's answer-bearing paragraph goes last; the first hop's sub-answer is the
+  bridge entity (the last paragraph's title, when the first one names it) and the last
+  hop's the answer, so the answer is the last hop's ("last"). A hop whose paragraph states
+  no such short answer reports its supporting sentences; a comparison is judged from both
+  hops' sentences ("gold").
+  """
+  titles = list(facts)
+  holds = lambda t, s: f" {normalize_answer(s)} " in f" {normalize_answer(by_title[t].text)} "
+  if kind != "comparison":
+    titles.sort(key=lambda t: holds(t, answer))  # Stable: the answer's paragraph last.
+  hops = []
+  for i, t in enumerate(titles):
+    sentences = " ".join(facts[t]).strip() or by_title[t].text
+    last = i == len(titles) - 1
+    if kind != "comparison" and last and holds(t, answer):
+      sub = (answer,)
+    elif kind != "comparison" and not last and holds(t, titles[-1]):
+      sub = (titles[-1],)
+    else:
+      sub = (sentences,)
+    ask = f"{t}: {question}" if i == 0 or kind == "comparison" else f"#{i}: {question}"
+    hops.append(QAHop(ask, sub, (by_title[t],)))
+  final = "last" if hops and hops[-1].answers == (answer,) else "gold"
+  return tuple(hops), final
+
+
+def _hotpotqa(record: Any, where: str) -> QAQuestion:
+  paragraphs, by_title = [], {}
+  for i, item in enumerate(_need(record, "context", where, list)):
+    if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)
+            and isinstance(item[1], list)):  # fmt: skip
+      raise DatasetError(f"{where}: context[{i}] must be [title, [sentences]]")
+    p = Paragraph(item[0].strip(), "".join(map(str, item[1])).strip())
+    paragraphs.append(p)
+    by_title.setdefault(p.title, p)
+  facts: dict[str, list[str]] = {}
+  for i, fact in enumerate(_need(record, "supporting_facts", where, list)):
+    if not (isinstance(fact, list) and len(fact) == 2 and fact[0] in by_title):
+      raise DatasetError(f"{where}: supporting_facts[{i}] = {str(fact)[:60]!r} must be "
+                         f"[title of a context paragraph, sentence index]")  # fmt: skip
+    sentences = dict(item for item in record["context"])[fact[0]]
+    line = sentences[fact[1]] if isinstance(fact[1], int) and 0 <= fact[1] < len(sentences) else ""
+    facts.setdefault(fact[0], []).append(str(line).strip())
+  text = _need(record, "question", where, str).strip()
+  answer = _answers(_need(record, "answer", where, (str, int, float)), where, "answer")
+  hops, final = _hotpot_hops(text, answer[0], str(record.get("type", "bridge")), by_title, facts)
+  return QAQuestion(id=str(_need(record, "_id", where, (str, int))), text=text, answer=answer[0],
+                    aliases=answer[1:], hops=hops, source="hotpotqa",
+                    paragraphs=tuple(paragraphs), final=final,
+                    difficulty=str(record.get("level", "")))  # fmt: skip
+
+
+def _plain(record: Any, where: str, fields: Mapping[str, str], index: int,
+           source: str) -> QAQuestion:
+  """A "jsonl" record: question and answer(s) under the names `fields` gives; no paragraphs."""
+  names = {"id": "id", "question": "question", "answer": "answer", **dict(fields)}
+  qid = _get(record, names["id"]) if isinstance(record, dict) else None
+  text = _need(record, names["question"], where, str).strip()
+  answers = _answers(_need(record, names["answer"], where, (str, int, float, list)), where,
+                     names["answer"])  # fmt: skip
+  return QAQuestion(id=str(qid) if qid is not None else f"{source}-{index}", text=text,
+                    answer=answers[0], aliases=answers[1:], source=source)
+
+
+def load_qa(path: str | os.PathLike, fmt: str, *,
+            fields: Mapping[str, str] | None = None) -> list[QAQuestion]:  # fmt: skip
+  """The questions of a QA file: `fmt` "musique", "hotpotqa" or "jsonl" (`fields`: the keys
+  "id", "question", "answer" -> the file's names; an answer may be a list of aliases).
+
+  `.json` lists and `.jsonl` files are both read. Ids must be unique within a file. A bad
+  record raises `DatasetError` naming the file, the line (or record index) and the field.
+  """
+  if fmt not in QA_FORMATS:
+    raise ValueError(f"QA format {fmt!r}; expected one of {QA_FORMATS}")
+  bad = sorted(set(fields or {}) - {"id", "question", "answer"})
+  if bad:
+    raise ValueError(f"data.fields keys must be among id, question, answer; got {bad}")
+  out, first = [], {}
+  source = os.path.splitext(os.path.basename(os.fspath(path)))[0]
+  for where, record in _records(path):
+    if fmt == "musique":
+      q = _musique(record, where)
+    elif fmt == "hotpotqa":
+      q = _hotpotqa(record, where)
+    else:
+      q = _plain(record, where, fields or {}, len(out), source)
+    if q is None:
+      continue
+    if q.id in first:
+      raise DatasetError(f"{where}: duplicate id {q.id!r} (first at {first[q.id]})")
+    first[q.id] = where
+    out.append(q)
+  if not out:
+    raise DatasetError(f"{os.fspath(path)}: no {fmt} questions")
+  return out

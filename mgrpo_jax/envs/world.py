@@ -182,6 +182,12 @@ class Question:
   # `side_hops` hops about the first named entity and the rest about the second; "" = a chain.
   compare: str = ""
   side_hops: int = 0
+  aliases: tuple[str, ...] = ()  # Other accepted answers (real QA data's answer aliases).
+
+  @property
+  def answers(self) -> tuple[str, ...]:
+    """Every accepted answer: `answer`, then its aliases."""
+    return (self.answer, *self.aliases)
 
 
 @dataclasses.dataclass(frozen=True)

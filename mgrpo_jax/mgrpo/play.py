@@ -9,7 +9,9 @@ import jax
 import numpy as np
 
 from mgrpo_jax import keys
-from mgrpo_jax.agents import experts, rollout
+from mgrpo_jax.agents import experts, qa_experts, rollout
+from mgrpo_jax.config_checks import ConfigValueError
+from mgrpo_jax.envs import qa
 from mgrpo_jax.mgrpo.tasks import Env, eval_questions
 from mgrpo_jax.mgrpo.setup import Wiring
 from mgrpo_jax.rl import hierarchy
@@ -23,6 +25,13 @@ def expert_policies(c, w: Wiring, env: Env, *, noise: float = 0.0, seed: int = 0
   """The scripted experts, one per role."""
   tok, kw = env.tokenizer, dict(noise=noise, think=c.expert_think)
   mk = lambda expert, i: rollout.ExpertPolicy(expert, tok, seed=seed * 10 + i)
+  if "data" in c:  # task=qa: the gold structure's experts (noise-free; none for "jsonl").
+    if not w.has_sub:
+      raise ConfigValueError("task=qa has experts for the main and sub-agent only, not for "
+                             f"variant={c.variant!r}.")
+    known = qa_experts.oracle(env.train + env.test)
+    return {"main": mk(qa_experts.QAMainExpert(think=c.expert_think), 0),
+            "sub": mk(qa_experts.QASubExpert(known, c.world.search_k, c.expert_think), 1)}
   if not w.has_sub:
     return {"single": mk(experts.SingleExpert(search_k=c.world.search_k, **kw), 0)}
   return {"main": mk(experts.MainExpert(**kw), 0),
@@ -101,10 +110,12 @@ def evaluate(c, w: Wiring, env: Env, agents: dict, *, step: int, questions=None,
   policies = make_policies(c, w, env, agents, c.eval_sampling, version=step)
   eps, sub_eps = run_rollouts(c, w, env, policies, questions, num_rollouts=1,
                               key=keys.eval_key(c, step), step=step, service=service)
-  outcome = hierarchy.main_outcomes(eps, [q.answer for q in questions], len(questions), 1,
+  outcome = hierarchy.main_outcomes(eps, [q.answers for q in questions], len(questions), 1,
                                     alpha=tuple(c.alpha))
   m = episode_metrics("eval", eps, outcome)
   m.update(breakdown("eval", eps, outcome.correct[:, 0], questions))
+  if "data" in c:  # task=qa: token F1 and the retrieval recall of each hop's support.
+    m.update(qa.eval_metrics("eval", questions, eps, sub_eps, env.index))
   if sub_eps:
     m["eval/sub_format"] = float(np.mean([e.format_ok for e in sub_eps]))
     m["eval/sub_overflow"] = float(np.mean([overflowed(e) for e in sub_eps]))

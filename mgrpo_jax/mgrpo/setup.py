@@ -114,13 +114,19 @@ def resolve_wiring(c: ml_collections.ConfigDict, *, training: bool = True) -> Wi
   return w
 
 
-def check_task(c: ml_collections.ConfigDict, w: Wiring, env: Env) -> None:
+def check_task(c: ml_collections.ConfigDict, w: Wiring, env: Env, *,
+               training: bool = True) -> None:
   """What the config asks of the built task: questions to train on, prompts that fit.
 
   The lead role's longest first prompt plus one turn must fit `limits.max_len`; a
-  sub-agent's prompt is its template plus a subtask of at most one main turn.
+  sub-agent's prompt is its template plus a subtask of at most one main turn. Task=qa
+  needs `data.train` to train and `data.eval` to evaluate (`training=False`).
   """
-  if not env.train:
+  if "data" in c and not (env.train if training else env.test):
+    field = "train" if training else "eval"
+    raise ConfigValueError(f"task=qa: config.data.{field} names no questions to "
+                           f"{'train on' if training else 'evaluate'}.")
+  if "data" not in c and not env.train:
     raise ConfigValueError(
         f"config.world.num_questions={c.world.num_questions} with "
         f"config.world.test_fraction={c.world.test_fraction} leaves no training question.")

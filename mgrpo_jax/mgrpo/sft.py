@@ -85,7 +85,7 @@ def corpus_rows(env) -> list[TextRow]:
 def _correct(ep) -> bool:
   if ep.role == "sub":
     return True  # A sub-agent trace is judged by the main episode it served.
-  return bool(rewards.exact_match(ep.final or "", ep.task.answer))
+  return bool(rewards.exact_match(ep.final or "", ep.task.answers))
 
 
 def _pick(eps: list, n: int, rng: np.random.Generator) -> list:

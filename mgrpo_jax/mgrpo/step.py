@@ -31,7 +31,7 @@ def main_side(c, w: Wiring, env: Env,
   publishes it on the exchange).
   """
   q, k = c.num_queries, c.num_rollouts
-  answers = [e.task.answer for e in episodes[::k]]
+  answers = [e.task.answers for e in episodes[::k]]
   outcome = hierarchy.main_outcomes(episodes, answers, q, k, alpha=tuple(c.alpha))
   adv_m = advantages.group_advantages(jnp.asarray(outcome.reward), scale=c.adv_scale,
                                       eps=c.adv_eps)

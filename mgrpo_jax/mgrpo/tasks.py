@@ -3,16 +3,19 @@
 The offline world (`envs.world`; `world.kind="multihop"`: long pages asked the bridge and
 comparison questions of `envs.multihop`), its train/test question split, the search/visit/python
 tools over the configured retriever (`envs.retrieval`; by default the world's documents) and
-the tokenizer, whose words may come from the world (`tokenizer_words`).
+the tokenizer, whose words may come from the world (`tokenizer_words`). A config with a
+`data` block (configs/mgrpo.py:task=qa) is real QA data instead (`build_qa_env`).
 """
 
 import dataclasses
+import os
 
 import ml_collections
 
+from mgrpo_jax import config_checks as checks
 from mgrpo_jax import tokenizer as tk
 from mgrpo_jax.agents import protocol
-from mgrpo_jax.envs import multihop, python_tool, retrieval, search, world
+from mgrpo_jax.envs import datasets, multihop, python_tool, qa, retrieval, search, world
 
 
 @dataclasses.dataclass
@@ -29,7 +32,9 @@ class Env:
 
 
 def build_env(c: ml_collections.ConfigDict) -> Env:
-  """The offline research world with its train/test split and tools."""
+  """The offline research world with its train/test split and tools (or the QA data's)."""
+  if is_qa(c):
+    return build_qa_env(c)
   w = c.world
   wcfg = world_config(c)
   the_world = world.generate_world(wcfg)
@@ -53,7 +58,8 @@ def build_env(c: ml_collections.ConfigDict) -> Env:
   tools = dict(search.local_tools(index, k=w.search_k, max_chars=w.visit_chars,
                                   shuffle=w.shuffle_hits),
                python=python_tool.PythonTool())
-  tokenizer = tk.load_tokenizer(c.tokenizer, words=tokenizer_words(c.tokenizer, the_world))
+  spec = tokenizer_spec(c)
+  tokenizer = tk.load_tokenizer(spec, words=tokenizer_words(spec, the_world))
   return Env(tokenizer, train, test, index, tools, documents, valid)
 
 
@@ -67,6 +73,33 @@ def world_config(c: ml_collections.ConfigDict) -> world.WorldConfig:
                            name_similarity=w.name_similarity,
                            filler_sentences=tuple(w.filler_sentences),
                            holdout=tuple(w.holdout))
+
+
+def is_qa(c) -> bool:
+  """Whether the config is task=qa (it has a `data` block)."""
+  return "data" in c
+
+
+def build_qa_env(c: ml_collections.ConfigDict) -> Env:
+  """Real multi-hop QA: `data.train` / `data.eval` questions, tools over `data.corpus`."""
+  checks.check_qa_data(c)
+  d = c.data
+  load = lambda path: datasets.load_qa(path, d.format, fields=dict(d.fields)) if path else []
+  train, test = load(d.train), load(d.eval)
+  index, documents = qa.make_retriever(d.corpus, c.retrieval, train + test)
+  tools = dict(search.local_tools(index, k=c.world.search_k, max_chars=c.world.visit_chars),
+               python=python_tool.PythonTool())
+  return Env(tk.load_tokenizer(tokenizer_spec(c)), train, test, index, tools, documents)
+
+
+def tokenizer_spec(c) -> str:
+  """The tokenizer `config.tokenizer` means: "" is the checkpoint's own, that of
+  `main_model.hf_path`, else of the warm start's export (`<init>/hf/main`) when it carries
+  tokenizer files, else the byte tokenizer."""
+  checkpoint = c.main_model.hf_path
+  if not checkpoint and c.init and tk.has_tokenizer_files(os.path.join(c.init, "hf", "main")):
+    checkpoint = os.path.join(c.init, "hf", "main")
+  return tk.resolve_spec(c.tokenizer, checkpoint)
 
 
 def tokenizer_words(spec: str, the_world: world.World) -> tuple[str, ...]:

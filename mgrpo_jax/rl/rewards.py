@@ -21,6 +21,7 @@ __all__ = [
     "RuleExpertJudge",
     "RuleJudge",
     "correctness",
+    "best_f1",
     "exact_match",
     "expert_score",
     "main_reward",
@@ -69,6 +70,11 @@ def token_f1(pred: str, gold: str) -> float:
     return 0.0
   precision, recall = same / len(pred_toks), same / len(gold_toks)
   return 2 * precision * recall / (precision + recall)
+
+
+def best_f1(pred: str, gold: str | Sequence[str]) -> float:
+  """The best `token_f1` of `pred` over the acceptable answers (an answer and its aliases)."""
+  return max(token_f1(pred, g) for g in _golds(gold))
 
 
 def main_reward(format_ok, correct, *, alpha=(0.1, 0.9)):

@@ -1,0 +1,81 @@
+"""A workdir owns its config: resume checks, the change record, and reading it back."""
+
+import json
+import os
+import subprocess
+import sys
+
+import ml_collections
+import pytest
+
+from configs import mgrpo
+from mgrpo_jax import workdir
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _config(**kw):
+  c = ml_collections.ConfigDict(dict(seed=0, num_steps=2, eval_every=1,
+                                     main_optim=dict(learning_rate=1e-6, b1=0.9),
+                                     alpha=(0.1, 0.9)))  # fmt: skip
+  for k, v in kw.items():
+    *path, last = k.split(".")
+    node = c
+    for p in path:
+      node = node[p]
+    node[last] = v
+  return c
+
+
+def test_fresh_workdir_saves_and_reads_back(tmp_path):
+  assert workdir.check_resume(str(tmp_path), _config()) == {}
+  back = workdir.load_config(str(tmp_path))
+  assert back.main_optim.learning_rate == 1e-6 and list(back.alpha) == [0.1, 0.9]
+  # The same config again (tuples and lists alike) is no change.
+  assert workdir.check_resume(str(tmp_path), _config()) == {}
+  assert not (tmp_path / workdir.CHANGES_FILE).exists()
+
+
+def test_a_changed_run_is_refused_naming_the_fields(tmp_path):
+  workdir.check_resume(str(tmp_path), _config())
+  changed = _config(seed=3, **{"main_optim.learning_rate": 1e-5})
+  with pytest.raises(workdir.ConfigChangeError) as e:
+    workdir.check_resume(str(tmp_path), changed)
+  assert "main_optim.learning_rate: 1e-06 -> 1e-05" in str(e.value)
+  assert "seed: 0 -> 3" in str(e.value) and "allow_config_change" in str(e.value)
+  assert workdir.load_config(str(tmp_path)).seed == 0  # Nothing written.
+
+
+def test_extending_is_free_and_allowed_changes_are_recorded(tmp_path):
+  workdir.check_resume(str(tmp_path), _config())
+  assert workdir.check_resume(str(tmp_path), _config(num_steps=9, eval_every=3)) == {
+      "eval_every": (1, 3), "num_steps": (2, 9)}
+  assert workdir.load_config(str(tmp_path)).num_steps == 9
+  workdir.check_resume(str(tmp_path), _config(num_steps=9, eval_every=3, seed=4),
+                          allow_change=True)
+  records = [json.loads(l) for l in (tmp_path / workdir.CHANGES_FILE).read_text().splitlines()]
+  assert [r["allowed"] for r in records] == [False, True]
+  assert records[1]["fields"] == {"seed": [0, 4]}
+  assert workdir.load_config(str(tmp_path)).seed == 4
+
+
+def test_load_without_a_run_names_the_file(tmp_path):
+  with pytest.raises(FileNotFoundError, match="config.json does not exist.*pass --config"):
+    workdir.load_config(str(tmp_path))
+
+
+def test_evaluate_launcher_reads_the_workdirs_config(tmp_path):
+  """launch/evaluate.py --workdir=W without --config: W's config.json, else a short error."""
+  run = lambda: subprocess.run([sys.executable, "launch/evaluate.py", f"--workdir={tmp_path}"],
+                               cwd=REPO, capture_output=True, text=True, timeout=300,
+                               env={**os.environ, "JAX_PLATFORMS": "cpu"})  # fmt: skip
+  proc = run()
+  assert proc.returncode != 0 and "config.json does not exist" in proc.stderr
+  c = mgrpo.get_config("task=qa,policy=expert")
+  c.data.update(format="musique", eval=os.path.join(REPO, "tests", "data", "qa", "musique.jsonl"))
+  workdir.write_config(str(tmp_path), c)
+  proc = run()
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  result = json.loads((tmp_path / "eval.json").read_text())
+  assert result["policy"] == "expert" and result["num_questions"] == 12
+  assert result["accuracy"] >= 0.5 and "retrieval_recall_hop1" in result
