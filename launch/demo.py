@@ -18,11 +18,11 @@ The 3-seed ablation behind the README's table: `python benchmarks/mgrpo_demo.py 
 
 import os
 
-from absl import app, flags, logging
+from absl import flags
 
 from configs import mgrpo as mgrpo_config
 from configs import sft as sft_config
-from mgrpo_jax import compile_cache, distributed, metrics, plotting
+from mgrpo_jax import cli, distributed, metrics, plotting
 from mgrpo_jax.mgrpo import colocated, sft
 
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/mgrpo_demo", "Runs go to sft/ and mgrpo/ here.")
@@ -32,9 +32,7 @@ _LORA = flags.DEFINE_integer("lora", 0, "> 0: the M-GRPO stage trains LoRA adapt
 
 def main(argv):
   del argv
-  logging.set_verbosity(logging.INFO)
-  distributed.initialize_from_flags()  # Multi-host runs; a no-op for one process.
-  compile_cache.enable_from_flags()  # Restarts and sweeps skip compiling again.
+  cli.start(devices=False)
   rl_name = f"mgrpo-lora{_LORA.value}" if _LORA.value else "mgrpo"
   warm, rl = (os.path.join(_WORKDIR.value, name) for name in ("sft", rl_name))
   sft.train_sft(sft_config.get_config("runlocal"), warm)
@@ -50,4 +48,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

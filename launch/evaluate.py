@@ -5,11 +5,10 @@
   python launch/evaluate.py --config=configs/magrpo.py:runlocal --workdir=/tmp/magrpo
 """
 
-import jax
-from absl import app, flags, logging
+from absl import flags
 from ml_collections import config_flags
 
-from mgrpo_jax import compile_cache, distributed, evaluate
+from mgrpo_jax import cli, evaluate
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file[:args].",
                                           lock_config=True)
@@ -21,13 +20,12 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
   del argv
-  logging.set_verbosity(logging.INFO)
-  distributed.initialize_from_flags()  # Multi-host runs; a no-op for one process.
-  compile_cache.enable_from_flags()  # Restarts and sweeps skip compiling again.
-  logging.info("Devices: %s", jax.devices())
+  cli.start()
   result = evaluate.run(_CONFIG.value, _WORKDIR.value, run_location=_RUN.value)
   print({k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()})
+  print(f"Evaluation done: accuracy {result['accuracy']:.3f} at step {result['step']}; "
+        f"wrote {_WORKDIR.value}/eval.json.")
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

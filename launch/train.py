@@ -4,11 +4,10 @@
   python launch/train.py --config=configs/magrpo.py:runlocal --workdir=/tmp/magrpo
 """
 
-import jax
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
-from mgrpo_jax import compile_cache, distributed
+from mgrpo_jax import cli
 from mgrpo_jax.mgrpo import colocated, sft
 from mgrpo_jax.magrpo import program as magrpo_program
 
@@ -23,10 +22,7 @@ PROGRAMS = {"mgrpo": colocated.train_and_evaluate, "sft": sft.train_sft,
 
 def main(argv):
   del argv
-  logging.set_verbosity(logging.INFO)
-  distributed.initialize_from_flags()  # Multi-host runs; a no-op for one process.
-  compile_cache.enable_from_flags()  # Restarts and sweeps skip compiling again.
-  logging.info("Devices: %s", jax.devices())
+  cli.start()
   config = _CONFIG.value
   if config.program not in PROGRAMS:
     raise app.UsageError(f"config.program={config.program!r}; expected one of {list(PROGRAMS)}.")
@@ -34,4 +30,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)
