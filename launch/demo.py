@@ -13,7 +13,7 @@ what these two commands run,
 
 and then prints the greedy accuracy on held-out questions of the warm start and of the
 trained pair, and writes WORKDIR/curves.png. Both stages resume from WORKDIR after a crash.
-The 3-seed ablation behind the README's table: `python benchmarks/mgrpo_demo.py --sweep`.
+The 3-seed ablation of docs/results/cpu-demo.md: `python benchmarks/mgrpo_demo.py --sweep`.
 """
 
 import os

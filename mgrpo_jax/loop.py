@@ -83,7 +83,7 @@ def train_loop(workdir: str, agents: dict, ckpt: ckpt_lib.Checkpointer, schedule
   workdir_lib.save_final_hf(workdir, agents, tokenizer)
   if jax.process_index() == 0:
     print(summary(name, workdir, start, schedule.num_steps, time.perf_counter() - t_start,
-                  {**shown, **{k: v for k, v in m.items() if k == "eval/accuracy"}}))
+                  {**shown, **{k: v for k, v in m.items() if k == "eval/accuracy"}}), flush=True)
   return last
 
 
