@@ -82,7 +82,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval_every = 20
   c.num_eval = 64  # Held-out examples (fewer when the split has fewer).
   c.checkpoint_every = 20
-  c.log_every = 10  # Steps between log lines when no terminal shows the progress bar.
   c.max_to_keep = 2
   c.log_every = 1  # Steps between plain log lines when no terminal shows the progress bar.
   c.task.num_agents = args["agents"]

@@ -120,6 +120,8 @@ def train_sft(c: ml_collections.ConfigDict, workdir: str) -> dict:
   checks.check_batch_divides_mesh(sft.batch_size, mesh, "config.sft.batch_size")
   env = tasks.build_env(c)
   setup.check_task(c, w, env)
+  logging.info("sft: the scripted experts solve %d training questions (the warm start's "
+               "traces).", sft.num_questions)
   data = expert_episodes(c, w, env, seed=c.seed)
   corpus = corpus_rows(env) if sft.corpus_weight else []
   # Per agent, the other roles' traces (built once: the list is as long as the data).
