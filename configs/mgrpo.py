@@ -126,7 +126,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if args["runlocal"]:
     _demo(c)
     if args["lora"]:
-      # Adapters take a larger step than full weights (the README's LoRA demo row: rank 8).
+      # Adapters take a larger step than full weights (docs/results/cpu-demo.md: LoRA rank 8).
       c.main_optim.learning_rate = c.sub_optim.learning_rate = 1e-3
   if args["smoke"]:
     c.num_steps, c.eval_every, c.num_eval_questions, c.checkpoint_every = 2, 1, 4, 1

@@ -13,16 +13,16 @@ what these two commands run,
 
 and then prints the greedy accuracy on held-out questions of the warm start and of the
 trained pair, and writes WORKDIR/curves.png. Both stages resume from WORKDIR after a crash.
-The 3-seed ablation behind the README's table: `python benchmarks/mgrpo_demo.py --sweep`.
+The 3-seed ablation of docs/results/cpu-demo.md: `python benchmarks/mgrpo_demo.py --sweep`.
 """
 
 import os
 
-from absl import app, flags, logging
+from absl import flags
 
 from configs import mgrpo as mgrpo_config
 from configs import sft as sft_config
-from mgrpo_jax import compile_cache, distributed, metrics, plotting
+from mgrpo_jax import cli, distributed, metrics, plotting
 from mgrpo_jax.mgrpo import colocated, sft
 
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/mgrpo_demo", "Runs go to sft/ and mgrpo/ here.")
@@ -32,9 +32,7 @@ _LORA = flags.DEFINE_integer("lora", 0, "> 0: the M-GRPO stage trains LoRA adapt
 
 def main(argv):
   del argv
-  logging.set_verbosity(logging.INFO)
-  distributed.initialize_from_flags()  # Multi-host runs; a no-op for one process.
-  compile_cache.enable_from_flags()  # Restarts and sweeps skip compiling again.
+  cli.start(devices=False)
   rl_name = f"mgrpo-lora{_LORA.value}" if _LORA.value else "mgrpo"
   warm, rl = (os.path.join(_WORKDIR.value, name) for name in ("sft", rl_name))
   sft.train_sft(sft_config.get_config("runlocal"), warm)
@@ -50,4 +48,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

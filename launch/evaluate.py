@@ -6,11 +6,10 @@
   python launch/evaluate.py --workdir=/tmp/mgrpo   # a finished run: its own config.json
 """
 
-import jax
-from absl import app, flags, logging
+from absl import flags
 from ml_collections import config_flags
 
-from mgrpo_jax import compile_cache, distributed, evaluate, workdir
+from mgrpo_jax import cli, evaluate, workdir
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file[:args]; default: the "
                                           "config.json of the run in --workdir.",
@@ -23,19 +22,13 @@ flags.mark_flags_as_required(["workdir"])
 
 def main(argv):
   del argv
-  logging.set_verbosity(logging.INFO)
-  distributed.initialize_from_flags()  # Multi-host runs; a no-op for one process.
-  compile_cache.enable_from_flags()  # Restarts and sweeps skip compiling again.
-  logging.info("Devices: %s", jax.devices())
-  config = _CONFIG.value
-  if config is None:
-    try:
-      config = workdir.load_config(_WORKDIR.value)
-    except FileNotFoundError as e:
-      raise app.UsageError(str(e)) from None
+  cli.start()
+  config = _CONFIG.value or workdir.load_config(_WORKDIR.value)
   result = evaluate.run(config, _WORKDIR.value, run_location=_RUN.value)
   print({k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()})
+  print(f"Evaluation done: accuracy {result['accuracy']:.3f} at step {result['step']}; "
+        f"wrote {_WORKDIR.value}/eval.json.")
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -1,13 +1,15 @@
 """Foundation demo: random HF Qwen3 checkpoint -> load_hf -> chat generation on CPU.
 
-  python launch/hf_demo.py --workdir=/tmp/hf_demo
+  python launch/hf_demo.py --workdir=runs/hf_demo
+
+Writes the checkpoint to WORKDIR/random_qwen3 (kept: a second run loads it again).
 """
 
-from absl import app, flags, logging
+from absl import flags, logging
 
-from mgrpo_jax import hf_demo
+from mgrpo_jax import cli, hf_demo
 
-_WORKDIR = flags.DEFINE_string("workdir", "/tmp/hf_demo", "Where the checkpoint is written.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Where the checkpoint is written.", required=True)
 _PRESET = flags.DEFINE_string("preset", "tiny", "Model preset for the random checkpoint.")
 _NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 48, "Tokens to generate per prompt.")
 
@@ -19,4 +21,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -9,11 +9,10 @@
 each role's checkpoints under <run>/<role>/checkpoints.
 """
 
-import jax
-from absl import app, flags, logging
+from absl import flags
 from ml_collections import config_flags
 
-from mgrpo_jax import compile_cache, distributed, workdir
+from mgrpo_jax import cli, workdir
 from mgrpo_jax.mgrpo import decoupled
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file[:args].",
@@ -30,17 +29,11 @@ flags.mark_flags_as_required(["config", "workdir", "exchange"])
 
 def main(argv):
   del argv
-  logging.set_verbosity(logging.INFO)
-  distributed.initialize_from_flags()  # Multi-host runs; a no-op for one process.
-  compile_cache.enable_from_flags()  # Restarts and sweeps skip compiling again.
-  logging.info("Devices: %s", jax.devices())
-  try:
-    workdir.check_resume(_WORKDIR.value, _CONFIG.value, allow_change=_ALLOW_CHANGE.value)
-  except workdir.ConfigChangeError as e:
-    raise app.UsageError(str(e)) from None
+  cli.start()
+  workdir.check_resume(_WORKDIR.value, _CONFIG.value, allow_change=_ALLOW_CHANGE.value)
   decoupled.run_main_agent(_CONFIG.value, _WORKDIR.value, _EXCHANGE.value,
                           timeout_s=_TIMEOUT.value)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

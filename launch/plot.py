@@ -4,9 +4,9 @@
       --out=curves.png [--smooth=0.6] [--group_by=_seed]
 """
 
-from absl import app, flags, logging
+from absl import flags
 
-from mgrpo_jax import plotting
+from mgrpo_jax import cli, plotting
 
 _WORKDIRS = flags.DEFINE_list("workdirs", None, "Run directories holding metrics.jsonl.",
                               required=True)
@@ -21,8 +21,9 @@ def main(argv):
   del argv
   path = plotting.plot_curves(_WORKDIRS.value, _KEYS.value, _OUT.value, smooth=_SMOOTH.value,
                               group_by=_GROUP_BY.value)
-  logging.info("Wrote %s.", path)
+  keys = ", ".join(_KEYS.value) if _KEYS.value else "every key"
+  print(f"Wrote {path}: {keys} of {len(_WORKDIRS.value)} run(s).")
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -7,11 +7,10 @@ A workdir owns its config: resuming it with another config is refused, naming th
 except num_steps and the evaluation/checkpoint/log intervals, unless --allow_config_change.
 """
 
-import jax
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
-from mgrpo_jax import compile_cache, distributed, workdir
+from mgrpo_jax import cli, workdir
 from mgrpo_jax.mgrpo import colocated, sft
 from mgrpo_jax.magrpo import program as magrpo_program
 
@@ -28,19 +27,13 @@ PROGRAMS = {"mgrpo": colocated.train_and_evaluate, "sft": sft.train_sft,
 
 def main(argv):
   del argv
-  logging.set_verbosity(logging.INFO)
-  distributed.initialize_from_flags()  # Multi-host runs; a no-op for one process.
-  compile_cache.enable_from_flags()  # Restarts and sweeps skip compiling again.
-  logging.info("Devices: %s", jax.devices())
+  cli.start()
   config = _CONFIG.value
   if config.program not in PROGRAMS:
     raise app.UsageError(f"config.program={config.program!r}; expected one of {list(PROGRAMS)}.")
-  try:
-    workdir.check_resume(_WORKDIR.value, config, allow_change=_ALLOW_CHANGE.value)
-  except workdir.ConfigChangeError as e:
-    raise app.UsageError(str(e)) from None
+  workdir.check_resume(_WORKDIR.value, config, allow_change=_ALLOW_CHANGE.value)
   PROGRAMS[config.program](config, _WORKDIR.value)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -10,6 +10,7 @@ import jax
 import ml_collections
 
 from mgrpo_jax import checkpoint as ckpt_lib
+from mgrpo_jax import config_checks as checks
 from mgrpo_jax import distributed, sharding
 from mgrpo_jax import workdir as workdir_lib
 from mgrpo_jax.mgrpo import delegation, play, setup, tasks
@@ -73,7 +74,8 @@ def run(c: ml_collections.ConfigDict, workdir: str, *, run_location=None) -> dic
   os.makedirs(workdir, exist_ok=True)
   if c.get("program") == "magrpo":
     if run_location:
-      raise ValueError("--run is for decoupled M-GRPO runs; MAGRPO evaluates --workdir.")
+      raise checks.ConfigValueError("--run is for decoupled M-GRPO runs; MAGRPO evaluates "
+                                    "--workdir.")
     return _run_magrpo(c, workdir)
   w = setup.resolve_wiring(c, training=False)
   env = tasks.build_env(c)
@@ -87,7 +89,8 @@ def run(c: ml_collections.ConfigDict, workdir: str, *, run_location=None) -> dic
     else:
       step = _restore_latest(workdir, agents)
   elif run_location is not None:
-    raise ValueError("config.policy='expert' evaluates the scripted experts; drop --run.")
+    raise checks.ConfigValueError("config.policy='expert' evaluates the scripted experts; "
+                                  "drop --run.")
   metrics = play.evaluate(c, w, env, agents, step=step)
   result = {"accuracy": metrics["eval/accuracy"], "step": step, "policy": c.policy,
             "variant": c.variant, "num_questions": min(c.num_eval_questions, len(env.test)),

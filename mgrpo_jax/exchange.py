@@ -73,6 +73,8 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")  # Kinds and array names: one p
 _CONTEXT = ts.Context()
 
 Key = tuple[int, ...]
+# URL schemes of run locations that hold both the exchange and orbax checkpoints (tested).
+SCHEMES = ("file://", "memory://", "s3://", "gs://")
 
 
 class ExchangeError(Exception):
@@ -152,7 +154,11 @@ def kvstore_spec(url_or_spec, subpath: str = "") -> dict:
   elif isinstance(url_or_spec, str) and url_or_spec.lstrip().startswith("{"):
     spec = json.loads(url_or_spec)
   elif isinstance(url_or_spec, str) and "://" in url_or_spec:
-    spec = ts.KvStore.Spec(url_or_spec).to_json()
+    try:
+      spec = ts.KvStore.Spec(url_or_spec).to_json()
+    except ValueError as e:
+      raise ExchangeError(f"Run location {url_or_spec!r}: {e}. Locations that work: "
+                          f"{', '.join(SCHEMES)}, a local path, or a kvstore JSON spec.") from e
   elif isinstance(url_or_spec, (str, os.PathLike)):
     spec = {"driver": "file", "path": os.path.abspath(url_or_spec)}
   else:

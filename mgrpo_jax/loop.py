@@ -7,8 +7,12 @@ resumed run rewrites exactly the lines an uninterrupted one writes.
 """
 
 import dataclasses
+import os
 import time
 from typing import Callable
+
+import jax
+from absl import logging
 
 from mgrpo_jax import checkpoint as ckpt_lib
 from mgrpo_jax import metrics as metrics_lib
@@ -45,26 +49,52 @@ def train_loop(workdir: str, agents: dict, ckpt: ckpt_lib.Checkpointer, schedule
   writer.truncate_after(start - 1)  # A restart rewrites the lines after its checkpoint.
   progress = metrics_lib.Progress(schedule.num_steps, initial=start, desc=desc,
                                   log_every=schedule.log_every)
-  last, first = {}, dict(first or {})
+  name, t_start = desc or "run", time.perf_counter()
+  last, first, shown = {}, dict(first or {}), {}
   for step in range(start, schedule.num_steps + 1):
     m, first = first, {}
     if schedule.evaluates(step):
+      if step == start:
+        logging.info("%s: evaluating step %d (the first evaluation compiles the sampler).",
+                     name, step)
       m.update(evaluate(step))
     if step == schedule.num_steps:
       writer.write(step, m)
       break
+    if step == start:
+      logging.info("%s: step %d of %d; the first update compiles the step (minutes for a "
+                   "large model), later steps reuse it.", name, step, schedule.num_steps)
     t0 = time.perf_counter()
     m.update(update(step))
     m["time/step_s"] = time.perf_counter() - t0
     m.update(metrics_lib.device_memory())  # GPU only: the allocator's peak so far.
     writer.write(step, m)
     last = m
-    progress.update(1, {k: m[k] for k in show if k in m})
+    shown.update({k: m[k] for k in show if k in m})  # Evaluation keys keep their last value.
+    progress.update(1, shown)
     if schedule.saves_after(step):
       ckpt.save(step + 1, {n: a.state for n, a in agents.items()}, {"step": step + 1})
+  logging.info("%s: writing the last checkpoint.", name)
   ckpt.wait()
   ckpt.close()
   writer.close()
   progress.close()
+  logging.info("%s: exporting the final weights to %s.", name, os.path.join(workdir, "hf"))
   workdir_lib.save_final_hf(workdir, agents, tokenizer)
+  if jax.process_index() == 0:
+    print(summary(name, workdir, start, schedule.num_steps, time.perf_counter() - t_start,
+                  {**shown, **{k: v for k, v in m.items() if k == "eval/accuracy"}}), flush=True)
   return last
+
+
+def summary(name: str, workdir: str, start: int, num_steps: int, seconds: float,
+            metrics: dict) -> str:
+  """The line a program ends with: what ran, how long, the main metrics, where it went."""
+  ran = f"steps {start}-{num_steps}" if start < num_steps else f"step {num_steps} (already done)"
+  parts = [f"{name} done: {ran} in {seconds:.0f} s"]
+  if metrics:
+    parts.append(" ".join(f"{k}={metrics_lib.format_value(v)}"
+                          for k, v in sorted(metrics.items())))
+  parts.append(f"metrics in {os.path.join(workdir, metrics_lib.METRICS_FILE)}, final weights "
+               f"in {os.path.join(workdir, 'hf')}")
+  return "; ".join(parts) + "."

@@ -184,7 +184,8 @@ class MetricsWriter:
     self.close()
 
 
-def _format(v) -> str:
+def format_value(v) -> str:
+  """A metric value for a log line: floats to 4 significant digits."""
   if isinstance(v, float) or isinstance(v, (np.floating, jax.Array)):
     return f"{float(v):.4g}"
   return str(v)
@@ -210,7 +211,7 @@ class Progress:
 
   def postfix(self, metrics: Mapping[str, Any]):
     """Shows `metrics` (pick a few: reward, accuracy) after the bar."""
-    self._postfix = {k: _format(v) for k, v in metrics.items()}
+    self._postfix = {k: format_value(v) for k, v in metrics.items()}
     self._bar.set_postfix(self._postfix, refresh=False)
 
   def update(self, n: int = 1, metrics: Mapping[str, Any] | None = None):
@@ -223,12 +224,12 @@ class Progress:
       logging.info("%s", self.summary())
 
   def summary(self) -> str:
-    """'desc 12/100 (0.5 step/s, ETA 02:56) key=value ...' for logs."""
+    """'desc step 12/100 (0.5 step/s, ETA 02:56) key=value ...' for logs."""
     elapsed = time.monotonic() - self._t0
     rate = (self.n - self._start_n) / elapsed if elapsed > 0 else 0.0
     eta = tqdm.tqdm.format_interval((self.total - self.n) / rate) if rate > 0 else "?"
     post = " ".join(f"{k}={v}" for k, v in self._postfix.items())
-    return f"{self.desc} {self.n}/{self.total} ({rate:.3g} step/s, ETA {eta}) {post}".strip()
+    return f"{self.desc} step {self.n}/{self.total} ({rate:.3g} step/s, ETA {eta}) {post}".strip()
 
   def close(self):
     self._bar.close()

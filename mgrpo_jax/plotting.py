@@ -8,6 +8,13 @@ import numpy as np
 from mgrpo_jax import metrics as metrics_lib
 
 
+class UnknownMetricError(KeyError):
+  """A key to plot that no run's metrics hold; the message names the keys that exist."""
+
+  def __str__(self):
+    return str(self.args[0])
+
+
 def _label(workdir: str, taken: set) -> str:
   """The run dir's name; its parent is prepended when two runs share a name."""
   path = os.path.normpath(workdir)
@@ -96,11 +103,16 @@ def plot_curves(workdirs_or_runs, keys: Sequence[str] | None, out_png: str, *,
   import matplotlib.pyplot as plt
 
   runs = load_runs(workdirs_or_runs)
+  known = sorted({k for recs in runs.values() for r in recs for k, v in r.items()
+                  if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)})
   if keys is None:
-    keys = sorted({k for recs in runs.values() for r in recs for k, v in r.items()
-                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)})
+    keys = known
   if not keys:
-    raise ValueError("No metric keys to plot.")
+    raise UnknownMetricError(f"No metric keys to plot: the runs {list(runs)} hold no records.")
+  unknown = [k for k in keys if k not in known]
+  if unknown:
+    raise UnknownMetricError(f"No run holds the key(s) {', '.join(unknown)}; the keys that "
+                             f"exist: {', '.join(known)}.")
   groups = {}
   for label in runs:
     groups.setdefault(_grouper(group_by)(label), []).append(label)

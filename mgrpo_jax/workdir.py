@@ -126,14 +126,14 @@ def write_config(workdir: str, c) -> None:
 def check_resume(workdir: str, c, *, allow_change: bool = False) -> dict[str, tuple]:
   """Refuses to go on with a run whose stored config differs from `c` (see module doc).
 
-  A workdir without `config.json` starts fresh: `c` is saved. Returns the differences
-  (empty when none). Only process 0 reads and writes the file (others return {}).
+  A workdir without `config.json` starts fresh (the program writes `c` there once its
+  start-up checks have passed: a refused start leaves nothing behind). Returns the
+  differences (empty when none). Only process 0 reads and writes the file (others: {}).
   """
   if not distributed.is_primary():
     return {}
   path = os.path.join(workdir, CONFIG_FILE)
   if not os.path.exists(path):
-    write_config(workdir, c)
     return {}
   with open(path) as f:
     changed = differences(json.load(f), _plain(c))

@@ -29,6 +29,8 @@ def _config(**kw):
 
 def test_fresh_workdir_saves_and_reads_back(tmp_path):
   assert workdir.check_resume(str(tmp_path), _config()) == {}
+  assert os.listdir(tmp_path) == []  # The program writes its config once it has started.
+  workdir.write_config(str(tmp_path), _config())
   back = workdir.load_config(str(tmp_path))
   assert back.main_optim.learning_rate == 1e-6 and list(back.alpha) == [0.1, 0.9]
   # The same config again (tuples and lists alike) is no change.
@@ -37,7 +39,7 @@ def test_fresh_workdir_saves_and_reads_back(tmp_path):
 
 
 def test_a_changed_run_is_refused_naming_the_fields(tmp_path):
-  workdir.check_resume(str(tmp_path), _config())
+  workdir.write_config(str(tmp_path), _config())
   changed = _config(seed=3, **{"main_optim.learning_rate": 1e-5})
   with pytest.raises(workdir.ConfigChangeError) as e:
     workdir.check_resume(str(tmp_path), changed)
@@ -47,7 +49,7 @@ def test_a_changed_run_is_refused_naming_the_fields(tmp_path):
 
 
 def test_extending_is_free_and_allowed_changes_are_recorded(tmp_path):
-  workdir.check_resume(str(tmp_path), _config())
+  workdir.write_config(str(tmp_path), _config())
   assert workdir.check_resume(str(tmp_path), _config(num_steps=9, eval_every=3)) == {
       "eval_every": (1, 3), "num_steps": (2, 9)}
   assert workdir.load_config(str(tmp_path)).num_steps == 9

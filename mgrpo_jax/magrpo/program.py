@@ -45,7 +45,8 @@ def warm_start(c, run: step_lib.Run) -> dict:
                                    weight_decay=0.0)
   sft = step_lib.build_agents(c, run.task, run.tokenizer, run.mesh,
                               jax.random.fold_in(jax.random.key(c.seed), 0), optim=oc, loss=lc)
-  progress, m = Progress(ws.num_steps, desc="warm start"), {}
+  logging.info("warm start: %d supervised steps on the task's demonstrations.", ws.num_steps)
+  progress, m = Progress(ws.num_steps, desc="warm start", log_every=c.log_every), {}
   for step in range(ws.num_steps):
     batches = {}
     for i, name in enumerate(sft):
@@ -97,9 +98,7 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict:
     return m
 
   schedule = loop.Schedule(c.num_steps, c.eval_every, c.checkpoint_every, c.log_every)
-  last = loop.train_loop(workdir, run.agents, ckpt, schedule, start=start, update=update,
+  return loop.train_loop(workdir, run.agents, ckpt, schedule, start=start, update=update,
                          evaluate=lambda step: step_lib.evaluate(c, run, step=step),
                          tokenizer=run.tokenizer, desc=f"magrpo:{c.task.name}",
                          show=("train/reward", "eval/accuracy"), first=first)
-  logging.info("MAGRPO run in %s finished at step %d.", workdir, c.num_steps)
-  return last

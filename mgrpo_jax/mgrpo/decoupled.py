@@ -56,6 +56,8 @@ def _setup(c, workdir: str, run, role: str):
   ckpt = ckpt_lib.Checkpointer(delegation.checkpoint_location(run, role),
                               cache_dir=f"{workdir}/checkpoints", max_to_keep=c.max_to_keep)
   start = workdir_lib.restore_agents(ckpt, agents)
+  if not start:
+    workdir_lib.write_config(workdir, c)
   return w, env, agents, ckpt, start
 
 

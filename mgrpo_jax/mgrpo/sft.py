@@ -120,6 +120,8 @@ def train_sft(c: ml_collections.ConfigDict, workdir: str) -> dict:
   checks.check_batch_divides_mesh(sft.batch_size, mesh, "config.sft.batch_size")
   env = tasks.build_env(c)
   setup.check_task(c, w, env)
+  logging.info("sft: the scripted experts solve %d training questions (the warm start's "
+               "traces).", sft.num_questions)
   data = expert_episodes(c, w, env, seed=c.seed)
   corpus = corpus_rows(env) if sft.corpus_weight else []
   # Per agent, the other roles' traces (built once: the list is as long as the data).
@@ -137,6 +139,8 @@ def train_sft(c: ml_collections.ConfigDict, workdir: str) -> dict:
   agents = setup.build_agents(sft_cfg, w, env, mesh, jax.random.key(c.seed))
   ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=1)
   start = workdir_lib.restore_agents(ckpt, agents)
+  if not start:
+    workdir_lib.write_config(workdir, c)
 
   # An agent that plays several roles ('shared') gets batch_size rows of each role per step,
   # as the pair's agents do (drawn from its mixed list it got ~1 main row in 4: issue 32).
