@@ -52,7 +52,7 @@ from mgrpo_jax import tokenizer as tk  # noqa: E402
 from mgrpo_jax.agents import experts, rollout  # noqa: E402
 from mgrpo_jax.envs import retrieval, search, world  # noqa: E402
 from mgrpo_jax.exchange import Exchange  # noqa: E402
-from mgrpo_jax.rl import hierarchy  # noqa: E402
+from mgrpo_jax.mgrpo import hierarchy  # noqa: E402
 
 TOK = tk.ByteTokenizer()
 MRLX_BYTES_PER_TOKEN = 4 + 4 + 1  # int32 id + float32 log-prob + uint8 loss mask.

@@ -1,4 +1,4 @@
-"""The hierarchy ablation on multi-hop research over long pages (PAPERS.md 1.7, issues 18, 32).
+"""The hierarchy ablation on multi-hop research over long pages (algorithm.md 1.7, issues 18, 32).
 
   python benchmarks/hierarchy_sweep.py --size=cpu --instrument   # the cheap figures, ~1 min
   python benchmarks/hierarchy_sweep.py --size=cpu --only=mgrpo,frozen_sub --seeds=4 \
@@ -59,7 +59,8 @@ from mgrpo_jax.agents import experts
 from mgrpo_jax.envs import multihop
 from mgrpo_jax.envs import world as world_lib
 from mgrpo_jax.mgrpo import colocated, play, setup, sft, tasks
-from mgrpo_jax.rl import hierarchy, rewards
+from mgrpo_jax.rl import rewards
+from mgrpo_jax.mgrpo import hierarchy
 
 _SIZE = flags.DEFINE_enum("size", "cpu", ["cpu", "gpu", "smoke"], "Task size (configs/mgrpo.py).")
 _SEEDS = flags.DEFINE_integer("seeds", 0, "Seeds per variant (0: the power analysis's number).")

@@ -44,7 +44,7 @@ def model(preset: str = "tiny") -> ml_collections.ConfigDict:
 
 
 def limits() -> ml_collections.ConfigDict:
-  """Episode limits (PAPERS.md 1.1: 20 turns, 1024 new tokens per turn, 32k context)."""
+  """Episode limits (algorithm.md 1.1: 20 turns, 1024 new tokens per turn, 32k context)."""
   return ml_collections.ConfigDict(dict(
       max_turns=20, max_new_tokens=1024, max_len=32_768, max_delegations=20))
 
@@ -68,7 +68,7 @@ def optimizer(lr: float = 1e-6) -> ml_collections.ConfigDict:
 
 
 def loss() -> ml_collections.ConfigDict:
-  """Clipped surrogate (PAPERS.md 1.5)."""
+  """Clipped surrogate (algorithm.md 1.5)."""
   return ml_collections.ConfigDict(dict(
       kind="clipped",  # "clipped" or "reinforce".
       eps_low=0.2, eps_high=0.28,

@@ -1,4 +1,4 @@
-"""MAGRPO (PAPERS.md 2): cooperative agents trained on one joint reward.
+"""MAGRPO (algorithm.md 2): cooperative agents trained on one joint reward.
 
   python launch/train.py --config=configs/magrpo.py:runlocal --workdir=/tmp/magrpo
   python launch/train.py --config=configs/magrpo.py:task=code,hf_path=/ckpt/qwen3 --workdir=/tmp/c
@@ -39,7 +39,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       num_agents=2,  # pick: agents, and words listed per prompt.
       num_generated=64,  # tldr/article: size of the generated offline corpus.
       workers=4,  # code: sandboxes run in parallel.
-      timeout_per_test_s=10.0,  # code: per assert (PAPERS.md 2.3).
+      timeout_per_test_s=10.0,  # code: per assert (algorithm.md 2.3).
   ))
   # "magrpo": one model per agent; "single": the single-model baseline (one model writes
   # every part, trained with the same group-relative objective).
@@ -52,7 +52,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model.lora.rank = args["lora"]
   c.init = args["init"]  # Workdir whose hf/<agent> weights start the run ("" = c.model).
   c.num_prompts = 4  # P: prompts per step.
-  c.group = args["group"]  # G: samples per agent per node (PAPERS.md 2.1: 4).
+  c.group = args["group"]  # G: samples per agent per node (algorithm.md 2.1: 4).
   c.joint_mode = args["mode"]  # "align" (G joint actions) or "cross" (G^N).
   c.num_turns = args["turns"]
   c.gamma = 0.9  # Return = r_t + gamma * mean(children's returns).

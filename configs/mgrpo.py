@@ -1,4 +1,4 @@
-"""M-GRPO and its ablations (PAPERS.md 1): colocated training of a main agent and a sub-agent.
+"""M-GRPO and its ablations (algorithm.md 1): colocated training of a main agent and a sub-agent.
 
   python launch/train.py --config=configs/mgrpo.py:runlocal --workdir=/tmp/mgrpo
   python launch/train.py --config=configs/mgrpo.py:smoke,variant=single --workdir=/tmp/s
@@ -60,7 +60,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # mgrpo: both trained; frozen_sub: only main trained; single: one agent with every tool;
   # shared: one set of weights plays both roles.
   # unaligned: mgrpo with the sub-agent trained on each rollout's own calls, none duplicated or
-  # dropped (PAPERS.md 1.4 off: rollouts weigh by their number of calls).
+  # dropped (algorithm.md 1.4 off: rollouts weigh by their number of calls).
   c.variant = args["variant"]
   c.policy = args["policy"]  # "model", or "expert": evaluate the scripted experts.
   c.expert_think = True  # Scripted experts write a short <think> before each action.
@@ -203,7 +203,7 @@ def _multihop(c, size: str, full_context: bool = False):
   `limits.max_len` holds a search and one page (the sub-agent's episode, or a single agent's
   on a one-page question) but not two pages, while the main agent's plan and short results
   take a fraction of it; so a single agent that visits pages overflows at its second one.
-  Every variant has the same limits (PAPERS.md 1.1: one context size for every agent
+  Every variant has the same limits (algorithm.md 1.1: one context size for every agent
   episode); tests/envs/test_multihop.py checks both sides of the budget with the experts.
   Sizes: "gpu" (pages of about 2-3k tokens of the byte+world tokenizer, max_len 4096; one
   H100/H200, Qwen3-0.6B preset), "cpu" (the same shape at about 1/16: pages of 75-160 tokens,

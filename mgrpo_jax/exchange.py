@@ -1,4 +1,4 @@
-"""The exchange: the only channel between role programs (DESIGN.md layer 6, PAPERS.md 1.6).
+"""The exchange: the only channel between role programs (architecture.md, algorithm.md 1.6).
 
 Small JSON records live in a tensorstore `KvStore`, numeric statistics (such as
 `R_M[Q,K]`) in zarr arrays beside them. The same code runs on `memory://` (one

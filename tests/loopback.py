@@ -12,7 +12,7 @@ from mgrpo_jax.agents import rollout
 from mgrpo_jax.exchange import Exchange, ExchangeError
 from mgrpo_jax.mgrpo.delegation import (EXCHANGE_DIR, ExchangeSubAgent, get_outcome,
                                         publish_outcome, serve_wave)
-from mgrpo_jax.rl import hierarchy
+from mgrpo_jax.mgrpo import hierarchy
 
 
 def memory_exchange() -> Exchange:

@@ -12,7 +12,7 @@ from mgrpo_jax import tokenizer as tk
 from mgrpo_jax.agents import experts, rollout
 from mgrpo_jax.envs import retrieval, search, world
 from mgrpo_jax.exchange import Exchange
-from mgrpo_jax.rl import hierarchy
+from mgrpo_jax.mgrpo import hierarchy
 
 TOK = tk.ByteTokenizer()
 LIMITS = rollout.Limits(max_turns=6, max_new_tokens=160, max_len=4096, max_delegations=4)

@@ -131,7 +131,7 @@ def test_no_private_name_from_another_module():
   assert not bad, "\n".join(bad)
 
 
-# The thin programs of DESIGN.md 7 (each wrapped by a launch/ binary): none imports another.
+# The thin programs (docs/architecture.md), each wrapped by a launch/ binary: none imports another.
 PROGRAMS = ("mgrpo_jax.mgrpo.colocated", "mgrpo_jax.mgrpo.decoupled", "mgrpo_jax.mgrpo.sft",
             "mgrpo_jax.evaluate",
             "mgrpo_jax.magrpo.program", "mgrpo_jax.hf_demo")

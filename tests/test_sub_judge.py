@@ -1,4 +1,4 @@
-"""beta[2] > 0: the sub-agent's r_expert from a judge (PAPERS.md 1.2), rule or callable."""
+"""beta[2] > 0: the sub-agent's r_expert from a judge (algorithm.md 1.2), rule or callable."""
 
 import jax
 import numpy as np

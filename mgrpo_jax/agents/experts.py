@@ -7,7 +7,7 @@ wrong main agent, as with a real one. A comparison (`envs.multihop`) is two chai
 started from its named entity, and its answer compares their last results. `SubExpert`
 parses its subquestion, searches for the entity, visits the hit titled with that name and
 reads the answer out of the document text with the world's fact-sentence patterns.
-`SingleExpert`, the single-agent baseline (PAPERS.md 1.7), does both jobs itself: it walks
+`SingleExpert`, the single-agent baseline (algorithm.md 1.7), does both jobs itself: it walks
 the hop chain (or both chains) with search, visit and the sub-agent's reading, and answers. All are stateless: every call gets the task and the tool
 replies seen so far, and returns the next turn's text (`protocol.render_action`), so an
 engine can interleave many episodes. With `noise` > 0 each decision is, with that
@@ -328,7 +328,7 @@ def _chain(question: world_lib.Question | str) -> tuple[str, list[tuple[str, str
 
 @dataclasses.dataclass(frozen=True)
 class SingleExpert:
-  """One agent with every tool (PAPERS.md 1.7): per hop a search, a visit and a read; then answer.
+  """One agent with every tool (algorithm.md 1.7): per hop a search, a visit, a read; then answer.
 
   For each hop of the chain it searches the hop's entity, visits the hit titled with it and
   reads the hop's attribute off the page as `SubExpert` does; the value read is the next

@@ -1,7 +1,7 @@
 """The M-GRPO agent protocol: turn grammar, strict parsing, r_format validation and rendering.
 
-Three roles speak it. "main" (M) and "sub" (S) are the two agents of M-GRPO (PAPERS.md 1.1);
-"single" is the single-agent GRPO baseline (PAPERS.md 1.7): one agent with every tool itself.
+Three roles speak it. "main" (M) and "sub" (S) are the two agents of M-GRPO (algorithm.md 1.1);
+"single" is the single-agent GRPO baseline (algorithm.md 1.7): one agent with every tool itself.
 
 Turn grammar. A turn is the text an agent generates for one assistant message:
 
@@ -31,7 +31,7 @@ S's result. "answer" (M and single) and "result" (S) are final: they end the epi
 Generation stops at the closing action tags or the end of turn (`stop_strings`,
 `stop_token_ids`); every tag is a single token in both tokenizers (tokenizer.PROTOCOL_TAGS).
 
-r_format (PAPERS.md 1.2) is 1 iff every turn parses, the episode ends with the role's final
+r_format (algorithm.md 1.2) is 1 iff every turn parses, the episode ends with the role's final
 action, no turn follows it, and it does so within `max_turns` turns (`EpisodeValidator`).
 
 Building sequences. A live rollout is the generation prompt, then for each turn the generated

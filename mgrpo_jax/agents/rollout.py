@@ -7,7 +7,7 @@ ends its episode as a format failure), runs all tool calls of the turn as one ba
 extends in place (prefix KV reuse). For the main agent, the tool is the sub-agent:
 every delegation issued in a turn runs as one batch of sub-agent episodes through a
 `SubAgentService`, the interface that the exchange implements for decoupled training.
-The single-agent baseline (PAPERS.md 1.7) calls search, visit and python itself
+The single-agent baseline (algorithm.md 1.7) calls search, visit and python itself
 (`rollout_single`).
 
 Sequences are built from tokens, never by re-rendering a conversation: the generation
@@ -32,7 +32,7 @@ from mgrpo_jax.agents import protocol
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-  """Episode limits (PAPERS.md 1.1; the reference used 20 turns, 1024 tokens, 32k context)."""
+  """Episode limits (algorithm.md 1.1the reference used 20 turns, 1024 tokens, 32k context)."""
 
   max_turns: int = 20
   max_new_tokens: int = 1024  # Per turn.
@@ -434,7 +434,7 @@ def rollout_main(policy: TurnPolicy, service: SubAgentService, questions: Sequen
 def rollout_single(policy: TurnPolicy, questions: Sequence[Any], *, num_rollouts: int,
                    tokenizer: tk.Tokenizer, limits: Limits, key: jax.Array, tools: dict,
                    step: int = 0, system_prompt: bool = True) -> list[Episode]:
-  """Q questions x K rollouts of the single agent, which has every tool itself (PAPERS.md 1.7).
+  """Q questions x K rollouts of the single agent, which has every tool itself (algorithm.md 1.7).
 
   `tools` maps action names to tools: `envs.search.local_tools(index)`, plus
   {"python": PythonTool()} for the reasoning tool; each turn's calls run in order, and an

@@ -1,6 +1,6 @@
 """MAGRPO's code collaboration on HumanEval: a helper writes `aux`, the main agent the entry point.
 
-The joint reward is the paper's (PAPERS.md 2.3, max 4.0), scored level by level:
+The joint reward is the paper's (algorithm.md 2.3, max 4.0), scored level by level:
   1. structure: aux defined with a return +0.4 (optional); main defined with a return +0.6
      (required, else stop);
   2. syntax: aux + main, with the prompt's imports, compile: +0.5, else stop;

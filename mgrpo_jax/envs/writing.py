@@ -1,7 +1,7 @@
 """MAGRPO's writing tasks: TLDR summarisation and article expansion, with their joint rewards.
 
 Two agents write in parallel from the same source (a Reddit post, or a paper abstract) and
-one level-gated joint reward scores the pair (PAPERS.md 2.3). Levels: (1) word counts,
+one level-gated joint reward scores the pair (algorithm.md 2.3). Levels: (1) word counts,
 (2) character-length ratio, (3) unique-word ratio, (4) style = 0.4·T (transition-word
 categories) + 0.6·J (content-word Jaccard, normalised by a cap). A level that fails stops
 scoring: later levels give 0 and earlier ones keep what they earned.
@@ -20,7 +20,7 @@ fired inside "butter"; ours matches whole words):
   "," or "." between two words breaks a phrase), longest phrase first, without overlap:
   "as a result of" is a cause, not also an effect. Each phrase has exactly one category.
 - Article transitions are counted over both texts (the union of their categories).
-- Range ends are inclusive as PAPERS.md writes them; a ratio exactly at the outer end (ρ = 1.1
+- Range ends are inclusive as algorithm.md writes them; a ratio exactly at the outer end (ρ = 1.1
   or 5.0, u = 1.3) passes the level with 0 points, so later levels still score. Partial
   scores are clamped to their range to absorb float round-off at the ends.
 - `level` counts the levels passed: 0, 1, 2, or 4 (level 4 cannot fail once reached).
@@ -219,7 +219,7 @@ def _measure(spec: _Spec, c1: str, c2: str) -> _Measures:
 
 @dataclasses.dataclass(frozen=True)
 class WritingReward:
-  """The joint reward of one pair of texts and its parts (PAPERS.md 2.3)."""
+  """The joint reward of one pair of texts and its parts (algorithm.md 2.3)."""
 
   total: float  # 0..3.
   structure: float  # Levels 1-3, max 2.

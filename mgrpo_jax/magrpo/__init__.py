@@ -1,1 +1,1 @@
-"""MAGRPO (PAPERS.md 2): cooperative tasks, the joint rollout tree, the step and the program."""
+"""MAGRPO (algorithm.md 2): cooperative tasks, the joint rollout tree, the step and the program."""

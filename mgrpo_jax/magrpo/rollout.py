@@ -4,7 +4,7 @@ Turn t starts from P * J^t nodes (a node is one prompt plus the history of the j
 actions that led to it). Every agent completes G samples per node in one batched
 `generate` call, the joint actions of each node are scored together, and each joint action
 becomes a node of turn t + 1 with the environment's feedback appended to every agent's
-chat (PAPERS.md 2.2). Orders follow `rl.joint`: samples `node * G + g`, joint actions
+chat (algorithm.md 2.2). Orders follow `rl.joint`: samples `node * G + g`, joint actions
 `node * J + j`.
 """
 

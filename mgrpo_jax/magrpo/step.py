@@ -1,4 +1,4 @@
-"""One MAGRPO step (PAPERS.md 2): the joint rollout tree, joint rewards, per-agent batches.
+"""One MAGRPO step (algorithm.md 2): the joint rollout tree, joint rewards, per-agent batches.
 
 Each agent is its own model with its own optimizer (float32 master weights) and jitted
 update; rollouts, joint rewards, tree returns and advantages are shared. The objective is

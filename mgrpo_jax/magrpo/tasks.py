@@ -45,7 +45,7 @@ class Task:
   success: str
   demonstration: Callable | None = None
   # The single-model baseline: one prompt asking for every part, and its answer cut into the
-  # N agents' outputs (PAPERS.md 2.3 baselines).
+  # N agents' outputs (algorithm.md 2.3 baselines).
   single_prompt: Callable[[Any], str] | None = None
   split_single: Callable[[str], Sequence[str]] | None = None
 

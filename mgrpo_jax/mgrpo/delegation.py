@@ -3,7 +3,7 @@
 The main agent and the sub-agent as separate programs share only an Exchange
 (`decoupled.py` runs them); this module is what they say to each other.
 
-What crosses (PAPERS.md 1.6): delegation requests and their results (text, ids, the
+What crosses (algorithm.md 1.6): delegation requests and their results (text, ids, the
 sub-agent's policy version), one `wave` record per main-agent turn listing that turn's
 requests, the per-rollout outcomes R_M[Q, K] and correct[Q, K] as arrays, and step
 markers. The sub-agent keeps its own episodes.
@@ -28,7 +28,7 @@ import numpy as np
 
 from mgrpo_jax.agents import rollout
 from mgrpo_jax.exchange import Exchange, kvstore_spec
-from mgrpo_jax.rl import hierarchy
+from mgrpo_jax.mgrpo import hierarchy
 
 EXCHANGE_DIR = "exchange"  # The exchange's namespace inside a run location.
 EVAL_STEP_BASE = 10_000_000  # Exchange step ids of evaluation rollouts: base + step.

@@ -14,7 +14,7 @@ from mgrpo_jax.config_checks import ConfigValueError
 from mgrpo_jax.envs import qa
 from mgrpo_jax.mgrpo.tasks import Env, eval_questions
 from mgrpo_jax.mgrpo.setup import Wiring
-from mgrpo_jax.rl import hierarchy
+from mgrpo_jax.mgrpo import hierarchy
 
 
 def limits(c) -> rollout.Limits:

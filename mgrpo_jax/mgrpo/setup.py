@@ -32,7 +32,7 @@ class Wiring:
   agent_of: Mapping[str, str]  # Role -> the agent whose weights play it.
   trained: tuple[str, ...]  # Agents whose update runs.
   merge: bool  # One update on both roles' rows (one agent plays both).
-  # Sub-agent rows: "sample" (trajectory alignment, PAPERS.md 1.4: D per rollout, drawn) or
+  # Sub-agent rows: "sample" (trajectory alignment, algorithm.md 1.4: D per rollout, drawn) or
   # "pad" (each rollout's calls once, none duplicated or dropped; padding rows masked).
   align: str = "sample"
 
@@ -156,7 +156,7 @@ def build_agents(c, w: Wiring, env: Env, mesh, key, *, only: str | None = None) 
 
 
 def expert_scorer(c) -> Callable | None:
-  """r_expert of a sub-agent episode (PAPERS.md 1.2's beta3), or None while beta[2] = 0.
+  """r_expert of a sub-agent episode (algorithm.md 1.2's beta3), or None while beta[2] = 0.
 
   `config.sub_judge`: "grounded" (`rewards.GroundedJudge`: is the result read from the tool
   replies the sub-agent received?) or "module:callable", any judge (an LLM's) called with

@@ -17,7 +17,8 @@ from mgrpo_jax.mgrpo.tasks import Env
 from mgrpo_jax.mgrpo.play import episode_metrics
 from mgrpo_jax.mgrpo import setup
 from mgrpo_jax.mgrpo.setup import Wiring
-from mgrpo_jax.rl import advantages, hierarchy
+from mgrpo_jax.rl import advantages
+from mgrpo_jax.mgrpo import hierarchy
 from mgrpo_jax.rl import batch as batch_lib
 
 MIN_LENGTH = 128  # Shortest batch length: episodes are a few hundred tokens, so one shape.

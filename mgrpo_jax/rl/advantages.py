@@ -1,4 +1,4 @@
-"""Group-relative advantages (PAPERS.md 1.3 and 2.1), hierarchical over [Q, ...] groups.
+"""Group-relative advantages (algorithm.md 1.3, 2.1), hierarchical over [Q, ...] groups.
 
 The same function serves every level: main-agent rewards R_M[Q, K] are normalised over the
 K rollouts of each query; aligned sub-agent rewards R_S[Q, K, D] over the K·D rows of each

@@ -1,4 +1,4 @@
-"""Trajectory alignment (PAPERS.md 1.4): d_k sub-agent episodes per rollout -> a fixed D.
+"""Trajectory alignment (algorithm.md 1.4): d_k sub-agent episodes per rollout -> a fixed D.
 
 Rollout (q, k) of the main agent called the sub-agent d_k = counts[q, k] times. Alignment
 picks exactly D slots per rollout so the sub-agent batch is a static [Q, K, D] array and its

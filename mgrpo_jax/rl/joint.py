@@ -1,4 +1,4 @@
-"""MAGRPO's joint actions, tree returns and per-agent advantages (PAPERS.md 2.1-2.2).
+"""MAGRPO's joint actions, tree returns and per-agent advantages (algorithm.md 2.1, 2.2).
 
 At every node of a rollout tree each of the N agents draws G completions. A *joint action*
 picks one completion per agent: `align` pairs the g-th completion of every agent (J = G

@@ -1,4 +1,4 @@
-"""Policy-gradient losses (PAPERS.md 1.5 and 2.1) with exactly accumulable aggregation.
+"""Policy-gradient losses (algorithm.md 1.5, 2.1) with exactly accumulable aggregation.
 
 Every loss is built as (numerator, denominator, metric sums): a microbatched train step sums
 numerators, denominators and metric sums over microbatches (`accumulate_metric_sums`) and
@@ -394,7 +394,7 @@ def policy_loss(
     sampler_logp=None,
     tis_cap=None,
 ):
-  """Clipped-surrogate policy loss for both agents (PAPERS.md 1.5) -> (loss, metrics).
+  """Clipped-surrogate policy loss for both agents (algorithm.md 1.5) -> (loss, metrics).
 
   Args:
     logp, old_logp: [B, T] log-probs of the sampled tokens under the current and the
@@ -452,7 +452,7 @@ def reinforce_terms(logp, adv, mask, *, agg="seq-mean-token-sum", seq_tokens=Non
 
 
 def reinforce_loss(logp, adv, mask, *, agg="seq-mean-token-sum"):
-  """REINFORCE for MAGRPO (PAPERS.md 2.1): mean over sequences of −A·Σ_t log π.
+  """REINFORCE for MAGRPO (algorithm.md 2.1): mean over sequences of −A·Σ_t log π.
 
   No ratio, clip or KL (the paper era); the clipped surrogate is `policy_loss`. The
   default aggregation sums over a sequence's tokens and averages over sequences.

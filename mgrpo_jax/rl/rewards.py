@@ -1,4 +1,4 @@
-"""Rewards for M-GRPO (PAPERS.md 1.2): answer matching, pluggable judges, R_M and R_S.
+"""Rewards for M-GRPO (algorithm.md 1.2): answer matching, pluggable judges, R_M and R_S.
 
 The string functions run on the host (rewards are computed once per episode, outside any
 jitted step). `main_reward` and `sub_reward` are plain arithmetic, so they accept Python

@@ -43,7 +43,7 @@ class TrainState:
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-  """Static choice of objective (PAPERS.md 1.5 and 2.1)."""
+  """Static choice of objective (algorithm.md 1.5, 2.1)."""
 
   kind: str = "clipped"  # "clipped" (M-GRPO, PPO-style) or "reinforce" (MAGRPO paper era)
   eps_low: float = 0.2

@@ -8,7 +8,7 @@ import pytest
 
 from mgrpo_jax.mgrpo import step as mgrpo_step
 from mgrpo_jax.rl import batch as batch_lib
-from mgrpo_jax.rl import hierarchy
+from mgrpo_jax.mgrpo import hierarchy
 
 
 @dataclasses.dataclass(eq=False)

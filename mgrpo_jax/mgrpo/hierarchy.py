@@ -1,4 +1,4 @@
-"""From episode records to M-GRPO's rewards and aligned rows (PAPERS.md 1.2-1.4).
+"""From episode records to M-GRPO's rewards and aligned rows (algorithm.md 1.2, 1.4).
 
 The glue between the rollout engine's episode records and the pure maths of
 `rewards` and `alignment`:
@@ -69,7 +69,7 @@ class AlignedSub:
   rewards_QxKxD: np.ndarray
   valid_QxKxD: np.ndarray
   stats: dict
-  counts_QxK: np.ndarray  # Sub-agent calls per main rollout (d in PAPERS.md 1.4).
+  counts_QxK: np.ndarray  # Sub-agent calls per main rollout (d in algorithm.md 1.4).
   index_QxKxD: np.ndarray  # Which of the source rollout's calls fills each row.
   src_k_QxKxD: np.ndarray  # The source rollout (= k unless borrowing).
 
@@ -115,7 +115,7 @@ def pad_sub(sub_episodes: Sequence[Any], sub_rewards_N: np.ndarray, q: int, k: i
 
 def align_sub(sub_episodes: Sequence[Any], sub_rewards_N: np.ndarray, q: int, k: int, d: int,
               key: jax.Array, *, on_empty: str = "mask") -> AlignedSub:
-  """Trajectory alignment: each rollout's D rows drawn from its own calls (PAPERS.md 1.4)."""
+  """Trajectory alignment: each rollout's D rows drawn from its own calls (algorithm.md 1.4)."""
   calls, counts = _calls(sub_episodes, sub_rewards_N, q, k)
   if on_empty == "borrow":
     src_k, index, valid = alignment.align_borrow(jnp.asarray(counts), d, key)
