@@ -38,6 +38,7 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import contextlib  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 
@@ -46,7 +47,7 @@ import jax.numpy as jnp  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from mgrpo_jax import models, sampling, sharding  # noqa: E402
-from mgrpo_jax.models import lora, qwen3  # noqa: E402
+from mgrpo_jax.models import decode, lora, qwen3  # noqa: E402
 from mgrpo_jax.rl import train_step as ts  # noqa: E402
 
 _CASES = flags.DEFINE_list("cases", ["update", "decode", "scaling"],
@@ -215,14 +216,16 @@ def decode_case(preset: str, rows: int = 64, reached: int = 1024,
   cfg = models.get_preset(preset, param_dtype="bfloat16", compute_dtype="bfloat16")
   capacity = sampling.cache_len(reached, max_len)
   s = jax.ShapeDtypeStruct
-  cache = jax.eval_shape(lambda: qwen3.init_cache(cfg, rows, capacity))
-  params = qwen3.abstract_params(cfg)
+  cache = jax.eval_shape(lambda: sampling.init_cache(cfg, rows, capacity))
+  stacked = qwen3.abstract_params(cfg)
+  # The sampler's own weights (per layer, compute dtype), as `sampling.decode_params` makes them.
+  params = jax.eval_shape(functools.partial(sampling.decode_params, cfg), stacked)
   mesh = None
   if mesh_axes is not None:
     mesh, _ = _mesh(mesh_axes)
-    params = _abstract(params, sharding.param_shardings(params, mesh))
-    cache = _abstract(cache, jax.tree.map(
-        lambda _: sharding.cache_sharding(mesh, cfg.num_kv_heads), cache))
+    params = _abstract(params, decode.shardings(cfg, sharding.param_shardings(stacked, mesh)))
+    cache = _abstract(cache, decode.cache_shardings(
+        cfg, sharding.cache_sharding(mesh, cfg.num_kv_heads)))
   row = lambda shape, dt: s(shape, dt, sharding=None if mesh is None else
                             sharding.batch_sharding(mesh, len(shape)))
   routes = jax.eval_shape(lambda: sampling.init_routes(cfg, rows, capacity))

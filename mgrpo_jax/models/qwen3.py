@@ -159,7 +159,14 @@ def _write_rows(cache_BxKxSxH, new_BxKxTxH, start_B, axis: int = 2):
     rows, heads = jnp.arange(b)[:, None], jnp.arange(k)[None, :]
     at = ((rows, heads, start_B[:, None]) if axis == 2 else
           (rows, heads, slice(None), start_B[:, None]))
-    return cache_BxKxSxH.at[at].set(jnp.take(new_BxKxTxH, 0, axis=axis), mode="drop")
+    new = jnp.take(new_BxKxTxH, 0, axis=axis).astype(cache_BxKxSxH.dtype)
+    if cache_BxKxSxH.dtype.itemsize != 2:
+      return cache_BxKxSxH.at[at].set(new, mode="drop")
+    # A 16-bit float cache is scattered as its bits: XLA:CPU scatters bf16 by converting
+    # the whole cache to float32 and back (GBs of temporaries); integers it does in place.
+    bits = lambda x, dt: jax.lax.bitcast_convert_type(x, dt)
+    out = bits(cache_BxKxSxH, jnp.uint16).at[at].set(bits(new, jnp.uint16), mode="drop")
+    return bits(out, cache_BxKxSxH.dtype)
 
   def row(c_KxSxH, n_KxTxH, p):
     at = jnp.minimum(p, s - t)
