@@ -365,8 +365,8 @@ def _dedupe(prompts: Sequence[Sequence[int]]) -> tuple[list[list[int]], list[int
   return [list(p) for p in first], idx
 
 
-def prefill(config: Qwen3Config, params: nnx.State | DecodeParams, prompts: Sequence[Sequence[int]], *,
-            max_len: int, pad_id: int = 0) -> Sequences:
+def prefill(config: Qwen3Config, params: nnx.State | DecodeParams,
+            prompts: Sequence[Sequence[int]], *, max_len: int, pad_id: int = 0) -> Sequences:
   """Runs the prompts through the model into a fresh cache of `cache_len` slots per row.
 
   Rows may later grow to `max_len` tokens. Identical prompts are run once and their
@@ -453,11 +453,11 @@ def _stop_string_end(ids: list[int], stop_strings: Sequence[str], tokenizer) -> 
   return lo
 
 
-def sample(config: Qwen3Config, params: nnx.State | DecodeParams, seqs: Sequences, *, num_rows: int | None = None,
-           max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-           stop_token_ids: Sequence[int] = (), stop_strings: Sequence[str] = (),
-           tokenizer=None, key: jax.Array | None = None, pad_id: int = 0,
-           chunk: int = 64, active: Sequence[bool] | None = None,
+def sample(config: Qwen3Config, params: nnx.State | DecodeParams, seqs: Sequences, *,
+           num_rows: int | None = None, max_new_tokens: int, temperature: float = 1.0,
+           top_p: float = 1.0, top_k: int = 0, stop_token_ids: Sequence[int] = (),
+           stop_strings: Sequence[str] = (), tokenizer=None, key: jax.Array | None = None,
+           pad_id: int = 0, chunk: int = 64, active: Sequence[bool] | None = None,
            row_ids: Sequence[int] | None = None) -> SampleResult:
   """Decodes from live `seqs` until each row stops; see module docstring.
 
@@ -571,7 +571,8 @@ def _apply_stop_strings(state: _LoopState, stop_strings, tokenizer, start_length
                            np.arange(tokens.shape[1])[None] < n[:, None], tokens, pad_id)))
 
 
-def generate(config: Qwen3Config, params: nnx.State | DecodeParams, prompts: Sequence[Sequence[int]], *,
+def generate(config: Qwen3Config, params: nnx.State | DecodeParams,
+             prompts: Sequence[Sequence[int]], *,
              max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
              stop_token_ids: Sequence[int] = (), key: jax.Array | None = None,
              stop_strings: Sequence[str] = (), tokenizer=None, pad_id: int = 0,

@@ -251,10 +251,14 @@ class Attention(nnx.Module):
                            q_seg_BxT=segment_ids_BxT, kv_seg_BxS=segment_ids_BxT,
                            impl=cfg.attention, cached=cache_kv is not None,
                            block=cfg.attention_block, decode_splits=cfg.decode_splits)
-    # Heads to the minor axes, then one [B*T, N*H] x [N*H, D] matmul: the weight is read as
-    # it is stored (contracting (k, g, h) in place made XLA:GPU transpose it every step).
-    out_BxTxNH = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, -1)
-    y = out_BxTxNH @ self.o[...].astype(dt).reshape(-1, cfg.hidden_size)
+    if cache_kv is not None and cache_kv[2] is None:
+      # Sampler: heads to the minor axes, then one [B*T, N*H] x [N*H, D] matmul, the weight
+      # read as stored (contracting (k, g, h) in place made XLA:GPU transpose it every step).
+      out_BxTxNH = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, -1)
+      y = out_BxTxNH @ self.o[...].astype(dt).reshape(-1, cfg.hidden_size)
+    else:
+      o = self.o[...].astype(dt).reshape(kv, g, cfg.head_dim, -1)
+      y = jnp.einsum("bkgth,kghd->btd", out, o)
     return _adapted(self, "o", y, out, "bkgth,kghr->btr", "btr,rd->btd",
                     a_shape=(kv, g, cfg.head_dim, -1)), new_cache
 
