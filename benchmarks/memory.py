@@ -38,6 +38,7 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import contextlib  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 
@@ -46,7 +47,7 @@ import jax.numpy as jnp  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from mgrpo_jax import models, sampling, sharding  # noqa: E402
-from mgrpo_jax.models import lora, qwen3  # noqa: E402
+from mgrpo_jax.models import decode, lora, qwen3  # noqa: E402
 from mgrpo_jax.rl import train_step as ts  # noqa: E402
 from mgrpo_jax.rl.batch import Batch  # noqa: E402
 
@@ -216,7 +217,8 @@ def scaling_case(preset: str, length: int, rows: int = 4) -> dict:
 
 def decode_case(preset: str, rows: int = 64, reached: int = 1024,
                 max_len: int = 32768, mesh_axes: dict | None = None, *,
-                param_dtype: str = "bfloat16", device_list=None, return_compiled: bool = False):
+                param_dtype: str = "bfloat16", device_list=None, return_compiled: bool = False,
+                model_overrides: dict | None = None):
   """The sampler's real decode loop (`sampling._decode_chunk`) for `rows` rows whose traces
   reached `reached` tokens, with `max_len` configured: the cache is what the sampler holds
   (`sampling.cache_len`), not `max_len` slots per row. With `mesh_axes`, params, cache and
@@ -224,20 +226,24 @@ def decode_case(preset: str, rows: int = 64, reached: int = 1024,
   `param_dtype`: the weights the sampler decodes from (bf16 compute either way).
   `device_list`: the devices to compile for (default `jax.devices()`; given, even one device
   gets a mesh), with the compiler options the sampler sets on their platform.
-  `return_compiled`: returns (stats, the compiled loop)."""
-  cfg = models.get_preset(preset, param_dtype=param_dtype, compute_dtype="bfloat16")
+  `return_compiled`: returns (stats, the compiled loop). `model_overrides`: Qwen3Config
+  fields changed from the preset's (e.g. fewer layers)."""
+  cfg = models.get_preset(preset, param_dtype=param_dtype, compute_dtype="bfloat16",
+                          **(model_overrides or {}))
   capacity = sampling.cache_len(reached, max_len)
   s = jax.ShapeDtypeStruct
-  cache = jax.eval_shape(lambda: qwen3.init_cache(cfg, rows, capacity))
-  params = qwen3.abstract_params(cfg)
+  cache = jax.eval_shape(lambda: sampling.init_cache(cfg, rows, capacity))
+  stacked = qwen3.abstract_params(cfg)
+  # The sampler's own weights (per layer, compute dtype), as `sampling.decode_params` makes them.
+  params = jax.eval_shape(functools.partial(sampling.decode_params, cfg), stacked)
   mesh = None
   if mesh_axes is None and device_list is not None:
     mesh_axes = dict(data=1, fsdp=1, tensor=1)
   if mesh_axes is not None:
     mesh, _ = _mesh(mesh_axes, device_list)
-    params = _abstract(params, sharding.param_shardings(params, mesh))
-    cache = _abstract(cache, jax.tree.map(
-        lambda _: sharding.cache_sharding(mesh, cfg.num_kv_heads), cache))
+    params = _abstract(params, decode.shardings(cfg, sharding.param_shardings(stacked, mesh)))
+    cache = _abstract(cache, decode.cache_shardings(
+        cfg, sharding.cache_sharding(mesh, cfg.num_kv_heads)))
   row = lambda shape, dt: s(shape, dt, sharding=None if mesh is None else
                             sharding.batch_sharding(mesh, len(shape)))
   routes = jax.eval_shape(lambda: sampling.init_routes(cfg, rows, capacity))

@@ -573,7 +573,7 @@ def decode_step_stats(text: str, config, rows: int, capacity: int, *,
   loop = module.outer_loop()
   summary = loop_summary(module, loop, config.num_layers)
   weights = qwen3.abstract_params(config) if weights is None else weights
-  cache = jax.eval_shape(lambda: qwen3.init_cache(config, rows, capacity))
+  cache = jax.eval_shape(lambda: sampling.init_cache(config, rows, capacity))
   must_read = config.num_params() * 2 + sampling.kv_cache_bytes(config, rows, capacity)
   targets = copy_targets(named_arrays(weights) | named_arrays(cache), config.num_layers)
   found = copies(module, loop, targets)

@@ -12,6 +12,11 @@ group's K rollouts) are prefilled once and their cache rows copied. With
 `kv_cache_budget_bytes`, `generate` admits the rows in waves whose cache fits the budget;
 the others wait for the running wave to finish, and none is dropped.
 
+Layout: the sampler runs on its own copy of the weights (`decode_params`: one array per
+layer, in the compute dtype, made once per policy version) and a cache of one array per
+layer (`init_cache`), with the layers unrolled (`models/decode.py`); every public function
+takes either these or the training parameters (converted on each call).
+
 Compilation: one compile per (batch bucket, prompt bucket, cache length, window) shape.
 Temperature, top-p, top-k, stop ids and the PRNG key are traced, so changing them never
 recompiles. Token j of row r is drawn with fold_in(fold_in(key, row_id), j), so a row's
@@ -37,8 +42,8 @@ from flax import nnx
 
 from mgrpo_jax import xla_options
 from mgrpo_jax.distributed import fetch
+from mgrpo_jax.models import decode
 from mgrpo_jax.models import moe
-from mgrpo_jax.models import qwen3
 from mgrpo_jax.models.config import Qwen3Config
 
 # Finish reasons.
@@ -53,7 +58,7 @@ MIN_CACHE_LEN = 64  # Smallest cache bucket: short rows cost few grows and few c
 class Sequences:
   """Live rows: their cache, how many tokens each holds, and the next-token logits."""
 
-  cache: qwen3.KVCache  # `capacity` slots per row, grown by need up to max_len.
+  cache: decode.LayerCache  # `capacity` slots per row, grown by need up to max_len.
   lengths_B: jax.Array  # Tokens in the cache per row.
   next_logits_BxV: jax.Array  # Float32 logits for the token after the last one.
   max_len: int = flax.struct.field(pytree_node=False)  # Context limit of every row.
@@ -109,6 +114,16 @@ def _record(experts_BxSxLxK, routing, positions_BxT):
   new = jnp.transpose(routing.experts_LxBxTxK, (1, 2, 0, 3)).astype(experts_BxSxLxK.dtype)
   rows = jnp.arange(new.shape[0])[:, None]
   return experts_BxSxLxK.at[rows, positions_BxT].set(new, mode="drop")
+
+
+DecodeParams = decode.DecodeParams
+init_cache = decode.init_cache
+
+
+def decode_params(config: Qwen3Config, params) -> DecodeParams:
+  """The sampler's weights (`models.decode.decode_params`, jitted); made once per policy
+  version and passed to every call, they spare each call its own conversion."""
+  return params if isinstance(params, DecodeParams) else decode.decode_params(config, params)
 
 
 def cache_len(n: int, max_len: int) -> int:
@@ -200,9 +215,8 @@ def _prefill(config, params, tokens_BxT, lengths_B, offsets_B, cache, window, ex
   b, t = tokens_BxT.shape
   positions = offsets_B[:, None] + jnp.arange(t)[None, :]
   last = jnp.maximum(lengths_B - 1, 0)
-  logits, cache, routing = qwen3.forward(config, params, tokens_BxT, positions, cache,
-                                         logits_idx_B=last, attn_window=window,
-                                         return_routing=True)
+  logits, cache, routing = decode.forward(config, params, tokens_BxT, positions, cache,
+                                          logits_idx_B=last, attn_window=window)
   return cache, logits[:, 0], _record(experts, routing, positions)
 
 
@@ -255,8 +269,8 @@ def _decode_chunk(config, params, state: _LoopState, sp: _SamplingParams, steps,
     # Stopped rows write nowhere (slot `capacity` is dropped): their cache may hold real
     # tokens beyond this chunk's window.
     pos = jnp.where(running, seqs.lengths_B, capacity)[:, None]
-    logits, cache, routing = qwen3.forward(config, params, token[:, None], pos, seqs.cache,
-                                           attn_window=window, return_routing=True)
+    logits, cache, routing = decode.forward(config, params, token[:, None], pos, seqs.cache,
+                                            attn_window=window)
     n = st.n_B + running
     lengths = seqs.lengths_B + running
     is_stop = jnp.any(token[:, None] == sp.stop_ids[None, :], axis=-1)
@@ -285,11 +299,13 @@ def _window(end: int, capacity: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnums=(2,))
-def _pad_cache(cache: qwen3.KVCache, experts, length: int):
-  pad = ((0, 0),) * 3 + ((0, length - cache.max_len), (0, 0))
+def _pad_cache(cache: decode.LayerCache, experts, length: int):
+  more = length - cache.max_len
   if experts is not None:  # Routes are indexed by slot too: [B, S, L, k].
-    experts = jnp.pad(experts, ((0, 0), (0, length - experts.shape[1]), (0, 0), (0, 0)))
-  return jax.tree.map(lambda x: jnp.pad(x, pad), cache), experts
+    experts = jnp.pad(experts, ((0, 0), (0, more), (0, 0), (0, 0)))
+  k = [jnp.pad(x, ((0, 0),) * 3 + ((0, more),)) for x in cache.k]  # [B, K, H, S]
+  v = [jnp.pad(x, ((0, 0),) * 2 + ((0, more), (0, 0))) for x in cache.v]  # [B, K, S, H]
+  return decode.LayerCache(tuple(k), tuple(v)), experts
 
 
 def _grow(seqs: Sequences, length: int) -> Sequences:
@@ -308,7 +324,7 @@ def _grow(seqs: Sequences, length: int) -> Sequences:
 @jax.jit
 def _take_rows(seqs: Sequences, idx_B) -> Sequences:
   """Rows `idx_B` of `seqs`; a row taken several times is copied (shared prompts)."""
-  cache = jax.tree.map(lambda x: jnp.take(x, idx_B, axis=1), seqs.cache)
+  cache = jax.tree.map(lambda x: jnp.take(x, idx_B, axis=0), seqs.cache)
   experts = None if seqs.experts_BxSxLxK is None else seqs.experts_BxSxLxK[idx_B]
   return seqs.replace(cache=cache, lengths_B=seqs.lengths_B[idx_B],
                       next_logits_BxV=seqs.next_logits_BxV[idx_B], experts_BxSxLxK=experts)
@@ -349,8 +365,8 @@ def _dedupe(prompts: Sequence[Sequence[int]]) -> tuple[list[list[int]], list[int
   return [list(p) for p in first], idx
 
 
-def prefill(config: Qwen3Config, params: nnx.State, prompts: Sequence[Sequence[int]], *,
-            max_len: int, pad_id: int = 0) -> Sequences:
+def prefill(config: Qwen3Config, params: nnx.State | DecodeParams,
+            prompts: Sequence[Sequence[int]], *, max_len: int, pad_id: int = 0) -> Sequences:
   """Runs the prompts through the model into a fresh cache of `cache_len` slots per row.
 
   Rows may later grow to `max_len` tokens. Identical prompts are run once and their
@@ -362,11 +378,12 @@ def prefill(config: Qwen3Config, params: nnx.State, prompts: Sequence[Sequence[i
   if longest >= max_len:
     raise ValueError(f"A prompt of {longest} tokens does not fit a context of {max_len}.")
   unique, idx = _dedupe(prompts)
+  params = decode_params(config, params)
   b = _bucket(len(unique), 1)
   tokens = _pad_rows(unique, b, min(_bucket(longest, 16), max_len), pad_id)
   lengths = np.zeros(b, np.int32)
   lengths[:len(unique)] = [len(p) for p in unique]
-  cache = qwen3.init_cache(config, b, cache_len(longest + 1, max_len))
+  cache = init_cache(config, b, cache_len(longest + 1, max_len))
   cache, last_logits, experts = _prefill(config, params, jnp.asarray(tokens),
                                          jnp.asarray(lengths), jnp.zeros(b, jnp.int32), cache,
                                          _window(tokens.shape[1], cache.max_len),
@@ -380,7 +397,7 @@ def prefill(config: Qwen3Config, params: nnx.State, prompts: Sequence[Sequence[i
   return _take_rows(seqs, jnp.asarray(rows))
 
 
-def extend(config: Qwen3Config, params: nnx.State, seqs: Sequences,
+def extend(config: Qwen3Config, params: nnx.State | DecodeParams, seqs: Sequences,
            new_tokens: Sequence[Sequence[int]], *, pad_id: int = 0) -> Sequences:
   """Appends tokens to each row (e.g. a tool's output), reusing the cached prefix.
 
@@ -401,6 +418,7 @@ def extend(config: Qwen3Config, params: nnx.State, seqs: Sequences,
                      f"has {seqs.max_len}. Check the context budget before extending.")
   if not counts.any():
     return seqs
+  params = decode_params(config, params)
   need = int((lengths + counts).max())
   if need > seqs.capacity:
     seqs = _grow(seqs, cache_len(need, seqs.max_len))
@@ -435,11 +453,11 @@ def _stop_string_end(ids: list[int], stop_strings: Sequence[str], tokenizer) -> 
   return lo
 
 
-def sample(config: Qwen3Config, params: nnx.State, seqs: Sequences, *, num_rows: int | None = None,
-           max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-           stop_token_ids: Sequence[int] = (), stop_strings: Sequence[str] = (),
-           tokenizer=None, key: jax.Array | None = None, pad_id: int = 0,
-           chunk: int = 64, active: Sequence[bool] | None = None,
+def sample(config: Qwen3Config, params: nnx.State | DecodeParams, seqs: Sequences, *,
+           num_rows: int | None = None, max_new_tokens: int, temperature: float = 1.0,
+           top_p: float = 1.0, top_k: int = 0, stop_token_ids: Sequence[int] = (),
+           stop_strings: Sequence[str] = (), tokenizer=None, key: jax.Array | None = None,
+           pad_id: int = 0, chunk: int = 64, active: Sequence[bool] | None = None,
            row_ids: Sequence[int] | None = None) -> SampleResult:
   """Decodes from live `seqs` until each row stops; see module docstring.
 
@@ -454,6 +472,7 @@ def sample(config: Qwen3Config, params: nnx.State, seqs: Sequences, *, num_rows:
     raise ValueError(f"At most {_MAX_STOP_IDS} stop token ids, got {len(stop_token_ids)}.")
   if stop_strings and tokenizer is None:
     raise ValueError("stop_strings need a tokenizer to decode the generated text.")
+  params = decode_params(config, params)
   b = seqs.lengths_B.shape[0]
   num_rows = b if num_rows is None else num_rows
   key = jax.random.key(0) if key is None else key
@@ -552,7 +571,8 @@ def _apply_stop_strings(state: _LoopState, stop_strings, tokenizer, start_length
                            np.arange(tokens.shape[1])[None] < n[:, None], tokens, pad_id)))
 
 
-def generate(config: Qwen3Config, params: nnx.State, prompts: Sequence[Sequence[int]], *,
+def generate(config: Qwen3Config, params: nnx.State | DecodeParams,
+             prompts: Sequence[Sequence[int]], *,
              max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
              stop_token_ids: Sequence[int] = (), key: jax.Array | None = None,
              stop_strings: Sequence[str] = (), tokenizer=None, pad_id: int = 0,
@@ -573,6 +593,7 @@ def generate(config: Qwen3Config, params: nnx.State, prompts: Sequence[Sequence[
   longest = max(len(p) for p in prompts)
   max_len = max_len or _bucket(longest + max_new_tokens + 1, 16)
   row_ids = list(range(len(prompts))) if row_ids is None else list(row_ids)
+  params = decode_params(config, params)  # Once for every wave and call below.
   run = functools.partial(
       _generate_batch, config, params, max_new_tokens=max_new_tokens, temperature=temperature,
       top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids, stop_strings=stop_strings,

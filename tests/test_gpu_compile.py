@@ -2,11 +2,13 @@
 this CPU (the CUDA plugin and compiler wheels of the `gpu` extra; no GPU, no driver), checked
 structurally with mgrpo_jax.hlo_stats (definitions: docs/gpu-compile.md).
 
-The checks today's code fails are strict xfails naming the issue that fixes them: when the
-fix lands they pass, strict turns that into a failure, and the marker must go.
+Each check fails on the program it guards against (issues 34 and 35 made them pass: the
+decode loop reads per-layer weights and caches in place, the log-prob chunks gather nothing,
+the packed update runs cuDNN's fused attention); a toy loop shows the copy check catching one.
 Without the CUDA wheels the compiles fail with the install command: no silent skip.
 """
 
+import functools
 import pathlib
 
 import jax
@@ -14,21 +16,21 @@ import jax.numpy as jnp
 from jax._src.cudnn import fused_attention_stablehlo
 import pytest
 
-from mgrpo_jax import hlo_stats, models
+from mgrpo_jax import hlo_stats, models, sampling
 from mgrpo_jax.models import qwen3
 
 TARGETS = pathlib.Path(__file__).parent.parent / "benchmarks" / "gpu_targets"
 # The small model: Qwen3's proportions where they matter here (a layer's weights far larger
 # than a decode step's activations and logits).
-PRESET, ROWS, REACHED, MAX_LEN = "small", 4, 64, 128
+# The decode checks: Qwen3-0.6B's widths, vocabulary and head size (what sets the ratio of
+# bytes written to bytes read) with 2 of its 28 layers, so it compiles in seconds.
+PRESET, LAYERS, ROWS, REACHED, MAX_LEN = "qwen3_0p6b", dict(num_layers=2), 4, 256, 512
 # The attention kernel the packed update asks for on GPU: "cudnn" takes the fused kernel
 # where it applies (today not on packed rows, issue 34).
 FUSED_ATTENTION = "cudnn_packed"  # cuDNN fused attention over packed rows (issue 34).
 # One worker runs this file under `pytest -n 2 --dist loadgroup` (.ci/run): the fixtures'
 # compiles happen once.
 pytestmark = pytest.mark.xdist_group("gpu_compile")
-ISSUE_35 = ("issue 35: the decode loop slices copies of each layer's stacked weights and "
-            "cache out on every step")
 
 
 def _devices(count: int, target: str = "h100_sxm"):
@@ -40,13 +42,10 @@ def _devices(count: int, target: str = "h100_sxm"):
 
 
 def _rollout_weights(cfg, params):
-  """The weights the sampler's decode loop reads on the `gpu` config's rollout path.
-
-  Today the sampler decodes from the float32 master weights as they are. Issue 35: when it
-  decodes from bf16 weights made once per policy version, return (the abstract shapes of)
-  what it hands `decode_jit` instead, then drop the xfails below."""
-  del cfg
-  return params
+  """The weights the sampler's decode loop reads on the `gpu` config's rollout path: the
+  per-layer compute-dtype copies `sampling.decode_params` makes once per policy version
+  (abstract shapes), whatever the master weights' dtype."""
+  return jax.eval_shape(functools.partial(sampling.decode_params, cfg), params)
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +56,9 @@ def decode_loops(load_benchmark):
   devices = _devices(1)
   out = {}
   for dtype in ("bfloat16", "float32"):
-    cfg = models.get_preset(PRESET, param_dtype=dtype, compute_dtype="bfloat16")
+    cfg = models.get_preset(PRESET, param_dtype=dtype, compute_dtype="bfloat16", **LAYERS)
     case, compiled = memory.decode_case(PRESET, ROWS, REACHED, MAX_LEN, param_dtype=dtype,
+                                        model_overrides=LAYERS,
                                         device_list=devices, return_compiled=True)
     stats = hlo_stats.decode_step_stats(
         compiled.as_text(), cfg, ROWS, case["cache_len"],
@@ -102,24 +102,18 @@ def test_each_target_config_compiles_a_function_for_its_gpu(target):
   assert compiled.memory_analysis().output_size_in_bytes == 64 * 96 * 2
 
 
-@pytest.mark.parametrize("dtype", [
-    pytest.param("bfloat16", marks=pytest.mark.xfail(strict=True, reason=ISSUE_35)),
-    pytest.param("float32", marks=pytest.mark.xfail(strict=True, reason=ISSUE_35))])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_decode_loop_copies_no_stacked_weight_or_cache(decode_loops, dtype):
   stats = decode_loops[dtype]
   assert stats["copies"] == [], stats["copies"]
 
 
-@pytest.mark.xfail(strict=True, reason=ISSUE_35 + "; and casts its f32 master weights to "
-                   "bf16 on every step")
 def test_rollout_decode_casts_no_weight_per_step(decode_loops):
   stats = decode_loops["float32"]
   assert stats["casts_per_step"] == 0, [c for c in stats["copies"] if c[3]]
 
 
-@pytest.mark.parametrize("dtype", [
-    pytest.param("bfloat16", marks=pytest.mark.xfail(strict=True, reason=ISSUE_35)),
-    pytest.param("float32", marks=pytest.mark.xfail(strict=True, reason=ISSUE_35))])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_decode_step_writes_under_a_tenth_of_what_it_reads(decode_loops, dtype):
   stats = decode_loops[dtype]
   assert stats["written_to_read"] < 0.1, (stats["written_to_read"], stats["top_writers"])
@@ -128,7 +122,7 @@ def test_decode_step_writes_under_a_tenth_of_what_it_reads(decode_loops, dtype):
 def test_decode_stats_count_the_real_loop(decode_loops):
   # Not vacuous: the loop found is the decode loop over the model's layers, and what a step
   # must read is the model's bf16 weights plus its cache.
-  cfg = models.get_preset(PRESET)
+  cfg = models.get_preset(PRESET, **LAYERS)
   for stats in decode_loops.values():
     assert stats["kernels_per_step"] > 5 * cfg.num_layers
     weights_gb = cfg.num_params() * 2 / 1e9

@@ -7,6 +7,7 @@ Prompts are at most 16 tokens and completions at most 32, so most calls share on
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -566,7 +567,7 @@ def test_cache_grows_by_need_not_max_len(tiny, monkeypatch):
     seqs = sampling.extend(m.config, m.params, res.sequences, tool)
     assert grows[-1] == (128, 256) and seqs.capacity == 256
     # The outgrown cache is freed, not held by the caller's (donated) Sequences.
-    assert res.sequences.cache.k_LxBxKxSxH.is_deleted()
+    assert all(x.is_deleted() for x in jax.tree.leaves(res.sequences.cache))
     rows = [r + t for r, t in zip(_rows(res, prompts), tool)]
     full = _full_logits(m, rows)
     np.testing.assert_allclose(np.asarray(seqs.next_logits_BxV), full[:, -1], atol=1e-4, rtol=1e-4)
@@ -593,7 +594,7 @@ def test_0p6b_kv_cache_for_1024_token_traces_is_under_10gb():
     capacity = sampling.cache_len(reached, max_len)  # What prefill/extend/sample allocate.
     # The decode step the sampler runs at that capacity, traced with abstract inputs only.
     s = jax.ShapeDtypeStruct
-    cache = jax.eval_shape(lambda: qwen3.init_cache(cfg, rows, capacity))
+    cache = jax.eval_shape(lambda: sampling.init_cache(cfg, rows, capacity))
     seqs = sampling.Sequences(cache, s((rows,), jnp.int32),
                               s((rows, cfg.vocab_size), jnp.float32), max_len)
     ints, floats = s((rows, 16), jnp.int32), s((rows, 16), jnp.float32)
@@ -602,7 +603,8 @@ def test_0p6b_kv_cache_for_1024_token_traces_is_under_10gb():
                                   s((8,), jnp.int32))
     key = jax.eval_shape(lambda: jax.random.key(0))
     out = sampling.decode_jit(jax.default_backend()).lower(
-        cfg, qwen3.abstract_params(cfg), state, sp, s((), jnp.int32), key, capacity).out_info
+        cfg, jax.eval_shape(functools.partial(sampling.decode_params, cfg), qwen3.abstract_params(cfg)),
+        state, sp, s((), jnp.int32), key, capacity).out_info
     held = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(out.seqs.cache))
     assert held == sampling.kv_cache_bytes(cfg, rows, capacity) == 7_516_192_768
     assert held < 10e9

@@ -148,16 +148,24 @@ class LLMPolicy:
       self.stop_ids, self.stop_strings = tuple(tokenizer.stop_ids), protocol.stop_strings(role)
     self._episodes: Sequence[Episode] = ()
     self._seqs = None
+    self._weights = None
 
   def _mesh(self):
     return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+  def _decode_params(self):
+    """The sampler's weights of this policy version, made once, on first use (under the
+    caller's mesh): no call or step casts the training weights again."""
+    if self._weights is None:
+      self._weights = sampling.decode_params(self.config, self.params)
+    return self._weights
 
   def begin(self, episodes):
     self._episodes = list(episodes)
     self._seqs = None
     if self._resident_fits(range(len(episodes))):
       with self._mesh():
-        self._seqs = sampling.prefill(self.config, self.params, [e.tokens for e in episodes],
+        self._seqs = sampling.prefill(self.config, self._decode_params(), [e.tokens for e in episodes],
                                       max_len=self.limits.max_len, pad_id=self.tokenizer.pad_id)
         routes = sampling.read_routes(self._seqs, [0] * len(episodes),
                                       [len(e.tokens) for e in episodes])
@@ -188,7 +196,7 @@ class LLMPolicy:
     if self._seqs is None:
       # Row ids are episode indices, as in the resident batch: the same samples.
       with self._mesh():
-        res = sampling.generate(self.config, self.params,
+        res = sampling.generate(self.config, self._decode_params(),
                                 [self._episodes[r].tokens for r in rows],
                                 max_len=self.limits.max_len, row_ids=list(rows),
                                 kv_cache_budget_bytes=self.budget, **kw)
@@ -204,7 +212,7 @@ class LLMPolicy:
     active = np.zeros(n, bool)
     active[list(rows)] = True
     with self._mesh():
-      res = sampling.sample(self.config, self.params, self._seqs, num_rows=n, active=active,
+      res = sampling.sample(self.config, self._decode_params(), self._seqs, num_rows=n, active=active,
                             **kw)
     self._seqs = res.sequences
     if res.experts is not None:
@@ -219,7 +227,7 @@ class LLMPolicy:
       # The rows' tokens already end with the appended ones (the engine adds them first).
       starts = [len(e.tokens) - len(t) for e, t in zip(self._episodes, rows)]
       with self._mesh():
-        self._seqs = sampling.extend(self.config, self.params, self._seqs, rows,
+        self._seqs = sampling.extend(self.config, self._decode_params(), self._seqs, rows,
                                      pad_id=self.tokenizer.pad_id)
         routes = sampling.read_routes(self._seqs, starts, [len(t) for t in rows])
       for i, t in enumerate(rows):

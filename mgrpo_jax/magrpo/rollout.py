@@ -61,6 +61,7 @@ class Policy:
                kv_cache_budget_bytes: int | None = None, mesh=None):
     self.model_config, self.params, self.tokenizer = model_config, params, tokenizer
     self.mesh = mesh if model_config.is_moe else None
+    self._weights = None  # The sampler's weights of this policy version, made on first use.
     self.kw = dict(max_new_tokens=max_new_tokens, max_len=max_len, temperature=temperature,
                    top_p=top_p, top_k=top_k, chunk=chunk,
                    kv_cache_budget_bytes=kv_cache_budget_bytes)
@@ -75,7 +76,9 @@ class Policy:
           "max_len or lower max_new_tokens / num_turns.")
     tok = self.tokenizer
     with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-      res = sampling.generate(self.model_config, self.params, prompts, key=key,
+      if self._weights is None:
+        self._weights = sampling.decode_params(self.model_config, self.params)
+      res = sampling.generate(self.model_config, self._weights, prompts, key=key,
                               stop_token_ids=tok.stop_ids, pad_id=tok.pad_id, **self.kw)
     out = []
     for i, prompt in enumerate(prompts):

@@ -60,10 +60,15 @@ class RMSNorm(nnx.Module):
     self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
 
   def __call__(self, x):
-    dtype = x.dtype
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return self.scale[...].astype(dtype) * x32.astype(dtype)
+    return rms_norm(x, self.scale[...], self.eps)
+
+
+def rms_norm(x, scale, eps: float):
+  """RMSNorm of `x` over its last axis in float32, scaled by `scale`, in x's dtype."""
+  dtype = x.dtype
+  x32 = x.astype(jnp.float32)
+  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return scale.astype(dtype) * x32.astype(dtype)
 
 
 def rope_sin_cos(positions_BxT, head_dim: int, theta: float):
@@ -81,7 +86,7 @@ def _apply_rope(x_BxNxTxH, sin_BxTxH2, cos_BxTxH2):
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def _rows_sharded(x):
+def rows_sharded(x):
   """Pins an activation's leading (row) axis to the mesh's batch axes, when a mesh is set.
 
   Under `jax.set_mesh(mesh)` (the train step sets it) this keeps activations split by rows,
@@ -132,30 +137,44 @@ def _adapted(module, name: str, y, x, eq_a: str, eq_b: str, a_shape=None, b_shap
   return y + (delta * (cfg.lora_alpha / cfg.lora_rank)).astype(y.dtype)
 
 
-def _write_rows(cache_BxKxSxH, new_BxKxTxH, start_B):
+def _write_rows(cache_BxKxSxH, new_BxKxTxH, start_B, axis: int = 2):
   """Writes row b's T new slots at start_b.. (contiguous positions); slots past S are dropped.
+
+  The slots lie along `axis` (2, or 3 for keys stored [B, K, H, S]) of cache and news.
 
   A dynamic_update_slice per row (not a scatter) so XLA updates the cache in place inside
   the layer scan; a scatter there costs two extra copies of the whole cache (measured with
   compiled.memory_analysis on CPU). dynamic_update_slice clamps a start that runs past the
   end, so such a row rewrites the clamped window with its old slots plus its in-range news.
   """
-  s, t = cache_BxKxSxH.shape[2], new_BxKxTxH.shape[2]
+  s, t = cache_BxKxSxH.shape[axis], new_BxKxTxH.shape[axis]
   if t > s:
     raise ValueError(f"Cannot write {t} positions per row into a cache of {s} slots.")
   if t == 1:
     # Decode: one scatter of one slot per row, in place; a slot past the end is dropped.
     # (The per-row update below would add a gather, a roll and a select per layer and step.)
-    rows = jnp.arange(cache_BxKxSxH.shape[0])
-    return cache_BxKxSxH.at[rows, :, start_B].set(new_BxKxTxH[:, :, 0], mode="drop")
+    # Indexed by (row, head, slot) together: the scatter's indexed dims are then the leading
+    # ones as stored, so XLA:GPU writes in place without transposing the cache around it.
+    b, k = cache_BxKxSxH.shape[:2]
+    rows, heads = jnp.arange(b)[:, None], jnp.arange(k)[None, :]
+    at = ((rows, heads, start_B[:, None]) if axis == 2 else
+          (rows, heads, slice(None), start_B[:, None]))
+    new = jnp.take(new_BxKxTxH, 0, axis=axis).astype(cache_BxKxSxH.dtype)
+    if cache_BxKxSxH.dtype.itemsize != 2:
+      return cache_BxKxSxH.at[at].set(new, mode="drop")
+    # A 16-bit float cache is scattered as its bits: XLA:CPU scatters bf16 by converting
+    # the whole cache to float32 and back (GBs of temporaries); integers it does in place.
+    bits = lambda x, dt: jax.lax.bitcast_convert_type(x, dt)
+    out = bits(cache_BxKxSxH, jnp.uint16).at[at].set(bits(new, jnp.uint16), mode="drop")
+    return bits(out, cache_BxKxSxH.dtype)
 
   def row(c_KxSxH, n_KxTxH, p):
     at = jnp.minimum(p, s - t)
     shift = p - at  # > 0 only for a write that runs past the last slot.
-    old = jax.lax.dynamic_slice_in_dim(c_KxSxH, at, t, axis=1)
-    keep_new = (jnp.arange(t) >= shift)[None, :, None]
-    merged = jnp.where(keep_new, jnp.roll(n_KxTxH, shift, axis=1), old)
-    return jax.lax.dynamic_update_slice_in_dim(c_KxSxH, merged, at, axis=1)
+    old = jax.lax.dynamic_slice_in_dim(c_KxSxH, at, t, axis=axis - 1)
+    keep_new = jnp.expand_dims(jnp.arange(t) >= shift, [a for a in range(3) if a != axis - 1])
+    merged = jnp.where(keep_new, jnp.roll(n_KxTxH, shift, axis=axis - 1), old)
+    return jax.lax.dynamic_update_slice_in_dim(c_KxSxH, merged, at, axis=axis - 1)
 
   return jax.vmap(row)(cache_BxKxSxH, new_BxKxTxH, start_B)
 
@@ -187,7 +206,9 @@ class Attention(nnx.Module):
 
     `cache_kv = (k_LxBxKxSxH, v_LxBxKxSxH, layer, window)`: this layer's new keys and values
     are written at their positions first, then the queries attend to the first `window`
-    slots of the cache row (the caller guarantees no position reaches past it).
+    slots of the cache row (the caller guarantees no position reaches past it). With
+    `layer=None` the two arrays are this layer's own, keys [B, K, H, S] and values
+    [B, K, S, H] (the sampler's layout, `models/decode.py`), and so are the ones returned.
     Without a cache, query t sits in slot t (causality follows slots, so RoPE positions may
     restart inside a packed row) and `segment_ids_BxT` keeps packed sequences apart.
     """
@@ -210,10 +231,18 @@ class Attention(nnx.Module):
       ck, cv, layer, window = cache_kv
       # Per-row positions: each row writes where it is; out-of-range writes are dropped.
       start_B = positions_BxT[:, 0]
-      ck_l = _write_rows(ck[layer], k.astype(ck.dtype), start_B)
-      cv_l = _write_rows(cv[layer], v.astype(cv.dtype), start_B)
-      new_cache = (jax.lax.dynamic_update_index_in_dim(ck, ck_l, layer, 0),
-                   jax.lax.dynamic_update_index_in_dim(cv, cv_l, layer, 0))
+      if layer is None:
+        # A layer's own arrays, keys as [B, K, H, S]: the layout the scores' matmul reads
+        # (slots minor), so XLA keeps the cache as it is and writes it in place.
+        ck_l = _write_rows(ck, jnp.swapaxes(k, 2, 3).astype(ck.dtype), start_B, axis=3)
+        cv_l = _write_rows(cv, v.astype(cv.dtype), start_B)
+        new_cache = (ck_l, cv_l)
+        ck_l = jnp.swapaxes(ck_l, 2, 3)  # Folded into the matmul's dimensions, not copied.
+      else:
+        ck_l = _write_rows(ck[layer], k.astype(ck.dtype), start_B)
+        cv_l = _write_rows(cv[layer], v.astype(cv.dtype), start_B)
+        new_cache = (jax.lax.dynamic_update_index_in_dim(ck, ck_l, layer, 0),
+                     jax.lax.dynamic_update_index_in_dim(cv, cv_l, layer, 0))
       # Decode is bound by reading the cache: read only the slots in use (static window).
       k, v = ck_l[:, :, :window].astype(dt), cv_l[:, :, :window].astype(dt)
       key_mask_BxS = key_mask_BxS[:, :window]
@@ -223,8 +252,14 @@ class Attention(nnx.Module):
                            impl=cfg.attention, cached=cache_kv is not None,
                            block=cfg.attention_block, decode_splits=cfg.decode_splits,
                            max_segments=cfg.attention_max_segments)
-    o = self.o[...].astype(dt).reshape(kv, g, cfg.head_dim, -1)
-    y = jnp.einsum("bkgth,kghd->btd", out, o)
+    if cache_kv is not None and cache_kv[2] is None:
+      # Sampler: heads to the minor axes, then one [B*T, N*H] x [N*H, D] matmul, the weight
+      # read as stored (contracting (k, g, h) in place made XLA:GPU transpose it every step).
+      out_BxTxNH = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, -1)
+      y = out_BxTxNH @ self.o[...].astype(dt).reshape(-1, cfg.hidden_size)
+    else:
+      o = self.o[...].astype(dt).reshape(kv, g, cfg.head_dim, -1)
+      y = jnp.einsum("bkgth,kghd->btd", out, o)
     return _adapted(self, "o", y, out, "bkgth,kghr->btr", "btr,rd->btd",
                     a_shape=(kv, g, cfg.head_dim, -1)), new_cache
 
@@ -329,7 +364,7 @@ class Qwen3(nnx.Module):
     """(logits or hidden, cache or None, Routing)."""
     cfg = self.cfg
     dt = cfg.compute_jnp_dtype
-    x = _rows_sharded(jnp.take(self.embed[...], tokens_BxT, axis=0).astype(dt))
+    x = rows_sharded(jnp.take(self.embed[...], tokens_BxT, axis=0).astype(dt))
     sin, cos = rope_sin_cos(positions_BxT, cfg.head_dim, cfg.rope_theta)
     # Tokens the load-balancing loss counts: real ones (transformers: the attention mask).
     token_w = jnp.ones(tokens_BxT.shape, bool) if cache is not None else key_mask_BxS
@@ -344,7 +379,7 @@ class Qwen3(nnx.Module):
       x, kv, routed = block(x, sin, cos, positions_BxT, key_mask_BxS,
                             None if kv is None else (*kv, layer, window), segment_ids_BxT,
                             token_w, experts)
-      return (_rows_sharded(x), kv), routed
+      return (rows_sharded(x), kv), routed
 
     # The cache rides in the scan carry (not xs/ys) so XLA can update it in place.
     kv = None if cache is None else (cache.k_LxBxKxSxH, cache.v_LxBxKxSxH)
@@ -362,7 +397,7 @@ class Qwen3(nnx.Module):
       (x, kv), ys = jax.lax.scan(run, (x, kv), (state, first + jnp.arange(count), given))
       if sparse:
         routed.append(ys)
-    routing = _routing(routed, tokens_BxT.shape)
+    routing = routing_of(routed, tokens_BxT.shape)
     if logits_idx_B is not None:
       # Only one position per row needs logits (prefill): skip the [B, T, V] projection.
       x = jnp.take_along_axis(x, logits_idx_B[:, None, None], axis=1)
@@ -379,7 +414,7 @@ class Qwen3(nnx.Module):
     return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
 
 
-def _routing(routed: list, shape_BxT) -> Routing:
+def routing_of(routed: list, shape_BxT) -> Routing:
   """Routing of the sparse runs' scan outputs (per-layer Routed stacked on axis 0)."""
   if not routed:
     return Routing(jnp.zeros((0, *shape_BxT, 0), jnp.int32), jnp.zeros((), jnp.float32))

@@ -296,3 +296,21 @@ def test_cache_writes_in_place_and_drop_past_the_end():
   want = np.array(cache)
   want[0, 0, s - 1, 0], want[1, 0, 0, 0] = -1, -5
   np.testing.assert_array_equal(one, want)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_cache_writes_along_the_slot_axis_of_either_layout(dtype):
+  # The sampler's keys are [B, K, H, S] (slots minor, axis=3), its values [B, K, S, H]; a
+  # bf16 cache is written through its bits. Both must land exactly where axis 2 lands.
+  b, k, s, h, t = 3, 2, 7, 5, 3
+  cache = jnp.arange(b * k * s * h).reshape(b, k, s, h).astype(dtype)
+  new = -jnp.arange(1, b * k * t * h + 1).reshape(b, k, t, h).astype(dtype)
+  for start in ([0, 4, s], [6, 2, 5]):  # Row 2 of the first: past the end, dropped.
+    start = jnp.asarray(start)
+    for n in (new[:, :, :1], new):  # A decode step (one slot) and a prefill chunk.
+      want = qwen3._write_rows(cache.astype(jnp.float32), n.astype(jnp.float32), start)
+      got = qwen3._write_rows(cache, n, start)
+      got_t = qwen3._write_rows(jnp.swapaxes(cache, 2, 3), jnp.swapaxes(n, 2, 3), start, axis=3)
+      assert got.dtype == got_t.dtype == dtype
+      np.testing.assert_array_equal(np.asarray(got, np.float32), want)
+      np.testing.assert_array_equal(np.asarray(jnp.swapaxes(got_t, 2, 3), np.float32), want)
