@@ -31,6 +31,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The CUDA plugin checks the installed CUDA libraries against a driver; there is none here.
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
+import functools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import time  # noqa: E402
@@ -41,6 +42,7 @@ from absl import app, flags  # noqa: E402
 
 import memory  # noqa: E402  (benchmarks/memory.py: the case builders)
 from mgrpo_jax import hlo_stats, models, sampling, sharding  # noqa: E402
+from mgrpo_jax.models import decode as decode_layout  # noqa: E402
 from mgrpo_jax.models import qwen3  # noqa: E402
 
 TARGETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_targets")
@@ -145,14 +147,21 @@ def update(target: str, preset: str, role: str, count: int, mesh_axes: dict | No
 
 
 def decode(target: str, preset: str, rows: int, param_dtype: str = "bfloat16",
-           reached: int = 1024, max_len: int = 32768) -> dict:
-  devices = gpu_devices(target, 1)
-  out, compiled = memory.decode_case(preset, rows, reached, max_len, param_dtype=param_dtype,
-                                     device_list=devices, return_compiled=True)
+           reached: int = 1024, max_len: int = 32768, count: int = 1,
+           mesh_axes: dict | None = None) -> dict:
+  """The sampler's decode loop on `count` GPUs (`mesh_axes`; default one GPU)."""
+  devices = gpu_devices(target, count)
+  out, compiled = memory.decode_case(preset, rows, reached, max_len, mesh_axes,
+                                     param_dtype=param_dtype, device_list=devices,
+                                     return_compiled=True)
   t0 = time.perf_counter()
   cfg = models.get_preset(preset, param_dtype=param_dtype, compute_dtype="bfloat16")
-  out.update(param_dtype=param_dtype,
-             **hlo_stats.decode_step_stats(compiled.as_text(), cfg, rows, out["cache_len"]),
+  # What the loop reads its weights from: the sampler's per-layer compute-dtype copies.
+  weights = jax.eval_shape(functools.partial(sampling.decode_params, cfg),
+                           qwen3.abstract_params(cfg))
+  out.update(param_dtype=param_dtype, devices=count,
+             **hlo_stats.decode_step_stats(compiled.as_text(), cfg, rows, out["cache_len"],
+                                           weights=weights),
              analysis_s=round(time.perf_counter() - t0, 1))
   return out
 
@@ -163,11 +172,12 @@ def prefill(target: str, preset: str, rows: int, length: int) -> dict:
   cfg = models.get_preset(preset, param_dtype="bfloat16", compute_dtype="bfloat16")
   mesh, _ = _mesh(dict(data=1, fsdp=1, tensor=1), devices)
   capacity = sampling.cache_len(length + 1, 32768)
-  params = qwen3.abstract_params(cfg)
-  params = _abstract(params, sharding.param_shardings(params, mesh))
-  cache = jax.eval_shape(lambda: qwen3.init_cache(cfg, rows, capacity))
-  cache = _abstract(cache, jax.tree.map(
-      lambda _: sharding.cache_sharding(mesh, cfg.num_kv_heads), cache))
+  stacked = qwen3.abstract_params(cfg)
+  params = jax.eval_shape(functools.partial(sampling.decode_params, cfg), stacked)
+  params = _abstract(params, decode_layout.shardings(cfg, sharding.param_shardings(stacked, mesh)))
+  cache = jax.eval_shape(lambda: sampling.init_cache(cfg, rows, capacity))
+  cache = _abstract(cache, decode_layout.cache_shardings(
+      cfg, sharding.cache_sharding(mesh, cfg.num_kv_heads)))
   row = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32,
                                            sharding=sharding.batch_sharding(mesh, len(shape)))
   t0 = time.perf_counter()
@@ -200,6 +210,9 @@ def all_cases(target: str) -> dict:
       cases[f"decode/{preset}/b{rows}"] = lambda p=preset, b=rows: decode(target, p, b)
       cases[f"decode/{preset}/b{rows}+f32"] = lambda p=preset, b=rows: decode(
           target, p, b, "float32")
+  # The paper's model on 64 GPUs, one row per GPU (memory.py's 64-device decode case).
+  cases["decode/qwen3_30b_a3b/b64"] = lambda: decode(
+      target, "qwen3_30b_a3b", 64, count=64, mesh_axes=dict(data=1, fsdp=8, tensor=1, expert=8))
   cases["prefill/qwen3_0p6b/b64x1024"] = lambda: prefill(target, "qwen3_0p6b", 64, 1024)
   return cases
 
