@@ -113,7 +113,8 @@ def test_two_processes_train_save_restore_like_one(tmp_path):
   env = _env(tmp_path / "xla_cache")
   pair = tmp_path / "two_processes"
   os.makedirs(pair)
-  _train_pair(str(pair), env, EXPERT, ALIGN, "--config.num_steps=1")  # Step 0, checkpoint 1, eval 1.
+  # Step 0, checkpoint 1, eval 1.
+  _train_pair(str(pair), env, EXPERT, ALIGN, "--config.num_steps=1")
   assert [r["step"] for r in _rows(pair)] == [0, 1]
   # A crash between orbax's commit of step 2 and its digests left this: every process must
   # agree to drop it (process 0 deletes it) before saving step 2 again.
