@@ -29,6 +29,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # so the pair also runs the MoE dispatch across the process boundary.
 CONFIG = "configs/mgrpo.py:smoke,model=tiny_moe"
 EXPERT = "--config.mesh.expert=2"
+# One aligned sub-agent episode per main rollout (D = 1): the sub batch then has the main
+# batch's shape (Q*K rows of 128 tokens), so the pair and the one-process run each compile
+# one train step for both agents instead of two (about a third of a launch's compile time).
+ALIGN = "--config.align_d=1"
 TIMEOUT_S = 400
 
 
@@ -104,18 +108,19 @@ def _assert_same_rows(got, want):
 def test_two_processes_train_save_restore_like_one(tmp_path):
   ref = tmp_path / "one_process"
   c = mgrpo.get_config("smoke,model=tiny_moe")
-  c.mesh.expert = 2
+  c.mesh.expert, c.align_d = 2, 1
   colocated.train_and_evaluate(c, str(ref))  # 8 devices, here.
   env = _env(tmp_path / "xla_cache")
   pair = tmp_path / "two_processes"
   os.makedirs(pair)
-  _train_pair(str(pair), env, EXPERT, "--config.num_steps=1")  # Step 0, checkpoint 1, eval 1.
+  # Step 0, checkpoint 1, eval 1.
+  _train_pair(str(pair), env, EXPERT, ALIGN, "--config.num_steps=1")
   assert [r["step"] for r in _rows(pair)] == [0, 1]
   # A crash between orbax's commit of step 2 and its digests left this: every process must
   # agree to drop it (process 0 deletes it) before saving step 2 again.
   shutil.copytree(pair / "checkpoints" / "1", pair / "checkpoints" / "2")
   os.remove(pair / "checkpoints" / "2" / "_DIGESTS")
-  _train_pair(str(pair), env, EXPERT)  # Restores step 1, trains it, evaluates step 2.
+  _train_pair(str(pair), env, EXPERT, ALIGN)  # Restores step 1, trains it, evaluates step 2.
   assert "Deleting uncommitted checkpoint directory" in open(pair / "process0.log").read()
   assert "Restored" in open(pair / "process1.log").read()
   _assert_same_rows(_rows(pair), _rows(ref))
