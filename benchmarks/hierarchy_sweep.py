@@ -166,7 +166,10 @@ def warm_start(variant: str) -> dict:
   arg = f"task=multihop,{_FLAG[_SIZE.value]},{EXTRA[variant]}"
   workdir = os.path.join(_WORKDIR.value, f"sft-{variant}")
   c = sft_config.get_config(arg)
-  c.eval_split = _EVAL_SPLIT.value
+  # The warm start's own evaluations only monitor it (what RL adds is measured from each RL
+  # run's first evaluation), so they read the validation split whatever --eval_split says:
+  # one warm start then serves a validation (timing) invocation and the test invocations.
+  c.eval_split = "valid"
   wall = _timed(workdir, lambda: sft.train_sft(c, workdir), config_record(c))
   rec = dict(kind="warm_start", config=f"configs/sft.py:{arg}", variant=variant,
              commit=_run_commit(workdir),
