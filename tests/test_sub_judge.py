@@ -15,6 +15,10 @@ class HalfJudge:
   """An "LLM judge" stand-in, loaded by `config.sub_judge="test_sub_judge:HalfJudge"`."""
 
   calls = 0
+  made = 0
+
+  def __init__(self):
+    HalfJudge.made += 1
 
   def __call__(self, question, prediction, reference):
     HalfJudge.calls += 1
@@ -79,3 +83,8 @@ def test_beta3_puts_the_judge_in_the_sub_agents_rewards(expert_step):
                      sub_judge="test_sub_judge:HalfJudge")
   r = [e.format_ok * (0.1 + 0.6 * outcome.correct[e.q, e.k] + 0.3 * 0.5) for e in sub_eps]
   assert got == pytest.approx(float(np.mean(r))) and HalfJudge.calls == len(sub_eps)
+  # Built once, not at every step: a judge that loads a model must not reload it.
+  made = HalfJudge.made
+  assert _sub_rewards(c, env, sub_eps, outcome, beta=(0.1, 0.6, 0.3),
+                      sub_judge="test_sub_judge:HalfJudge") == pytest.approx(got)
+  assert HalfJudge.made == made

@@ -10,6 +10,7 @@ that the step and the programs take; nothing else reads it:
 """
 
 import dataclasses
+import functools
 import importlib
 from typing import Callable, Mapping
 
@@ -169,9 +170,12 @@ def expert_scorer(c) -> Callable | None:
                                          "\n".join(ep.observations), judge=judge)
 
 
+@functools.cache
 def load_judge(spec: str) -> rewards.Judge:
   """The judge `spec` names: "grounded", or "module:callable" (called with no arguments if
-  it is a class or factory that returns the judge, else used as the judge itself)."""
+  it is a class or factory that returns the judge, else used as the judge itself).
+
+  Loaded once per process and spec: a judge that loads a model is not rebuilt every step."""
   if spec == "grounded":
     return rewards.GroundedJudge()
   module, _, name = spec.partition(":")
