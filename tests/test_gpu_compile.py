@@ -33,6 +33,16 @@ FUSED_ATTENTION = "cudnn_packed"  # cuDNN fused attention over packed rows (issu
 pytestmark = pytest.mark.xdist_group("gpu_compile")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def no_persistent_cache():
+  """Compiles without the suite's persistent cache (conftest.py): an executable compiled
+  without a GPU client cannot be loaded back from it, and jax would warn at each lookup."""
+  before = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  yield
+  jax.config.update("jax_enable_compilation_cache", before)
+
+
 def _devices(count: int, target: str = "h100_sxm"):
   try:
     return hlo_stats.gpu_devices((TARGETS / f"{target}.txtpb").read_text(), count)
