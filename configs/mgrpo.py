@@ -69,7 +69,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.expert_noise = 0.0
   # "" = the checkpoint's own (main_model.hf_path's tokenizer and chat template; "byte"
   # without a checkpoint), "byte", "byte+names" (+ the world's names as words), "byte+world"
-  # (+ its phrases too; see tasks.tokenizer_words) or a local HF tokenizer directory.
+  # (+ its phrases too), "byte+phrases" (the phrases, names in bytes; see
+  # tasks.tokenizer_words) or a local HF tokenizer directory.
   c.tokenizer = ""
   preset = args["model"] or ("tiny_wide" if args["runlocal"] and not args["smoke"] else "tiny")
   c.main_model = common.model(preset)
@@ -190,10 +191,10 @@ def _demo(c):
 
 
 # task=multihop,full_context: a context that holds every page a question needs (the single
-# agent's control, issue 32): the smallest max_len (of 768, 1024, 1280, 1536) at which the
-# noise-free single expert finishes all 2000 CPU questions without an overflow (768: 15.2% of
-# them overflow; /work/scratch probe, recorded in hierarchy-instrument-cpu.json).
-FULL_CONTEXT_LEN = {"cpu": 1024, "smoke": 1024, "gpu": 16_384}
+# agent's control, issue 32): the smallest max_len (cpu: of 1536, 1792, 2048, 2304) at which
+# the noise-free single expert finishes every question without an overflow (cpu, all 2000:
+# 2048 leaves 1.9% overflowing; recorded in hierarchy-instrument-cpu.json).
+FULL_CONTEXT_LEN = {"cpu": 2304, "smoke": 2304, "gpu": 16_384}
 
 
 def _multihop(c, size: str, full_context: bool = False):
@@ -205,13 +206,23 @@ def _multihop(c, size: str, full_context: bool = False):
   take a fraction of it; so a single agent that visits pages overflows at its second one.
   Every variant has the same limits (algorithm.md 1.1: one context size for every agent
   episode); tests/envs/test_multihop.py checks both sides of the budget with the experts.
-  Sizes: "gpu" (pages of about 2-3k tokens of the byte+world tokenizer, max_len 4096; one
-  H100/H200, Qwen3-0.6B preset), "cpu" (the same shape at about 1/16: pages of 75-160 tokens,
-  max_len 320, tiny_wide; benchmarks/hierarchy_sweep.py), "smoke" (cpu's task, 2 steps).
+  Sizes: "gpu" (pages of 2.7-4.1k tokens of the byte+phrases tokenizer, max_len 5120; one
+  H100/H200, Qwen3-0.6B preset), "cpu" (the same shape at about 1/12: pages of 148-367
+  tokens, max_len 672, tiny_wide; benchmarks/hierarchy_sweep.py), "smoke" (cpu's task, 2
+  steps). Each max_len is the smallest tried (cpu: 576, 640, 672; gpu: 4096, 5120) at
+  which the noise-free experts answer every question (all 2000 cpu, 8000 gpu) with no
+  overflow while the single agent overflows on every question of two pages or more (cpu 640:
+  1.6% of the sub-agent's episodes overflow).
   """
-  # A real checkpoint reads its own tokenizer's ids (pages then count its tokens: check the
-  # budget with policy=expert, as tests/envs/test_multihop.py does for byte+world).
-  c.tokenizer = c.main_model.hf_path or "byte+world"
+  # Held-out chains name entities that no training question or warm-start row shows. A
+  # tokenizer with one id per name (byte+world) gives those names ids that training never
+  # touched, which the model cannot write: the main + sub warm start scored 0 of 265
+  # validation questions with it (issue 32). byte+phrases spells names in bytes, as a
+  # tokenizer that never saw them splits them into pieces, so copying a held-out name is the
+  # skill that training names teach. A real checkpoint reads its own tokenizer's ids (pages
+  # then count its tokens: check the budget with policy=expert, as
+  # tests/envs/test_multihop.py does).
+  c.tokenizer = c.main_model.hf_path or "byte+phrases"
   # Issue 32: reading must be required. Binary comparisons (a coin flip for a guesser) are
   # removed; answers have at least 20 possible values (24 countries and rivers; no settlement
   # sizes, media or occupations); held-out questions are whole chains of held-out entities
@@ -235,13 +246,13 @@ def _multihop(c, size: str, full_context: bool = False):
   c.world.update(num_people=80, num_orgs=40, num_places=40, num_works=40,
                  filler_sentences=(1, 2), num_questions=2000, search_k=2,
                  system_prompt=False)
-  c.limits.update(max_turns=10, max_new_tokens=32, max_len=320, max_delegations=6)
-  # Packed updates in micro-batches of 1024 tokens (2 rows of 512): on 2 CPU cores a warm-start
-  # step takes 0.59 s instead of 1.47 s as one padded batch (2048: 0.72 s, 8192: 1.28 s; the
-  # same losses; benchmarks/results/hierarchy-probe-cpu.json): the main + sub warm start took
-  # 773 s, not about 46 minutes.
+  c.limits.update(max_turns=10, max_new_tokens=32, max_len=672, max_delegations=6)
+  # Packed updates in micro-batches of 1024 tokens: on 2 CPU cores a warm-start step took
+  # 0.59 s instead of 1.47 s as one padded batch (2048: 0.72 s, 8192: 1.28 s; the same losses;
+  # benchmarks/results/hierarchy-probe-cpu.json, measured with max_len 320). A micro-batch
+  # holds at least one row of max_len (the full-context control's).
   for mc in (c.main_model, c.sub_model):
-    mc.max_tokens_per_micro = 1024
+    mc.max_tokens_per_micro = max(1024, FULL_CONTEXT_LEN[size] if full_context else 0)
   # D = 3: the experts delegate 2.75 times per question on average (1-4 pages). Q = 3 (not
   # the demo's 4) keeps the 5 variants x 5 seeds sweep at about 71 minutes on 2 cores.
   c.num_queries, c.num_rollouts, c.align_d = 3, 8, 3

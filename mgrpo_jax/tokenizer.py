@@ -601,13 +601,18 @@ def write_test_hf_tokenizer(
   return path
 
 
+# Byte tokenizers with a generated world's words (`mgrpo_jax.mgrpo.tasks.tokenizer_words`).
+WORLD_SPECS = ("byte+names", "byte+world", "byte+phrases")
+
+
 def load_tokenizer(spec: str | os.PathLike, *, words: Sequence[str] = ()) -> Tokenizer:
-  """"byte" -> ByteTokenizer(); "byte+names" or "byte+world" -> ByteTokenizer(words=words)
-  (a world's names, or its names and phrases, one id each: picked by
-  `mgrpo_jax.tasks.tokenizer_words`); anything else is a local directory -> HFTokenizer."""
+  """"byte" -> ByteTokenizer(); "byte+names", "byte+world" or "byte+phrases" ->
+  ByteTokenizer(words=words) (a world's names; its names and phrases; its phrases only, one id
+  each: picked by `mgrpo_jax.mgrpo.tasks.tokenizer_words`); anything else is a local
+  directory -> HFTokenizer."""
   if str(spec) == "byte":
     return ByteTokenizer()
-  if str(spec) in ("byte+names", "byte+world"):
+  if str(spec) in WORLD_SPECS:
     if not words:
       raise ValueError(f'tokenizer "{spec}" needs the words (words=...) of a world')
     return ByteTokenizer(words=words)

@@ -44,8 +44,11 @@ def test_variants_share_data_budgets_recipe_and_updates(module, size):
       assert flat["sft.only_correct"] and not reference["sft.only_correct"]
       assert flat["sft.num_questions"] == 10 * reference["sft.num_questions"]
     if "full_context" in arg:
-      allowed.add("limits.max_len")
+      # Its micro-batches hold a row of its max_len (packing changes no loss).
+      allowed |= {"limits.max_len", "main_model.max_tokens_per_micro",
+                  "sub_model.max_tokens_per_micro"}
       assert flat["limits.max_len"] > reference["limits.max_len"]
+      assert flat["main_model.max_tokens_per_micro"] >= flat["limits.max_len"]
     assert differ <= allowed, (arg, {k: (flat[k], reference[k]) for k in differ})
     setup.resolve_wiring(module.get_config(arg), training=module is mgrpo_config)
 

@@ -392,7 +392,7 @@ def generate_world(cfg: WorldConfig = WorldConfig()) -> World:
   return World(cfg, tuple(entities), tuple(documents))
 
 
-def vocabulary(world: World, *, phrases: bool = False) -> tuple[str, ...]:
+def vocabulary(world: World, *, phrases: bool = False, names: bool = True) -> tuple[str, ...]:
   """The world's names and question stems, sorted (a stable order).
 
   Names are those of the entities, attribute values and doc ids; stems are the literal
@@ -403,9 +403,13 @@ def vocabulary(world: World, *, phrases: bool = False) -> tuple[str, ...]:
   `phrases=True` adds the literal text of the page templates too (fact and distractor
   sentences, noun phrases, the media's verbs: "By population, ", " counts as "), as such a
   tokenizer would: pages, and the traces that quote them, become about three times shorter.
+  `names=False` leaves the names out (the stems, and phrases if asked, only): names are then
+  spelled in bytes, as a tokenizer that never saw them splits them into pieces.
   """
-  words = {e.name for e in world.entities} | {d.doc_id for d in world.documents}
-  words |= {v for e in world.entities for v in e.attributes.values()}
+  words = set()
+  if names:
+    words |= {e.name for e in world.entities} | {d.doc_id for d in world.documents}
+    words |= {v for e in world.entities for v in e.attributes.values()}
   templates = list(ASK.values())
   if phrases:
     templates += [t for ts in FACTS.values() for t in ts] + list(_DISTRACTORS)

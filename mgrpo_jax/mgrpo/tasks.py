@@ -107,10 +107,14 @@ def tokenizer_words(spec: str, the_world: world.World) -> tuple[str, ...]:
 
   "byte+names": the world's names, doc ids and question stems. "byte+world": those, the page
   templates' phrases, the chat role lines and the protocol's prompt openings: what a
-  tokenizer trained on the world's traces would make single tokens.
+  tokenizer trained on the world's traces would make single tokens. "byte+phrases": those
+  without the names, which are spelled in bytes: a name that only held-out questions use
+  (task=multihop's held-out chains) then has no id of its own that training never showed,
+  and copying it is the same skill as copying a training name.
   """
-  if spec == "byte+world":
-    words = world.vocabulary(the_world, phrases=True) + tk.ROLE_WORDS + protocol.PROMPT_WORDS
+  if spec in ("byte+world", "byte+phrases"):
+    words = (world.vocabulary(the_world, phrases=True, names=spec == "byte+world")
+             + tk.ROLE_WORDS + protocol.PROMPT_WORDS)
     return tuple(dict.fromkeys(words))
   return world.vocabulary(the_world) if spec == "byte+names" else ()
 

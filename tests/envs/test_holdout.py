@@ -3,6 +3,7 @@
 import pytest
 
 from configs import mgrpo as mgrpo_config
+from mgrpo_jax import tokenizer as tk
 from mgrpo_jax.mgrpo import tasks
 from mgrpo_jax.agents import experts
 from mgrpo_jax.envs import multihop, search
@@ -46,11 +47,17 @@ def test_split_by_part_keeps_only_single_part_questions():
       assert {world.entity_of_doc(h.doc_id).part for h in q.hops} == {part}
 
 
-def test_multihop_task_holds_out_whole_chains():
+@pytest.fixture(scope="module")
+def cpu_task():
+  c = mgrpo_config.get_config("task=multihop,runlocal")
+  return c, tasks.build_env(c)
+
+
+def test_multihop_task_holds_out_whole_chains(cpu_task):
   """The sweep's task (CPU size): no validation or test page is in a training question's
   chain or in the warm start's corpus (env.documents, which sft.corpus_rows turns into rows),
   and every held-out question's pages are all held out."""
-  env = tasks.build_env(mgrpo_config.get_config("task=multihop,runlocal"))
+  _, env = cpu_task
   train_pages = {h.doc_id for q in env.train for h in q.hops}
   corpus = {d.doc_id for d in env.documents}
   assert len(env.valid) >= 200 and len(env.test) >= 200
@@ -60,6 +67,29 @@ def test_multihop_task_holds_out_whole_chains():
   assert train_pages <= corpus
   assert not {q.text for q in env.train} & {q.text for q in env.valid + env.test}
   assert not any(q.compare for q in env.train + env.valid + env.test)  # Binary ones removed.
+
+
+def _token_ids(tokenizer, texts) -> set[int]:
+  return {i for t in texts for i in tokenizer.encode(t)}
+
+
+def test_held_out_questions_need_no_token_that_training_never_shows(cpu_task):
+  """Every token id of a held-out question, its pages and its answer is in the training
+  questions, answers or warm-start corpus: a name with an id of its own that only held-out
+  text uses (the byte+world tokenizer) has an untrained embedding the model cannot write."""
+  c, env = cpu_task
+  the_world = world_lib.generate_world(tasks.world_config(c))
+
+  def ids(tokenizer, questions, pages):
+    return _token_ids(tokenizer, [q.text for q in questions] + [q.answer for q in questions]
+                      + [d.title + "\n" + d.text for d in pages])
+
+  held = env.valid + env.test
+  held_pages = [the_world.document(h.doc_id) for q in held for h in q.hops]
+  assert not ids(env.tokenizer, held, held_pages) - ids(env.tokenizer, env.train, env.documents)
+  one_id_per_name = tk.load_tokenizer(
+      "byte+world", words=tasks.tokenizer_words("byte+world", the_world))
+  assert ids(one_id_per_name, held, held_pages) - ids(one_id_per_name, env.train, env.documents)
 
 
 def _world(pages: dict[str, str]) -> world_lib.World:
