@@ -191,10 +191,11 @@ def _demo(c):
 
 
 # task=multihop,full_context: a context that holds every page a question needs (the single
-# agent's control, issue 32): the smallest max_len (cpu: of 1536, 1792, 2048, 2304) at which
-# the noise-free single expert finishes every question without an overflow (cpu, all 2000:
-# 2048 leaves 1.9% overflowing; recorded in hierarchy-instrument-cpu.json).
-FULL_CONTEXT_LEN = {"cpu": 2304, "smoke": 2304, "gpu": 16_384}
+# agent's control, issue 32): the smallest max_len (cpu: of 1536, 1792, 2048, 2304; gpu: of
+# 16384, 20480, 24576) at which the noise-free single expert finishes every question without
+# an overflow (cpu: all 2000, where 2048 leaves 1.9% overflowing; gpu: the first 2000 of 8000,
+# where 16384 leaves 6.7%; docs/hierarchy-ablation.md).
+FULL_CONTEXT_LEN = {"cpu": 2304, "smoke": 2304, "gpu": 20_480}
 
 
 def _multihop(c, size: str, full_context: bool = False):
