@@ -23,7 +23,8 @@ noise-free (the ceiling) and slipping as the warm start's teacher does (`teacher
 
 A sweep is split over sessions by `--only` and `--seed_start`/`--seeds`: each run's
 done.json keeps its config and commit, `--reuse` keeps only runs whose config and commit are
-this invocation's (and names what differs otherwise), and the JSON merges the runs of every
+this invocation's (and names what differs otherwise) and resumes a run that an invocation
+left unfinished (progress.json) from its checkpoints, and the JSON merges the runs of every
 invocation into `--out`, each invocation recorded in `invocations`.
 
 Writes `--out` (JSON): per run, the evaluations at every evaluation step (accuracy overall
@@ -44,6 +45,7 @@ import platform
 import shutil
 import sys
 import subprocess
+import threading
 import time
 
 import jax
@@ -71,7 +73,8 @@ _PLOT = flags.DEFINE_string("plot", "", "Curves PNG (default: --out with .png)."
 _ONLY = flags.DEFINE_list("only", None, "Run only these variants or controls (e.g. mgrpo,"
                          "frozen_sub,single_full_context).")
 _REUSE = flags.DEFINE_bool("reuse", False, "Keep finished warm starts and runs in --workdir "
-                           "(refused when a run's config or the code's commit changed).")
+                           "and resume unfinished ones (refused when a run's config or the "
+                           "code's commit changed).")
 _REUSE_ANY_COMMIT = flags.DEFINE_bool("reuse_any_commit", False, "With --reuse: keep runs made "
                                       "at another commit (their config must still match).")
 _SEED_START = flags.DEFINE_integer("seed_start", 0, "First seed: this invocation runs seeds "
@@ -115,39 +118,83 @@ def config_record(c) -> dict:
   return json.loads(c.to_json_best_effort(sort_keys=True))
 
 
-def check_reusable(done: dict, config: dict, commit: str, *, any_commit: bool = False) -> None:
-  """Raises ValueError naming what differs when a finished run (its done.json) was made with
-  another config or at another commit than this invocation's: such a run is not this sweep's."""
+def check_reusable(done: dict, config: dict, commit: str, *, any_commit: bool = False,
+                   what: str = "finished run") -> None:
+  """Raises ValueError naming what differs when a finished run (its done.json; or an
+  unfinished one's progress.json) was made with another config or at another commit than this
+  invocation's: such a run is not this sweep's."""
   flat = lambda d, pre="": {k2: v2 for k, v in d.items() for k2, v2 in (
       flat(v, f"{pre}{k}.").items() if isinstance(v, dict) else ((f"{pre}{k}", v),))}
   old, new = flat(done.get("config", {})), flat(config)
   differ = sorted(k for k in old.keys() | new.keys() if old.get(k, "<absent>") != new.get(
       k, "<absent>"))
   if differ:
-    raise ValueError("--reuse refused: the finished run's config differs in " + "; ".join(
+    raise ValueError(f"--reuse refused: the {what}'s config differs in " + "; ".join(
         f"{k}: {old.get(k, '<absent>')!r} -> {new.get(k, '<absent>')!r}" for k in differ[:10])
         + (f" (and {len(differ) - 10} more)" if len(differ) > 10 else ""))
   if not any_commit and done.get("commit") != commit:
-    raise ValueError(f"--reuse refused: the finished run was made at commit "
+    raise ValueError(f"--reuse refused: the {what} was made at commit "
                      f"{done.get('commit')!r}, this invocation runs {commit!r} "
                      "(--reuse_any_commit keeps it if the change cannot affect it).")
 
 
-def _timed(workdir: str, run, config: dict) -> float:
-  """Runs `run()` from scratch in `workdir` (or reuses a finished one); its wall seconds."""
-  marker = os.path.join(workdir, "done.json")
-  if _REUSE.value and os.path.exists(marker):
+def _write_json(path: str, record: dict) -> None:
+  """Writes `record` whole or not at all (an invocation may be killed at any time)."""
+  with open(path + ".tmp", "w") as f:
+    json.dump(record, f)
+  os.replace(path + ".tmp", path)
+
+
+def _timed(workdir: str, run, config: dict, *, reuse: bool | None = None,
+           any_commit: bool | None = None, heartbeat_s: float = 30.0) -> float:
+  """Runs `run()` in `workdir`, or reuses a finished run; its wall seconds.
+
+  Without --reuse a run starts from scratch. With it, a finished run (done.json) is kept, and
+  an unfinished one (progress.json: an invocation stopped mid-run, e.g. at a session's end)
+  goes on from its last checkpoint (`run` resumes from `workdir`); both only when their config
+  and commit are this invocation's. A resumed run's wall seconds add what the earlier
+  invocations spent on it, as of progress.json's last heartbeat (every `heartbeat_s`).
+  """
+  reuse = _REUSE.value if reuse is None else reuse
+  any_commit = _REUSE_ANY_COMMIT.value if any_commit is None else any_commit
+  marker, progress = (os.path.join(workdir, n) for n in ("done.json", "progress.json"))
+  commit = git_commit()
+  if reuse and os.path.exists(marker):
     with open(marker) as f:
       done = json.load(f)
-    check_reusable(done, config, git_commit(), any_commit=_REUSE_ANY_COMMIT.value)
+    check_reusable(done, config, commit, any_commit=any_commit)
     return done["wall_s"]
-  shutil.rmtree(workdir, ignore_errors=True)  # A sweep measures runs from scratch.
+  before = 0.0
+  if reuse and os.path.exists(progress):
+    with open(progress) as f:
+      started = json.load(f)
+    check_reusable(started, config, commit, any_commit=any_commit, what="unfinished run")
+    before = started["wall_s"]
+    logging.info("Resuming the unfinished run in %s (%.0f s so far).", workdir, before)
+  else:
+    shutil.rmtree(workdir, ignore_errors=True)  # A sweep measures runs from scratch.
+    os.makedirs(workdir)
   t0 = time.perf_counter()
-  run()
-  wall = time.perf_counter() - t0
-  with open(marker, "w") as f:
-    json.dump({"wall_s": wall, "config": config, "commit": git_commit()}, f)
-  return wall
+  record = lambda: {"wall_s": before + time.perf_counter() - t0, "config": config,
+                    "commit": commit, "resumed_after_s": before}
+  stop = threading.Event()
+
+  def heartbeat():
+    while not stop.wait(heartbeat_s):
+      _write_json(progress, record())
+
+  _write_json(progress, record())
+  beat = threading.Thread(target=heartbeat, daemon=True)
+  beat.start()
+  try:
+    run()
+  finally:
+    stop.set()
+    beat.join()
+  done = record()
+  _write_json(marker, done)
+  os.remove(progress)
+  return done["wall_s"]
 
 
 def _run_commit(workdir: str) -> str:

@@ -1,6 +1,8 @@
 """The hierarchy ablation's configs: every variant runs the same experiment but for its wiring."""
 
 import json
+import os
+import time
 
 import pytest
 
@@ -152,6 +154,47 @@ def test_reuse_refuses_a_changed_config_or_commit(load_benchmark):
   sweep.check_reusable(done, config, "def", any_commit=True)
   with pytest.raises(ValueError, match="config differs"):  # A run from before configs were kept.
     sweep.check_reusable(dict(wall_s=1.0), config, "abc")
+
+
+def test_reuse_resumes_an_unfinished_run_and_counts_its_earlier_time(load_benchmark, tmp_path):
+  """An invocation stopped mid-run (a session's end) leaves progress.json: --reuse goes on in
+  the same workdir (the run resumes from its checkpoints) and adds the time already spent;
+  a changed config is refused; without --reuse the run starts from scratch."""
+  sweep = load_benchmark("hierarchy_sweep")
+  config = sweep.config_record(mgrpo_config.get_config("task=multihop,smoke,variant=mgrpo"))
+  workdir = str(tmp_path / "run")
+  checkpoint = os.path.join(workdir, "checkpoint")
+
+  class Stopped(Exception):
+    pass
+
+  def first():  # Writes a "checkpoint", then the invocation ends before the run does.
+    open(checkpoint, "w").close()
+    time.sleep(0.3)
+    raise Stopped
+
+  t0 = time.perf_counter()
+  with pytest.raises(Stopped):
+    sweep._timed(workdir, first, config, reuse=True, heartbeat_s=0.05)
+  elapsed = time.perf_counter() - t0
+  assert not os.path.exists(os.path.join(workdir, "done.json"))
+  with open(os.path.join(workdir, "progress.json")) as f:
+    spent = json.load(f)["wall_s"]  # The last heartbeat's count.
+  assert 0.1 <= spent <= elapsed
+  changed = json.loads(json.dumps(config))
+  changed["num_steps"] += 1
+  with pytest.raises(ValueError, match=r"unfinished run's config differs in num_steps"):
+    sweep._timed(workdir, lambda: None, changed, reuse=True)
+  resumed = []
+  wall = sweep._timed(workdir, lambda: resumed.append(os.path.exists(checkpoint)), config,
+                      reuse=True)
+  assert resumed == [True] and wall >= spent
+  with open(os.path.join(workdir, "done.json")) as f:
+    assert json.load(f)["resumed_after_s"] == spent
+  assert not os.path.exists(os.path.join(workdir, "progress.json"))
+  assert sweep._timed(workdir, lambda: None, config, reuse=True) == wall  # Finished: kept.
+  sweep._timed(workdir, lambda: resumed.append(os.path.exists(checkpoint)), config, reuse=False)
+  assert resumed == [True, False]  # From scratch.
 
 
 def test_power_analysis_and_verdict(load_benchmark):
