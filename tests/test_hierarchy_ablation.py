@@ -175,7 +175,7 @@ def test_reuse_resumes_an_unfinished_run_and_counts_its_earlier_time(load_benchm
 
   t0 = time.perf_counter()
   with pytest.raises(Stopped):
-    sweep._timed(workdir, first, config, reuse=True, heartbeat_s=0.05)
+    sweep._timed(workdir, first, config, reuse=True, any_commit=False, heartbeat_s=0.05)
   elapsed = time.perf_counter() - t0
   assert not os.path.exists(os.path.join(workdir, "done.json"))
   with open(os.path.join(workdir, "progress.json")) as f:
@@ -184,16 +184,18 @@ def test_reuse_resumes_an_unfinished_run_and_counts_its_earlier_time(load_benchm
   changed = json.loads(json.dumps(config))
   changed["num_steps"] += 1
   with pytest.raises(ValueError, match=r"unfinished run's config differs in num_steps"):
-    sweep._timed(workdir, lambda: None, changed, reuse=True)
+    sweep._timed(workdir, lambda: None, changed, reuse=True, any_commit=False)
   resumed = []
   wall = sweep._timed(workdir, lambda: resumed.append(os.path.exists(checkpoint)), config,
-                      reuse=True)
+                      reuse=True, any_commit=False)
   assert resumed == [True] and wall >= spent
   with open(os.path.join(workdir, "done.json")) as f:
     assert json.load(f)["resumed_after_s"] == spent
   assert not os.path.exists(os.path.join(workdir, "progress.json"))
-  assert sweep._timed(workdir, lambda: None, config, reuse=True) == wall  # Finished: kept.
-  sweep._timed(workdir, lambda: resumed.append(os.path.exists(checkpoint)), config, reuse=False)
+  kept = sweep._timed(workdir, lambda: None, config, reuse=True, any_commit=False)
+  assert kept == wall  # Finished: kept.
+  sweep._timed(workdir, lambda: resumed.append(os.path.exists(checkpoint)), config, reuse=False,
+               any_commit=False)
   assert resumed == [True, False]  # From scratch.
 
 
