@@ -13,6 +13,7 @@ import pathlib
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.compilation_cache import compilation_cache
 from jax._src.cudnn import fused_attention_stablehlo
 import pytest
 
@@ -35,12 +36,15 @@ pytestmark = pytest.mark.xdist_group("gpu_compile")
 
 @pytest.fixture(scope="module", autouse=True)
 def no_persistent_cache():
-  """Compiles without the suite's persistent cache (conftest.py): an executable compiled
-  without a GPU client cannot be loaded back from it, and jax would warn at each lookup."""
+  """Compiles without the suite's persistent cache (conftest.py): a deviceless compile looks
+  up entries it cannot load without a GPU client (jax warns), e.g. a CPU test's program of
+  the same name. jax decides once per process whether the cache is used: reset it around."""
   before = jax.config.jax_enable_compilation_cache
   jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()
   yield
   jax.config.update("jax_enable_compilation_cache", before)
+  compilation_cache.reset_cache()
 
 
 def _devices(count: int, target: str = "h100_sxm"):
