@@ -238,7 +238,7 @@ def _multihop(c, size: str, full_context: bool = False):
   if size == "gpu":
     c.world.update(num_people=400, num_orgs=200, num_places=200, num_works=200,
                    filler_sentences=(40, 56), num_questions=8000, search_k=3)
-    c.limits.update(max_turns=12, max_new_tokens=256, max_len=4096, max_delegations=6)
+    c.limits.update(max_turns=12, max_new_tokens=256, max_len=5120, max_delegations=6)
     c.num_queries, c.num_rollouts, c.align_d = 8, 8, 4
     c.num_steps, c.eval_every, c.num_eval_questions, c.checkpoint_every = 200, 20, 512, 20
     if full_context:
@@ -255,7 +255,7 @@ def _multihop(c, size: str, full_context: bool = False):
   for mc in (c.main_model, c.sub_model):
     mc.max_tokens_per_micro = max(1024, FULL_CONTEXT_LEN[size] if full_context else 0)
   # D = 3: the experts delegate 2.75 times per question on average (1-4 pages). Q = 3 (not
-  # the demo's 4) keeps the 5 variants x 5 seeds sweep at about 71 minutes on 2 cores.
+  # the demo's 4) kept the 5 variants x 5 seeds sweep at about 71 minutes on 2 cores (byte+world).
   c.num_queries, c.num_rollouts, c.align_d = 3, 8, 3
   c.main_optim.learning_rate = c.sub_optim.learning_rate = 2e-4
   # Evaluations answer every test question (286 at this size; the sweep's power analysis).
