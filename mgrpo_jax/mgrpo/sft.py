@@ -10,6 +10,7 @@ RL config starts from with `init=<workdir>`.
 
 import dataclasses
 import os
+import re
 
 import jax
 import ml_collections
@@ -22,7 +23,7 @@ from mgrpo_jax import loop, sharding, trainable
 from mgrpo_jax import workdir as workdir_lib
 from mgrpo_jax.mgrpo import play, setup, tasks
 from mgrpo_jax.mgrpo import step as mgrpo_step
-from mgrpo_jax.envs import search
+from mgrpo_jax.envs import search, world
 from mgrpo_jax.rl import batch as batch_lib
 from mgrpo_jax.rl import rewards
 
@@ -32,21 +33,57 @@ _RANGES = {"sft.num_questions": checks.at_least(1), "sft.expert_noise": checks.P
            "sft.corpus_weight": checks.NONNEGATIVE, "sft.num_steps": checks.at_least(1),
            "sft.batch_size": checks.at_least(1), "sft.learning_rate": checks.POSITIVE,
            "sft.weight_decay": checks.NONNEGATIVE, "sft.eval_every": checks.at_least(1),
-           "sft.checkpoint_every": checks.at_least(1)}
+           "sft.checkpoint_every": checks.at_least(1),
+           "sft.other_worlds": checks.NONNEGATIVE}
 
 
-def expert_episodes(c, w: setup.Wiring, env, *, seed: int) -> dict[str, list]:
-  """Expert traces on the training questions, per agent (format-valid ones only)."""
+def expert_episodes(c, w: setup.Wiring, env, *, seed: int, others=()) -> dict[str, list]:
+  """Expert traces per agent (format-valid ones only), on `sft.num_questions` questions.
+
+  Without `others` they are the training questions' (cycled). With other worlds
+  (`tasks.other_world_env`) the questions are shared evenly between the training split and
+  each other world's questions: a name is then seen in a few traces only, far more names
+  than a tiny model can memorise, so it learns to copy a name from its context rather than
+  to recall one (issue 32: with only the 140 training entities, the warm start wrote a
+  training name that began like the held-out question's). An other world's trace that names
+  one of `env.held_out_names` (two invented worlds can share a word) is dropped.
+  """
   sft = c.sft
-  policies = play.expert_policies(c, w, env, noise=sft.expert_noise, seed=seed)
-  questions = [env.train[i % len(env.train)] for i in range(sft.num_questions)]
-  eps, sub_eps = play.run_rollouts(c, w, env, policies, questions, num_rollouts=1,
-                                   key=jax.random.key(seed), step=0)
+  sources = [(env, env.train)] + [(o, o.train + o.test) for o in others]
+  counts = world.allocate(sft.num_questions, [1.0] * len(sources))
+  names = _names_pattern(env.held_out_names)
   keep = lambda es: [e for e in es if e.format_ok and (not sft.only_correct or _correct(e))]
   out = {name: [] for name in w.agents}
-  for role, role_eps in zip(w.roles, (eps, sub_eps)):
-    out[w.agent_of[role]] += keep(role_eps)  # 'shared': one agent learns both roles.
+  for i, ((source_env, pool), n) in enumerate(zip(sources, counts)):
+    if not n:
+      continue
+    # The training world keeps the seeds it had before other worlds existed.
+    policies = play.expert_policies(c, w, source_env, noise=sft.expert_noise, seed=seed + i)
+    questions = [pool[j % len(pool)] for j in range(n)]
+    key = jax.random.fold_in(jax.random.key(seed), i) if i else jax.random.key(seed)
+    eps, sub_eps = play.run_rollouts(c, w, source_env, policies, questions, num_rollouts=1,
+                                     key=key, step=0)
+    if i and names:
+      eps, sub_eps = _without_names(eps, sub_eps, names, env.tokenizer)
+    for role, role_eps in zip(w.roles, (eps, sub_eps)):
+      out[w.agent_of[role]] += keep(role_eps)  # 'shared': one agent learns both roles.
   return out
+
+
+def _names_pattern(names) -> re.Pattern | None:
+  """Matches any of `names` as whole words."""
+  if not names:
+    return None
+  return re.compile(r"\b(?:" + "|".join(re.escape(n) for n in sorted(names, key=len)[::-1])
+                    + r")\b")
+
+
+def _without_names(eps, sub_eps, names: re.Pattern, tokenizer) -> tuple[list, list]:
+  """Drops the questions (main and sub episodes together) whose text matches `names`."""
+  bad = {e.q for e in list(eps) + list(sub_eps) if names.search(tokenizer.decode(e.tokens))}
+  if bad:
+    logging.info("sft: dropped %d other-world questions naming a held-out entity.", len(bad))
+  return [e for e in eps if e.q not in bad], [e for e in sub_eps if e.q not in bad]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,21 +101,24 @@ class TextRow:
     return np.zeros(len(self.tokens), np.float32)
 
 
-def corpus_rows(env) -> list[TextRow]:
-  """Every page of the world as the tools show it: pretraining text for the warm start.
+def corpus_rows(env, others=()) -> list[TextRow]:
+  """Every training page as the tools show it, and every page of the other worlds (those
+  naming none of `env.held_out_names`): pretraining text for the warm start.
 
   A row is the search reply for the page's title, then the page as the visit tool shows it.
-  The traces name only the training questions' entities; the pages name every entity and
-  doc id, so every name's embedding is trained, held-out ones included, and in the right
-  way: the page repeats its subject and the hit's doc id and title, which are copied from
-  earlier in the row, as the agents must copy them (a doc id seen only where it cannot be
-  predicted would be trained only towards the prior of all doc ids).
+  The page repeats its subject and the hit's doc id and title, which are copied from earlier
+  in the row, as the agents must copy them (a doc id seen only where it cannot be predicted
+  would be trained only towards the prior of all doc ids).
   """
+  names = _names_pattern(env.held_out_names)
   rows = []
-  for d in env.documents:
-    hits = search.format_hits(env.index.search(d.title, k=1))
-    text = f"{hits}\n[{d.doc_id}] {d.title}\n{d.text}"
-    rows.append(TextRow(np.asarray(env.tokenizer.encode(text), np.int32)))
+  for i, source in enumerate([env, *others]):
+    for d in source.documents:
+      hits = search.format_hits(source.index.search(d.title, k=1))
+      text = f"{hits}\n[{d.doc_id}] {d.title}\n{d.text}"
+      if i and names and names.search(text):
+        continue
+      rows.append(TextRow(np.asarray(env.tokenizer.encode(text), np.int32)))
   return rows
 
 
@@ -122,8 +162,13 @@ def train_sft(c: ml_collections.ConfigDict, workdir: str) -> dict:
   setup.check_task(c, w, env)
   logging.info("sft: the scripted experts solve %d training questions (the warm start's "
                "traces).", sft.num_questions)
-  data = expert_episodes(c, w, env, seed=c.seed)
-  corpus = corpus_rows(env) if sft.corpus_weight else []
+  per_world = -(-sft.num_questions // (sft.other_worlds + 1))
+  others = [tasks.other_world_env(c, k, per_world) for k in range(sft.other_worlds)]
+  if others:
+    logging.info("sft: the traces are shared by the training split and %d other worlds "
+                 "(%d questions each).", len(others), per_world)
+  data = expert_episodes(c, w, env, seed=c.seed, others=others)
+  corpus = corpus_rows(env, others) if sft.corpus_weight else []
   # Per agent, the other roles' traces (built once: the list is as long as the data).
   others = {name: [e for other, eps in data.items() if other != name for e in eps]
             for name in data}

@@ -29,6 +29,7 @@ class Env:
   tools: dict
   documents: tuple = ()  # The world's pages (the SFT corpus), whatever `index` searches.
   valid: list = dataclasses.field(default_factory=list)  # Tuning questions (world.holdout).
+  held_out_names: tuple = ()  # Names of the validation and test parts' entities.
 
 
 def build_env(c: ml_collections.ConfigDict) -> Env:
@@ -46,12 +47,13 @@ def build_env(c: ml_collections.ConfigDict) -> Env:
   else:
     questions = world.make_questions(the_world, num=w.num_questions,
                                      hop_weights=tuple(w.hop_weights), seed=w.seed)
-  documents, valid = the_world.documents, []
+  documents, valid, held_out = the_world.documents, [], ()
   if sum(w.holdout) > 0:
     # Split by whole chains; the warm start's corpus is the training pages only.
     parts = world.split_by_part(the_world, questions)
     train, valid, test = parts["train"], parts["valid"], parts["test"]
     documents = world.part_documents(the_world, "train")
+    held_out = tuple(e.name for e in the_world.entities if e.part != "train")
   else:
     train, test = world.split_questions(questions, w.test_fraction, seed=w.seed)
   index = retrieval.make_retriever(c.retrieval, the_world.documents)
@@ -60,7 +62,25 @@ def build_env(c: ml_collections.ConfigDict) -> Env:
                python=python_tool.PythonTool())
   spec = tokenizer_spec(c)
   tokenizer = tk.load_tokenizer(spec, words=tokenizer_words(spec, the_world))
-  return Env(tokenizer, train, test, index, tools, documents, valid)
+  return Env(tokenizer, train, test, index, tools, documents, valid, held_out)
+
+
+# Another world's seed is the task's plus a multiple of this (other_world_env).
+OTHER_WORLD_SEED_STRIDE = 1_000
+
+
+def other_world_env(c: ml_collections.ConfigDict, k: int, num_questions: int) -> Env:
+  """The task on its k-th other world (k >= 0): the same config with another world seed, no
+  held-out parts and `num_questions` questions (train and test together), so other
+  entities, names and pages, all of them training material for the warm start
+  (`sft.other_worlds`): no question or page of `build_env(c)` is among them."""
+  if is_qa(c):
+    raise checks.ConfigValueError("config.sft.other_worlds needs a generated world "
+                                  "(task=multihop or the default world); task=qa has none.")
+  other = c.copy_and_resolve_references()
+  other.world.seed = c.world.seed + OTHER_WORLD_SEED_STRIDE * (k + 1)
+  other.world.update(holdout=(0.0, 0.0), num_questions=num_questions)
+  return build_env(other)
 
 
 def world_config(c: ml_collections.ConfigDict) -> world.WorldConfig:
