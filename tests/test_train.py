@@ -165,7 +165,7 @@ def test_sft_resume_is_bit_identical_and_learns(tmp_path):
   def cfg(steps):
     c = sft_config.get_config("smoke,variant=single")
     c.sft.update(num_steps=steps, eval_every=100, checkpoint_every=1, batch_size=8,
-                 num_questions=6)
+                 num_questions=6, other_worlds=1)  # Half the traces from another world.
     return c
   straight, resumed = str(tmp_path / "a"), str(tmp_path / "b")
   sft.train_sft(cfg(4), straight)
@@ -174,6 +174,12 @@ def test_sft_resume_is_bit_identical_and_learns(tmp_path):
   a, b = _lines(straight), _lines(resumed)
   assert [m["step"] for m in b] == [0, 1, 2, 3, 4] and a == b
   assert a[3]["sft/single/nll"] < a[0]["sft/single/nll"]
+
+
+def test_other_worlds_need_a_generated_world():
+  c = sft_config.get_config("task=qa,smoke")
+  with pytest.raises(checks.ConfigValueError, match=r"sft\.other_worlds.*task=qa"):
+    tasks.other_world_env(c, 0, num_questions=10)
 
 
 def _adapter_bytes(workdir, name):

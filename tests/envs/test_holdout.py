@@ -1,10 +1,14 @@
 """Issue 32's task: held-out parts of the world, the leak check over every page, the guesser."""
 
+import dataclasses
+import re
+
 import pytest
 
 from configs import mgrpo as mgrpo_config
+from configs import sft as sft_config
 from mgrpo_jax import tokenizer as tk
-from mgrpo_jax.mgrpo import tasks
+from mgrpo_jax.mgrpo import setup, sft, tasks
 from mgrpo_jax.agents import experts
 from mgrpo_jax.envs import multihop, search
 from mgrpo_jax.envs import world as world_lib
@@ -90,6 +94,59 @@ def test_held_out_questions_need_no_token_that_training_never_shows(cpu_task):
   one_id_per_name = tk.load_tokenizer(
       "byte+world", words=tasks.tokenizer_words("byte+world", the_world))
   assert ids(one_id_per_name, held, held_pages) - ids(one_id_per_name, env.train, env.documents)
+
+
+def _naming(names):
+  """Whether a text names one of `names` (whole words)."""
+  pattern = re.compile("|".join(rf"\b{re.escape(n)}\b" for n in names))
+  return lambda text: bool(pattern.search(text))
+
+
+def test_warm_start_other_worlds_bring_new_names_and_no_held_out_one(cpu_task):
+  """sft.other_worlds: the traces and pages of other generated worlds, whose names are not
+  the task's (a tiny model cannot memorise them all, so it learns to copy), and none of
+  whose kept rows names a held-out entity (two invented worlds can share a word)."""
+  c = sft_config.get_config("task=multihop,runlocal")
+  env = cpu_task[1]
+  assert tasks.world_config(c) == tasks.world_config(cpu_task[0])
+  c.sft.update(num_questions=90, other_worlds=2)
+  w = setup.resolve_wiring(c, training=False)
+  others = [tasks.other_world_env(c, k, num_questions=30) for k in range(2)]
+  own = {d.title for d in env.documents} | set(env.held_out_names)
+  assert len(env.held_out_names) == 60
+  for o in others:
+    titles = {d.title for d in o.documents}
+    assert len(o.train) + len(o.test) == 30 and not o.valid and len(titles) == 200
+    assert len(titles & own) <= 4, titles & own  # Another world: other names.
+
+  # The training world's own traces may name a held-out entity (a search hit's title, as
+  # the instrument's table says), so these checks read the other worlds' rows only.
+  held = _naming(env.held_out_names)
+  data = sft.expert_episodes(c, w, env, seed=0, others=others)
+  texts = [env.tokenizer.decode(e.tokens) for eps in data.values() for e in eps]
+  other_questions = {q.text for o in others for q in o.train + o.test}
+  asked = {e.task.text for e in data["main"]}
+  assert {q.text for q in env.train} & asked and all(
+      {q.text for q in o.train + o.test} & asked for o in others)
+  assert not any(held(env.tokenizer.decode(e.tokens)) for e in data["main"]
+                 if e.task.text in other_questions)
+  rows = [env.tokenizer.decode(r.tokens) for r in sft.corpus_rows(env, others)]
+  assert rows[:len(env.documents)] == [
+      env.tokenizer.decode(r.tokens) for r in sft.corpus_rows(env)]
+  assert 0 < len(rows) - len(env.documents) <= 400
+  assert not any(map(held, rows[len(env.documents):]))
+
+  # The filter is what keeps them out, from every row (the sub-agent's too): call some of
+  # the first other world's names held out.
+  planted = tuple(q.hops[0].entity for q in others[0].train[:5])
+  assert any(map(_naming(planted), texts))
+  planted_env = dataclasses.replace(env, held_out_names=planted)
+  data = sft.expert_episodes(c, w, planted_env, seed=0, others=others)
+  assert not any(_naming(planted)(env.tokenizer.decode(e.tokens))
+                 for eps in data.values() for e in eps)
+  assert any(map(_naming(planted), rows))
+  assert not any(_naming(planted)(env.tokenizer.decode(r.tokens))
+                 for r in sft.corpus_rows(planted_env, others))
 
 
 def _world(pages: dict[str, str]) -> world_lib.World:
