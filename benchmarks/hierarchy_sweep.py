@@ -305,16 +305,6 @@ def no_tool_run() -> dict:
               "'earlier' comparisons", evals=[{"step": 0, **out[c.eval_split]}], splits=out)
 
 
-def _sub_call_correct(ep, question) -> bool:
-  """A sub-agent call is right when it was asked about an entity of the question's chain and
-  its result contains that hop's answer (normalised)."""
-  subtask = ep.task.subtask.lower()
-  hop = next((h for h in question.hops if h.entity.lower() in subtask), None)
-  if hop is None or not ep.format_ok:
-    return False
-  return rewards.normalize_answer(hop.answer) in rewards.normalize_answer(ep.final or "")
-
-
 @dataclasses.dataclass(frozen=True)
 class _Disabled:
   """A tool that answers every call with an error: closed-book evaluation."""
@@ -340,15 +330,9 @@ def question_log(c, *, closed_book: bool = False) -> dict:
   policies = play.make_policies(c, w, env, agents, c.eval_sampling, version=0)
   eps, sub_eps = play.run_rollouts(c, w, env, policies, questions, num_rollouts=1,
                                    key=keys.eval_key(c, 0), step=0)
-  outcome = hierarchy.main_outcomes(eps, [q.answer for q in questions], len(questions), 1,
+  outcome = hierarchy.main_outcomes(eps, [q.answers for q in questions], len(questions), 1,
                                     alpha=tuple(c.alpha))
-  correct = [bool(x) for x in np.asarray(outcome.correct)[:, 0]]
-  calls = [dict(q=ep.q, call=ep.call, correct=_sub_call_correct(ep, questions[ep.q]))
-           for ep in sub_eps]
-  return dict(question_ids=[q.id for q in questions], correct=correct, sub_calls=calls,
-              accuracy=round(float(np.mean(correct)), 4),
-              sub_call_accuracy=round(float(np.mean([x["correct"] for x in calls])), 4)
-              if calls else None)
+  return play.question_record(questions, outcome.correct[:, 0], sub_eps)
 
 
 def closed_book_run(init: str) -> dict:
@@ -365,7 +349,13 @@ def closed_book_run(init: str) -> dict:
 
 
 def _final_questions(c, workdir: str) -> dict:
-  """question_log of a finished run's final weights (its HF export), kept beside the run."""
+  """The per-question record of a finished run's final evaluation (`play.questions_path`);
+  a run from before the programs wrote one gets question_log of its final weights (its HF
+  export), kept beside the run."""
+  path = play.questions_path(workdir, c.num_steps)
+  if os.path.exists(path):
+    with open(path) as f:
+      return json.load(f)
   path = os.path.join(workdir, "questions.json")
   if not os.path.exists(path):
     final = c.copy_and_resolve_references()

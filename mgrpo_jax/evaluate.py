@@ -16,6 +16,9 @@ from mgrpo_jax import workdir as workdir_lib
 from mgrpo_jax.mgrpo import delegation, play, setup, tasks
 from mgrpo_jax.magrpo import step as magrpo_step
 
+# Beside eval.json: each question's correctness and each sub-agent call's (M-GRPO configs).
+QUESTIONS_FILE = "eval_questions.json"
+
 
 def _restore_pair(agents: dict, run, workdir: str) -> int:
   """Loads each role from `<run>/<role>/checkpoints` at the newest step all of them have."""
@@ -63,7 +66,8 @@ def _run_magrpo(c: ml_collections.ConfigDict, workdir: str) -> dict:
 
 
 def run(c: ml_collections.ConfigDict, workdir: str, *, run_location=None) -> dict:
-  """Evaluates and writes `workdir/eval.json` (accuracy, format rate, turns, delegations).
+  """Evaluates and writes `workdir/eval.json` (accuracy, format rate, turns, delegations)
+  and, for M-GRPO configs, `QUESTIONS_FILE` (each question's correctness).
 
   The weights: the latest checkpoint in `workdir/checkpoints` (a colocated run's), or
   with `run_location` the latest pair of a decoupled run (the newest step that both
@@ -91,7 +95,8 @@ def run(c: ml_collections.ConfigDict, workdir: str, *, run_location=None) -> dic
   elif run_location is not None:
     raise checks.ConfigValueError("config.policy='expert' evaluates the scripted experts; "
                                   "drop --run.")
-  metrics = play.evaluate(c, w, env, agents, step=step)
+  metrics = play.evaluate(c, w, env, agents, step=step,
+                          questions_file=os.path.join(workdir, QUESTIONS_FILE))
   result = {"accuracy": metrics["eval/accuracy"], "step": step, "policy": c.policy,
             "variant": c.variant, "num_questions": min(c.num_eval_questions, len(env.test)),
             **{k.removeprefix("eval/"): v for k, v in metrics.items()}}

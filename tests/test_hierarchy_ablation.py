@@ -8,7 +8,7 @@ import pytest
 
 from configs import mgrpo as mgrpo_config
 from configs import sft as sft_config
-from mgrpo_jax.mgrpo import play, setup
+from mgrpo_jax.mgrpo import play, setup, tasks
 from mgrpo_jax.mgrpo import step as mgrpo_step
 
 
@@ -251,3 +251,27 @@ def test_question_level_tests_by_hand(load_benchmark):
                       questions=dict(question_ids=["x"], correct=[True])))
   with pytest.raises(ValueError, match="different questions"):
     sweep.question_tests(records, "mgrpo", "frozen_sub")
+
+
+def test_evaluation_records_each_question_in_order(tmp_path):
+  """play.evaluate's per-question record (what the sweep's question-level tests read) agrees
+  with its metrics question by question: overall, by pages needed, and one sub-agent call
+  per delegation. Slipping experts make the correctness vary."""
+  c = mgrpo_config.get_config("task=multihop,smoke,policy=expert")
+  c.update(expert_noise=0.3, num_eval_questions=24)
+  w = setup.resolve_wiring(c, training=False)
+  env = tasks.build_env(c)
+  path = play.questions_path(str(tmp_path), 7)
+  m = play.evaluate(c, w, env, {}, step=7, questions_file=path)
+  with open(path) as f:
+    rec = json.load(f)
+  questions = tasks.eval_questions(c, env)
+  assert rec["step"] == 7 and rec["question_ids"] == [q.id for q in questions]
+  assert 0 < sum(rec["correct"]) < len(questions)
+  assert rec["accuracy"] == pytest.approx(m["eval/accuracy"], abs=1e-4)
+  for hops in {len(q.hops) for q in questions}:
+    right = [ok for ok, q in zip(rec["correct"], questions) if len(q.hops) == hops]
+    assert sum(right) / len(right) == pytest.approx(m[f"eval/accuracy_hops{hops}"])
+  assert len(rec["sub_calls"]) == round(m["eval/delegations"] * len(questions))
+  assert 0 < rec["sub_call_accuracy"] < 1
+  assert {x["q"] for x in rec["sub_calls"]} <= set(range(len(questions)))

@@ -14,7 +14,7 @@ import pytest
 from configs import mgrpo, sft as sft_config
 from mgrpo_jax import evaluate, hf_demo, metrics
 from mgrpo_jax import workdir as workdir_lib
-from mgrpo_jax.mgrpo import colocated, sft, tasks
+from mgrpo_jax.mgrpo import colocated, play, sft, tasks
 from mgrpo_jax import tokenizer as tk
 
 MUSIQUE = str(pathlib.Path(__file__).parent / "data" / "qa" / "musique.jsonl")
@@ -42,6 +42,13 @@ def test_warm_start_two_mgrpo_steps_and_evaluation(tmp_path):
   assert result["step"] == 2 and result["num_questions"] == 4
   assert {"accuracy", "f1", "retrieval_recall", "retrieval_recall_hop2"} <= set(result)
   assert json.load(open(os.path.join(rl, "eval.json")))["f1"] == result["f1"]
+  # The run's final evaluation recorded what evaluating its final weights records (the
+  # hierarchy sweep reads it instead of evaluating those weights again).
+  with open(os.path.join(rl, evaluate.QUESTIONS_FILE)) as f:
+    again = json.load(f)
+  with open(play.questions_path(rl, 2)) as f:
+    final = json.load(f)
+  assert len(final["question_ids"]) == 4 and final == again
   assert sorted(os.listdir(os.path.join(rl, "hf"))) == ["main", "sub"]
 
 

@@ -55,6 +55,7 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict:
   schedule = loop.Schedule(c.num_steps, c.eval_every, c.checkpoint_every, c.log_every)
   return loop.train_loop(
       workdir, agents, ckpt, schedule, start=start, update=update,
-      evaluate=lambda step: play.evaluate(c, w, env, agents, step=step),
+      evaluate=lambda step: play.evaluate(c, w, env, agents, step=step,
+                                          questions_file=play.questions_path(workdir, step)),
       tokenizer=env.tokenizer, desc=c.variant,
       show=("main/reward", "single/reward", "eval/accuracy"))

@@ -83,7 +83,8 @@ def run_main_agent(c, workdir: str, run, *, timeout_s: float = 600.0) -> None:
     def evaluate(step: int) -> dict:
       svc = delegation.ExchangeSubAgent(ex, step=delegation.EVAL_STEP_BASE + step,
                                         timeout_s=timeout_s)
-      m = play.evaluate(c, w, env, agents, step=step, service=svc)
+      m = play.evaluate(c, w, env, agents, step=step, service=svc,
+                        questions_file=play.questions_path(workdir, step))
       ex.mark("rollouts_done", delegation.EVAL_STEP_BASE + step, {"waves": svc.waves})
       return m
 

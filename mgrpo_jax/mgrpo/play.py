@@ -5,6 +5,9 @@ Who serves the delegations is the caller's: the colocated program passes the in-
 `ExchangeSubAgent` (`delegation`).
 """
 
+import json
+import os
+
 import jax
 import numpy as np
 
@@ -12,6 +15,7 @@ from mgrpo_jax import keys
 from mgrpo_jax.agents import experts, qa_experts, rollout
 from mgrpo_jax.config_checks import ConfigValueError
 from mgrpo_jax.envs import qa
+from mgrpo_jax.rl import rewards
 from mgrpo_jax.mgrpo.tasks import Env, eval_questions
 from mgrpo_jax.mgrpo.setup import Wiring
 from mgrpo_jax.mgrpo import hierarchy
@@ -104,14 +108,24 @@ def episode_metrics(prefix: str, eps, outcome=None) -> dict:
 
 
 def evaluate(c, w: Wiring, env: Env, agents: dict, *, step: int, questions=None,
-             service=None) -> dict:
-  """Held-out accuracy, format rate, turns and delegations per episode (greedy by default)."""
+             service=None, questions_file: str = "") -> dict:
+  """Held-out accuracy, format rate, turns and delegations per episode (greedy by default).
+
+  `questions_file`: where process 0 writes each question's correctness and each sub-agent
+  call's (`question_record`), for question-level comparisons between runs.
+  """
   questions = eval_questions(c, env) if questions is None else questions
   policies = make_policies(c, w, env, agents, c.eval_sampling, version=step)
   eps, sub_eps = run_rollouts(c, w, env, policies, questions, num_rollouts=1,
                               key=keys.eval_key(c, step), step=step, service=service)
   outcome = hierarchy.main_outcomes(eps, [q.answers for q in questions], len(questions), 1,
                                     alpha=tuple(c.alpha))
+  if questions_file and jax.process_index() == 0:
+    record = dict(step=step, **question_record(questions, outcome.correct[:, 0], sub_eps))
+    os.makedirs(os.path.dirname(questions_file) or ".", exist_ok=True)
+    with open(questions_file + ".tmp", "w") as f:
+      json.dump(record, f)
+    os.replace(questions_file + ".tmp", questions_file)
   m = episode_metrics("eval", eps, outcome)
   m.update(breakdown("eval", eps, outcome.correct[:, 0], questions))
   if "data" in c:  # task=qa: token F1 and the retrieval recall of each hop's support.
@@ -120,6 +134,42 @@ def evaluate(c, w: Wiring, env: Env, agents: dict, *, step: int, questions=None,
     m["eval/sub_format"] = float(np.mean([e.format_ok for e in sub_eps]))
     m["eval/sub_overflow"] = float(np.mean([overflowed(e) for e in sub_eps]))
   return m
+
+
+def questions_path(workdir: str, step: int) -> str:
+  """Where a program writes the per-question record of its evaluation at `step`."""
+  return os.path.join(workdir, "eval_questions", f"step_{step}.json")
+
+
+def question_record(questions, correct_Q, sub_eps) -> dict:
+  """Each question's correctness (in `questions`' order) and each sub-agent call's
+  (`sub_call_correct`). A decoupled main program sees no sub episodes: no calls."""
+  correct = [bool(x) for x in np.asarray(correct_Q)]
+  calls = [dict(q=ep.q, call=ep.call, correct=sub_call_correct(ep, questions[ep.q]))
+           for ep in sub_eps]
+  return dict(question_ids=[q.id for q in questions], correct=correct, sub_calls=calls,
+              accuracy=round(float(np.mean(correct)), 4) if correct else None,
+              sub_call_accuracy=round(float(np.mean([x["correct"] for x in calls])), 4)
+              if calls else None)
+
+
+def sub_call_correct(ep, question) -> bool:
+  """Whether a sub-agent episode answered a hop of `question`'s chain: asked about the hop's
+  entity, its result holds the hop's answer (normalised). Real QA data's hops name no entity:
+  there the result must hold an accepted answer of one of the hops."""
+  if not ep.format_ok:
+    return False
+  result = rewards.normalize_answer(ep.final or "")
+  subtask = ep.task.subtask.lower()
+  for hop in question.hops:
+    entity = getattr(hop, "entity", None)
+    if entity is None:
+      accepted = {rewards.normalize_answer(a) for a in hop.answers} - {""}
+      if any(a in result for a in accepted):
+        return True
+    elif entity.lower() in subtask:
+      return rewards.normalize_answer(hop.answer) in result
+  return False
 
 
 def breakdown(prefix: str, eps, correct_Q, questions) -> dict:

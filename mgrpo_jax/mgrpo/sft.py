@@ -216,6 +216,7 @@ def train_sft(c: ml_collections.ConfigDict, workdir: str) -> dict:
   schedule = loop.Schedule(sft.num_steps, sft.eval_every, sft.checkpoint_every, c.log_every)
   return loop.train_loop(
       workdir, agents, ckpt, schedule, start=start, update=update,
-      evaluate=lambda step: play.evaluate(c, w, env, agents, step=step),
+      evaluate=lambda step: play.evaluate(c, w, env, agents, step=step,
+                                          questions_file=play.questions_path(workdir, step)),
       tokenizer=env.tokenizer, desc="sft",
       show=[f"sft/{n}/nll" for n in agents] + ["eval/accuracy"])
