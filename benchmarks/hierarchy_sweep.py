@@ -37,14 +37,12 @@ baseline that reads nothing by 5 points, the instrument is uninformative and the
 ranks nothing. And `--plot` (PNG): accuracy by step, mean and 95% t-interval per variant.
 """
 
-import collections
 import dataclasses
 import json
 import os
 import platform
 import shutil
 import sys
-import subprocess
 import threading
 import time
 
@@ -56,13 +54,11 @@ from scipy import stats
 
 from configs import mgrpo as mgrpo_config
 from configs import sft as sft_config
-from mgrpo_jax import evaluate, keys, metrics, plotting, sharding
-from mgrpo_jax.agents import experts
-from mgrpo_jax.envs import multihop
-from mgrpo_jax.envs import world as world_lib
+from mgrpo_jax import keys, metrics, plotting, sharding
 from mgrpo_jax.mgrpo import colocated, play, setup, sft, tasks
-from mgrpo_jax.rl import rewards
 from mgrpo_jax.mgrpo import hierarchy
+
+import hierarchy_instrument as hi  # benchmarks/hierarchy_instrument.py
 
 _SIZE = flags.DEFINE_enum("size", "cpu", ["cpu", "gpu", "smoke"], "Task size (configs/mgrpo.py).")
 _SEEDS = flags.DEFINE_integer("seeds", 0, "Seeds per variant (0: the power analysis's number).")
@@ -90,27 +86,14 @@ _INSTRUMENT = flags.DEFINE_bool("instrument", False, "Only the cheap measurement
                                 "splits, leaks, the no-tool guesser, the teacher, the power "
                                 "analysis; writes hierarchy-instrument-<size>.json.")
 
-_FLAG = {"cpu": "runlocal", "gpu": "gpu", "smoke": "smoke"}
+_FLAG, EXTRA = hi.SIZE_FLAG, hi.EXTRA
 # The warm start each variant starts from: variants with the same agents share one.
 WARM_START = {"mgrpo": "mgrpo", "frozen_sub": "mgrpo", "unaligned": "mgrpo",
               "shared": "shared", "single": "single",
               "single_full_context": "single_full_context"}
-# The config arguments of a warm start or control beyond task and size.
-EXTRA = {name: f"variant={variant}" for name, variant in (
-    ("mgrpo", "mgrpo"), ("shared", "shared"), ("single", "single"))}
-EXTRA.update(dict(mgrpo_config.HIERARCHY_CONTROLS))
-
-
-def git_commit() -> str:
-  """HEAD's commit, with "+dirty" when tracked files differ from it ("unknown" outside git)."""
-  try:
-    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                          check=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True, check=True).stdout.strip()
-  except (OSError, subprocess.CalledProcessError):
-    return "unknown"
-  return head + ("+dirty" if dirty else "")
+# Re-exported: the sweep's JSON and tests read them here.
+git_commit, power_analysis, paired_t_power = hi.git_commit, hi.power_analysis, hi.paired_t_power
+session_budget, EFFECT = hi.session_budget, hi.EFFECT
 
 
 def config_record(c) -> dict:
@@ -249,62 +232,6 @@ def rl_run(arg: str, init: str, name: str = "") -> dict:
   return rec
 
 
-# The power analysis, fixed before the runs (issue 32). The paired sd of M-GRPO minus
-# frozen_sub over 5 seeds in the first CPU sweep (hierarchy-sweep-cpu.json at 0ce0b92): 5.4
-# points. It is taken as the sd of the per-seed difference whatever the evaluation size (a
-# conservative reading: part of it was the 128 questions' binomial noise, which a larger
-# evaluation shrinks).
-PAIRED_SD, EFFECT, POWER, ALPHA = 0.054, 0.05, 0.80, 0.05
-
-
-def paired_t_power(n: int, effect: float, sd: float, alpha: float = ALPHA) -> float:
-  """Power of the two-sided paired t-test over `n` pairs to detect a mean difference `effect`
-  when the differences have sd `sd` (non-central t with n - 1 degrees of freedom)."""
-  df, ncp = n - 1, effect / sd * np.sqrt(n)
-  crit = stats.t.ppf(1 - alpha / 2, df)
-  return float(stats.nct.sf(crit, df, ncp) + stats.nct.cdf(-crit, df, ncp))
-
-
-def power_analysis(num_test: int, *, sd: float = PAIRED_SD, effect: float = EFFECT,
-                   power: float = POWER, alpha: float = ALPHA) -> dict:
-  """The seeds (paired by seed) for `power` to see `effect` between M-GRPO and frozen_sub, and
-  the evaluation size: every test question (`num_test`), with its binomial sd at p = 0.5."""
-  n = 2
-  while paired_t_power(n, effect, sd, alpha) < power:
-    n += 1
-  return dict(
-      test="two-sided paired t-test over seeds, unit = seed (M-GRPO minus frozen_sub, same "
-           "seed, same warm start, same test questions)",
-      paired_sd=sd, paired_sd_source="hierarchy-sweep-cpu.json at 0ce0b92: M-GRPO minus "
-      "frozen_sub, 5 seeds, final accuracy (+4.5 +- 6.7 points)", effect=effect, alpha=alpha,
-      target_power=power, seeds=n, power_at_seeds=round(paired_t_power(n, effect, sd, alpha), 4),
-      power_at_seeds_minus_1=round(paired_t_power(n - 1, effect, sd, alpha), 4),
-      normal_approximation_seeds=round(((stats.norm.ppf(1 - alpha / 2) + stats.norm.ppf(power))
-                                        * sd / effect) ** 2, 2),
-      eval_questions=num_test,
-      eval_binomial_sd_at_half=round(float(np.sqrt(0.25 / num_test)), 4),
-      computation="smallest n with P(|T| > t_{1-alpha/2, n-1}) >= power, T ~ noncentral t(n-1, "
-                  "effect / sd * sqrt(n)) (scipy.stats.nct); evaluation on the whole test split")
-
-
-def no_tool_run() -> dict:
-  """The guesser that reads nothing (envs.multihop.no_tool_guesser) on the eval questions."""
-  c = mgrpo_config.get_config(f"task=multihop,{_FLAG[_SIZE.value]}")
-  c.eval_split = _EVAL_SPLIT.value
-  env = tasks.build_env(c)
-  guess = multihop.no_tool_guesser(env.train)
-  out = {}
-  for split in ("valid", "test"):
-    questions = getattr(env, split)[:c.num_eval_questions]
-    right = [bool(rewards.exact_match(guess(q), q.answer)) for q in questions]
-    out[split] = dict(accuracy=round(float(np.mean(right)), 4) if right else None,
-                      questions=len(right))
-  return dict(kind="no_tool", variant="no_tool", config=f"configs/mgrpo.py:task=multihop,"
-              f"{_FLAG[_SIZE.value]}", rule="majority training answer per (template, final "
-              "attribute), else per attribute; 'no' for yes/no; the first-named entity for "
-              "'earlier' comparisons", evals=[{"step": 0, **out[c.eval_split]}], splits=out)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Disabled:
   """A tool that answers every call with an error: closed-book evaluation."""
@@ -364,23 +291,6 @@ def _final_questions(c, workdir: str) -> dict:
       json.dump(question_log(final), f)
   with open(path) as f:
     return json.load(f)
-
-
-def expert_run(variant: str, *, teacher: bool = False) -> dict:
-  """The scripted experts under the same budget (no training): noise-free (the ceiling), or
-  with `teacher` slipping as often as the warm start's demonstrations do."""
-  arg = f"task=multihop,{_FLAG[_SIZE.value]},{EXTRA[variant]},policy=expert"
-  c = mgrpo_config.get_config(arg)
-  c.eval_split = _EVAL_SPLIT.value
-  if teacher:
-    c.expert_noise = sft_config.get_config(arg).sft.expert_noise
-  workdir = os.path.join(_WORKDIR.value, f"{'teacher' if teacher else 'expert'}-{variant}")
-  os.makedirs(workdir, exist_ok=True)
-  result = evaluate.run(c, workdir)
-  return dict(kind="teacher" if teacher else "expert", config=f"configs/mgrpo.py:{arg}",
-              expert_noise=c.expert_noise, variant=variant,
-              evals=[{"step": 0, **{k: v for k, v in result.items()
-                                    if isinstance(v, (int, float)) and k != "step"}}])
 
 
 def summarize(records: list[dict]) -> dict:
@@ -550,86 +460,6 @@ def _table(summary: dict) -> str:
   return "\n".join(lines)
 
 
-SESSION_S = 100 * 60  # Each invocation of the sweep must fit 100 minutes on 2 cores.
-
-
-def session_budget(sweep_json: dict, session_s: float = SESSION_S) -> dict:
-  """How many RL runs fit one invocation, from a timed sweep's records: with the warm start
-  (and its closed-book evaluation) in the same invocation, and with them reused."""
-  runs = sweep_json["runs"]
-  warm = sum(r["wall_s"] for r in runs if r["kind"] in ("warm_start", "closed_book"))
-  rl = [r["wall_s"] for r in runs if r["kind"] == "rl"]
-  if not rl:
-    raise ValueError("the timing JSON holds no RL run")
-  per_run = float(np.mean(rl))
-  inv = sweep_json["invocations"][-1]
-  return dict(source=inv["command"], loadavg_at_end=inv["machine"]["loadavg_at_end"],
-              warm_start_and_closed_book_s=round(warm, 1), rl_run_s=round(per_run, 1),
-              rl_runs=[dict(variant=r["variant"], seed=r["seed"], wall_s=r["wall_s"],
-                            rollout_s=r["rollout_s"], update_s=r["update_s"]) for r in runs
-                       if r["kind"] == "rl"],
-              session_s=session_s,
-              runs_per_session_with_warm_start=int((session_s - warm) // per_run),
-              runs_per_session_warm_start_reused=int(session_s // per_run))
-
-
-def instrument(path: str) -> dict:
-  """The cheap measurements (no training): split and leak statistics, the no-tool guesser,
-  the experts noise-free and as the warm start's teacher, the power analysis."""
-  t0 = time.perf_counter()
-  c = mgrpo_config.get_config(f"task=multihop,{_FLAG[_SIZE.value]}")
-  env = tasks.build_env(c)
-  the_world = world_lib.generate_world(tasks.world_config(c))
-  train_pages = {h.doc_id for q in env.train for h in q.hops}
-  held = {s: {h.doc_id for q in getattr(env, s) for h in q.hops} for s in ("valid", "test")}
-  corpus = {d.doc_id for d in env.documents}
-  # How often the page a sub-agent needs is not the first search hit (the choice of hit is
-  # part of its job): each hop's entity searched by name through the tool, as the experts do.
-  ranks = [next((i for i, (doc, _) in enumerate(experts.parse_hits(env.tools["search"](
-      h.entity))) if doc == h.doc_id), None) for q in env.test for h in q.hops]
-  # Search replies in training traces may list a held-out page as a hit (its snippet: one
-  # sentence, which may name a training entity in a distractor); never its facts' pages in a
-  # chain. How often, for the searches the experts make on training questions:
-  held_pages = set().union(*held.values())
-  train_replies = [experts.parse_hits(env.tools["search"](h.entity))
-                   for q in env.train for h in q.hops]
-  splits = dict(
-      train_searches_listing_a_held_out_page=round(float(np.mean(
-          [any(doc in held_pages for doc, _ in hits) for hits in train_replies])), 4),
-      questions={s: len(getattr(env, s)) for s in ("train", "valid", "test")},
-      pages={p: sum(e.part == p for e in the_world.entities) for p in world_lib.PARTS},
-      held_out_pages_in_training_chains={s: len(v & train_pages) for s, v in held.items()},
-      held_out_pages_in_warm_start_corpus={s: len(v & corpus) for s, v in held.items()},
-      leaking_questions=sum(multihop.leaks(the_world, q) for q in env.train + env.valid
-                            + env.test),
-      test_hops={n: sum(len(q.hops) == n for q in env.test) for n in (1, 2, 3, 4)},
-      test_answer_attributes=dict(sorted(collections.Counter(
-          q.hops[-1].attribute for q in env.test).items())),
-      comparisons=sum(bool(q.compare) for q in env.train + env.valid + env.test),
-      search_k=c.world.search_k, name_similarity=c.world.name_similarity,
-      test_hops_own_page_first_hit=round(float(np.mean([r == 0 for r in ranks])), 4),
-      test_hops_own_page_in_hits=round(float(np.mean([r is not None for r in ranks])), 4))
-  c_eval = c.copy_and_resolve_references()
-  records = [no_tool_run()] + [expert_run(v, teacher=t) for t in (False, True)
-                               for v in ("mgrpo", "single", "single_full_context")]
-  out = dict(command=" ".join(["python", "benchmarks/hierarchy_sweep.py"] + sys.argv[1:]),
-             commit=git_commit(), wall_s=round(time.perf_counter() - t0, 1),
-             config=f"configs/mgrpo.py:task=multihop,{_FLAG[_SIZE.value]}",
-             eval_split=c_eval.eval_split, num_eval_questions=min(c.num_eval_questions,
-                                                                  len(env.test)),
-             splits=splits, power_analysis=power_analysis(min(c.num_eval_questions,
-                                                              len(env.test))),
-             baselines=records,
-             machine=dict(cpus=os.cpu_count(), platform=platform.platform(),
-                          loadavg_at_end=[round(x, 2) for x in os.getloadavg()]))
-  if _TIMING.value:
-    with open(_TIMING.value) as f:
-      out["session_budget"] = session_budget(json.load(f))
-  with open(path, "w") as f:
-    json.dump(out, f, indent=1)
-  return out
-
-
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
@@ -637,7 +467,9 @@ def main(argv):
   results = _WORKDIR.value if _SIZE.value == "smoke" else "benchmarks/results"
   if _INSTRUMENT.value:
     path = _OUT.value or os.path.join(results, f"hierarchy-instrument-{_SIZE.value}.json")
-    out = instrument(path)
+    out = hi.instrument(path, _SIZE.value, _WORKDIR.value, timing=_TIMING.value,
+                        command=" ".join(["python", "benchmarks/hierarchy_sweep.py"]
+                                         + sys.argv[1:]))
     print(json.dumps({k: out[k] for k in ("splits", "power_analysis")}, indent=1))
     for r in out["baselines"]:
       print(f"{r['kind']:10s} {r['variant']:10s} accuracy {r['evals'][0]['accuracy']}")
@@ -655,8 +487,7 @@ def main(argv):
   if _ONLY.value:
     args = [(name, a) for name, a in args if name in _ONLY.value]
   t0 = time.perf_counter()
-  records = [no_tool_run()] + [expert_run(v, teacher=t) for t in (False, True)
-                               for v in ("mgrpo", "single", "single_full_context")]
+  records = hi.baselines(_SIZE.value, _EVAL_SPLIT.value, _WORKDIR.value)
   inits = {}
   for variant, arg in args:
     if WARM_START[variant] not in inits:

@@ -227,6 +227,8 @@ def _load_benchmark(name: str):
   if key in sys.modules:
     return sys.modules[key]
   path = pathlib.Path(__file__).parent.parent / "benchmarks" / f"{name}.py"
+  if str(path.parent) not in sys.path:  # As when run: a script imports its siblings.
+    sys.path.append(str(path.parent))
   for flag in re.findall(r'flags\.DEFINE_\w+\(\s*"(\w+)"', path.read_text()):
     if flag in flags.FLAGS:
       delattr(flags.FLAGS, flag)
