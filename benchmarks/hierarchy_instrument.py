@@ -22,7 +22,7 @@ from mgrpo_jax import evaluate
 from mgrpo_jax.agents import experts
 from mgrpo_jax.envs import multihop
 from mgrpo_jax.envs import world as world_lib
-from mgrpo_jax.mgrpo import tasks
+from mgrpo_jax.mgrpo import sft, tasks
 from mgrpo_jax.rl import rewards
 
 # The config flag of each task size.
@@ -150,6 +150,22 @@ def session_budget(sweep_json: dict, session_s: float = SESSION_S) -> dict:
               runs_per_session_warm_start_reused=int(session_s // per_run))
 
 
+def other_worlds(size: str, env: tasks.Env) -> dict:
+  """The warm start's other worlds (`sft.other_worlds`): how many names they bring, how many
+  are the task's, and how many of their pages name a held-out entity (dropped)."""
+  c = sft_config.get_config(f"task=multihop,{SIZE_FLAG[size]}")
+  k = c.sft.other_worlds
+  per_world = -(-c.sft.num_questions // (k + 1))
+  others = [tasks.other_world_env(c, i, per_world) for i in range(k)]
+  titles = [d.title for o in others for d in o.documents]
+  task_names = {d.title for d in env.documents} | set(env.held_out_names)
+  rows = len(sft.corpus_rows(env, others)) - len(env.documents)
+  return dict(worlds=k, questions_per_world=per_world, task_training_pages=len(env.documents),
+              pages=len(titles), distinct_names=len(set(titles)),
+              names_shared_with_the_task=len(set(titles) & task_names),
+              pages_dropped_naming_a_held_out_entity=len(titles) - rows)
+
+
 def instrument(path: str, size: str, workdir: str, *, command: str, timing: str = "") -> dict:
   """The cheap measurements (no training), written to `path`: split and leak statistics,
   `baselines`, the power analysis; with `timing` (a timed sweep's JSON) the session budget."""
@@ -186,6 +202,7 @@ def instrument(path: str, size: str, workdir: str, *, command: str, timing: str 
       search_k=c.world.search_k, name_similarity=c.world.name_similarity,
       test_hops_own_page_first_hit=round(float(np.mean([r == 0 for r in ranks])), 4),
       test_hops_own_page_in_hits=round(float(np.mean([r is not None for r in ranks])), 4))
+  splits["warm_start_other_worlds"] = other_worlds(size, env)
   c_eval = c.copy_and_resolve_references()
   records = baselines(size, c_eval.eval_split, workdir)
   out = dict(command=command,
