@@ -69,8 +69,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.expert_noise = 0.0
   # "" = the checkpoint's own (main_model.hf_path's tokenizer and chat template; "byte"
   # without a checkpoint), "byte", "byte+names" (+ the world's names as words), "byte+world"
-  # (+ its phrases too), "byte+phrases" (the phrases, names in bytes; see
-  # tasks.tokenizer_words) or a local HF tokenizer directory.
+  # (+ its phrases too), "byte+phrases" (the phrases, names in bytes), "byte+phrases+ids"
+  # (+ doc ids; see tasks.tokenizer_words) or a local HF tokenizer directory.
   c.tokenizer = ""
   preset = args["model"] or ("tiny_wide" if args["runlocal"] and not args["smoke"] else "tiny")
   c.main_model = common.model(preset)
@@ -207,7 +207,7 @@ def _multihop(c, size: str, full_context: bool = False):
   take a fraction of it; so a single agent that visits pages overflows at its second one.
   Every variant has the same limits (algorithm.md 1.1: one context size for every agent
   episode); tests/envs/test_multihop.py checks both sides of the budget with the experts.
-  Sizes: "gpu" (pages of 2.7-4.1k tokens of the byte+phrases tokenizer, max_len 5120; one
+  Sizes: "gpu" (pages of 2.7-4.1k tokens of the byte+phrases+ids tokenizer, max_len 5120; one
   H100/H200, Qwen3-0.6B preset), "cpu" (the same shape at about 1/12: pages of 148-367
   tokens, max_len 672, tiny_wide; benchmarks/hierarchy_sweep.py), "smoke" (cpu's task, 2
   steps). Each max_len is the smallest tried (cpu: 576, 640, 672; gpu: 4096, 5120) at
@@ -218,12 +218,15 @@ def _multihop(c, size: str, full_context: bool = False):
   # Held-out chains name entities that no training question or warm-start row shows. A
   # tokenizer with one id per name (byte+world) gives those names ids that training never
   # touched, which the model cannot write: the main + sub warm start scored 0 of 265
-  # validation questions with it (issue 32). byte+phrases spells names in bytes, as a
-  # tokenizer that never saw them splits them into pieces, so copying a held-out name is the
-  # skill that training names teach. A real checkpoint reads its own tokenizer's ids (pages
-  # then count its tokens: check the budget with policy=expert, as
-  # tests/envs/test_multihop.py does).
-  c.tokenizer = c.main_model.hf_path or "byte+phrases"
+  # validation questions with it (issue 32). byte+phrases+ids spells names and values in
+  # bytes, as a tokenizer that never saw them splits them into pieces, so copying a held-out
+  # name is the skill that training names teach. Doc ids, the tools' opaque handles, keep
+  # one id each: every world of a size has the same ids, and the warm start's other worlds
+  # (configs/sft.py) train them all (spelled in bytes, the tiny sub-agent had not learnt to
+  # copy the hit's id after 900 warm-start steps, session 8). A real checkpoint reads its
+  # own tokenizer's ids (pages then count its tokens: check the budget with policy=expert,
+  # as tests/envs/test_multihop.py does).
+  c.tokenizer = c.main_model.hf_path or "byte+phrases+ids"
   # Issue 32: reading must be required. Binary comparisons (a coin flip for a guesser) are
   # removed; answers have at least 20 possible values (24 countries and rivers; no settlement
   # sizes, media or occupations); held-out questions are whole chains of held-out entities

@@ -84,16 +84,16 @@ def _multihop(c, size: str, variant: str = "mgrpo"):
   before issue 32, on its test questions (see the issue); on this task, any change to it is
   to be chosen on the validation split (config eval_split="valid").
   """
-  # other_worlds: the CPU model is tiny and starts from random weights. Trained on the 140
-  # training entities alone it recalled a training name instead of copying a held-out one
-  # (0% on validation, session 7); 29 other worlds make ~5,900 names, each in a few traces.
+  # other_worlds: a model trained from random weights on the 140 CPU training entities
+  # alone recalled a training name instead of copying a held-out one (0% on validation,
+  # session 7); 29 other worlds make ~5,800 names, each in a few traces, and train every doc
+  # id's token (the tokenizer byte+phrases+ids, configs/mgrpo.py).
   c.sft.update(num_questions=3000, expert_noise=0.1, num_steps=1200, batch_size=32,
                learning_rate=2e-3, corpus_weight=1.0, eval_every=300, checkpoint_every=100,
                other_worlds=29)
   if size == "gpu":
-    # A pretrained Qwen3 copies names already: its traces are the training split's only.
     c.sft.update(num_questions=8000, num_steps=1000, batch_size=16, learning_rate=1e-5,
-                 corpus_weight=0.0, eval_every=250, checkpoint_every=250, other_worlds=0)
+                 corpus_weight=0.0, eval_every=250, checkpoint_every=250)
   if size == "smoke":
     c.sft.update(num_questions=32, num_steps=2, batch_size=4, eval_every=2, checkpoint_every=1,
                  other_worlds=1)

@@ -602,13 +602,14 @@ def write_test_hf_tokenizer(
 
 
 # Byte tokenizers with a generated world's words (`mgrpo_jax.mgrpo.tasks.tokenizer_words`).
-WORLD_SPECS = ("byte+names", "byte+world", "byte+phrases")
+WORLD_SPECS = ("byte+names", "byte+world", "byte+phrases", "byte+phrases+ids")
 
 
 def load_tokenizer(spec: str | os.PathLike, *, words: Sequence[str] = ()) -> Tokenizer:
-  """"byte" -> ByteTokenizer(); "byte+names", "byte+world" or "byte+phrases" ->
-  ByteTokenizer(words=words) (a world's names; its names and phrases; its phrases only, one id
-  each: picked by `mgrpo_jax.mgrpo.tasks.tokenizer_words`); anything else is a local
+  """"byte" -> ByteTokenizer(); "byte+names", "byte+world", "byte+phrases" or
+  "byte+phrases+ids" -> ByteTokenizer(words=words) (a world's names; its names and phrases;
+  its phrases only; its phrases and doc ids, one id each: picked by
+  `mgrpo_jax.mgrpo.tasks.tokenizer_words`); anything else is a local
   directory -> HFTokenizer."""
   if str(spec) == "byte":
     return ByteTokenizer()

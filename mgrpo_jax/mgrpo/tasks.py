@@ -130,11 +130,16 @@ def tokenizer_words(spec: str, the_world: world.World) -> tuple[str, ...]:
   tokenizer trained on the world's traces would make single tokens. "byte+phrases": those
   without the names, which are spelled in bytes: a name that only held-out questions use
   (task=multihop's held-out chains) then has no id of its own that training never showed,
-  and copying it is the same skill as copying a training name.
+  and copying it is the same skill as copying a training name. "byte+phrases+ids": those
+  and the doc ids, the tools' opaque handles for pages ("doc059"): every world of the same
+  size has the same ids, so the warm start's other worlds (`sft.other_worlds`) train the ids
+  of the held-out pages too.
   """
-  if spec in ("byte+world", "byte+phrases"):
+  if spec in ("byte+world", "byte+phrases", "byte+phrases+ids"):
     words = (world.vocabulary(the_world, phrases=True, names=spec == "byte+world")
              + tk.ROLE_WORDS + protocol.PROMPT_WORDS)
+    if spec == "byte+phrases+ids":
+      words += tuple(sorted(d.doc_id for d in the_world.documents))
     return tuple(dict.fromkeys(words))
   return world.vocabulary(the_world) if spec == "byte+names" else ()
 
