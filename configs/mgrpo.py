@@ -222,8 +222,9 @@ def _multihop(c, size: str, full_context: bool = False):
   # bytes, as a tokenizer that never saw them splits them into pieces, so copying a held-out
   # name is the skill that training names teach. Doc ids, the tools' opaque handles, keep
   # one id each: every world of a size has the same ids, and the warm start's other worlds
-  # (configs/sft.py) train them all (spelled in bytes, the tiny sub-agent had not learnt to
-  # copy the hit's id after 900 warm-start steps, session 8). A real checkpoint reads its
+  # (configs/sft.py) train them all, and pages are a little shorter. (Neither spelled in
+  # bytes nor with one id each has the tiny CPU sub-agent learnt to copy the right hit's id
+  # yet: docs/hierarchy-ablation.md, "What has run".) A real checkpoint reads its
   # own tokenizer's ids (pages then count its tokens: check the budget with policy=expert,
   # as tests/envs/test_multihop.py does).
   c.tokenizer = c.main_model.hf_path or "byte+phrases+ids"

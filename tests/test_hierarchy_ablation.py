@@ -275,3 +275,16 @@ def test_evaluation_records_each_question_in_order(tmp_path):
   assert len(rec["sub_calls"]) == round(m["eval/delegations"] * len(questions))
   assert 0 < rec["sub_call_accuracy"] < 1
   assert {x["q"] for x in rec["sub_calls"]} <= set(range(len(questions)))
+
+
+def test_warm_start_probe_reads_visits_and_scores_ids(load_benchmark):
+  """benchmarks/warm_start_probe.py: the first visit's hits and id are parsed from the text,
+  and an untrained sub-agent's probability of the right doc id is near chance."""
+  probe = load_benchmark("warm_start_probe")
+  text = ("<search>Al Bo</search><|im_end|>\n<|im_start|>user\n<tool_response>\n[doc012] Al Bo: "
+          "x.\n[doc003] Cy: y.\n</tool_response>\n<visit>doc003</visit> <visit>doc012</visit>")
+  assert probe._first_visit(text) == (["doc012", "doc003"], "doc003")
+  assert probe._first_visit("<search>Al</search>") is None
+  out = probe.probe(*probe.load("smoke"), num_questions=6)
+  assert out["step"] == 0 and out["questions"] == 6 and out["expert_sub_visits"] >= 6
+  assert 0 < out["p_right_id"] <= out["p_hit_ids"] < 0.1  # 565 token ids, 200 of them doc ids
