@@ -154,13 +154,12 @@ def other_worlds(size: str, env: tasks.Env) -> dict:
   """The warm start's other worlds (`sft.other_worlds`): how many names they bring, how many
   are the task's, and how many of their pages name a held-out entity (dropped)."""
   c = sft_config.get_config(f"task=multihop,{SIZE_FLAG[size]}")
-  k = c.sft.other_worlds
-  per_world = -(-c.sft.num_questions // (k + 1))
-  others = [tasks.other_world_env(c, i, per_world) for i in range(k)]
+  others = sft.other_world_envs(c)
   titles = [d.title for o in others for d in o.documents]
   task_names = {d.title for d in env.documents} | set(env.held_out_names)
   rows = len(sft.corpus_rows(env, others)) - len(env.documents)
-  return dict(worlds=k, questions_per_world=per_world, task_training_pages=len(env.documents),
+  return dict(worlds=len(others), questions_per_world=len(others[0].train + others[0].test)
+              if others else 0, task_training_pages=len(env.documents),
               pages=len(titles), distinct_names=len(set(titles)),
               names_shared_with_the_task=len(set(titles) & task_names),
               pages_dropped_naming_a_held_out_entity=len(titles) - rows)

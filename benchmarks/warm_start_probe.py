@@ -25,9 +25,9 @@ from absl import app, flags
 
 from configs import sft as sft_config
 from mgrpo_jax import checkpoint as ckpt_lib
-from mgrpo_jax import keys, models, sharding, trainable
+from mgrpo_jax import keys, models, sharding
 from mgrpo_jax import workdir as workdir_lib
-from mgrpo_jax.mgrpo import play, setup, tasks
+from mgrpo_jax.mgrpo import play, setup, sft, tasks
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "The warm start's workdir (its checkpoints).")
 _SIZE = flags.DEFINE_enum("size", "cpu", ["cpu", "gpu", "smoke"], "Task size.")
@@ -42,12 +42,8 @@ def load(size: str, workdir: str = ""):
   c = sft_config.get_config(f"task=multihop,{_SIZE_FLAG[size]},variant=mgrpo")
   w = setup.resolve_wiring(c, training=False)
   env = tasks.build_env(c)
-  sft_cfg = c.copy_and_resolve_references()  # The states' optimiser is the warm start's.
-  for role in ("main", "sub"):
-    sft_cfg[f"{role}_loss"], sft_cfg[f"{role}_optim"] = trainable.nll_objective(
-        c[f"{role}_loss"], c[f"{role}_optim"], learning_rate=c.sft.learning_rate,
-        weight_decay=c.sft.weight_decay)
-  agents = setup.build_agents(sft_cfg, w, env, sharding.make_mesh(dict(c.mesh)),
+  # The checkpoints hold the warm start's optimiser states.
+  agents = setup.build_agents(sft.objective_config(c), w, env, sharding.make_mesh(dict(c.mesh)),
                               jax.random.key(c.seed))
   step = 0
   if workdir:

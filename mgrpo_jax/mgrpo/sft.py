@@ -70,6 +70,28 @@ def expert_episodes(c, w: setup.Wiring, env, *, seed: int, others=()) -> dict[st
   return out
 
 
+def other_world_envs(c) -> list:
+  """The `sft.other_worlds` worlds' tasks, each with its share of `sft.num_questions`."""
+  k = c.sft.other_worlds
+  per_world = -(-c.sft.num_questions // (k + 1))
+  if k:
+    logging.info("sft: the traces are shared by the training split and %d other worlds "
+                 "(%d questions each).", k, per_world)
+  return [tasks.other_world_env(c, i, per_world) for i in range(k)]
+
+
+def objective_config(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """`c` with the warm start's objective: the token-mean NLL at `sft.learning_rate`, sampling
+  at temperature 1 (the agents' states, checkpoints included, are built from it)."""
+  out = c.copy_and_resolve_references()
+  for role in ("main", "sub"):
+    out[f"{role}_loss"], out[f"{role}_optim"] = trainable.nll_objective(
+        c[f"{role}_loss"], c[f"{role}_optim"], learning_rate=c.sft.learning_rate,
+        weight_decay=c.sft.weight_decay)
+  out.sampling.temperature = 1.0
+  return out
+
+
 def _names_pattern(names) -> re.Pattern | None:
   """Matches any of `names` as whole words."""
   if not names:
@@ -162,11 +184,7 @@ def train_sft(c: ml_collections.ConfigDict, workdir: str) -> dict:
   setup.check_task(c, w, env)
   logging.info("sft: the scripted experts solve %d training questions (the warm start's "
                "traces).", sft.num_questions)
-  per_world = -(-sft.num_questions // (sft.other_worlds + 1))
-  others = [tasks.other_world_env(c, k, per_world) for k in range(sft.other_worlds)]
-  if others:
-    logging.info("sft: the traces are shared by the training split and %d other worlds "
-                 "(%d questions each).", len(others), per_world)
+  others = other_world_envs(c)
   data = expert_episodes(c, w, env, seed=c.seed, others=others)
   corpus = corpus_rows(env, others) if sft.corpus_weight else []
   # Per agent, the other roles' traces (built once: the list is as long as the data).
@@ -175,12 +193,7 @@ def train_sft(c: ml_collections.ConfigDict, workdir: str) -> dict:
   for name, eps in data.items():
     lens = [len(e.tokens) for e in eps]
     logging.info("SFT data %s: %d episodes, %d-%d tokens.", name, len(eps), min(lens), max(lens))
-  sft_cfg = c.copy_and_resolve_references()
-  for role in ("main", "sub"):
-    sft_cfg[f"{role}_loss"], sft_cfg[f"{role}_optim"] = trainable.nll_objective(
-        c[f"{role}_loss"], c[f"{role}_optim"], learning_rate=sft.learning_rate,
-        weight_decay=sft.weight_decay)
-  sft_cfg.sampling.temperature = 1.0
+  sft_cfg = objective_config(c)
   agents = setup.build_agents(sft_cfg, w, env, mesh, jax.random.key(c.seed))
   ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=1)
   start = workdir_lib.restore_agents(ckpt, agents)
