@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ from mgrpo_jax.mgrpo import colocated, play, setup, sft, tasks
 from mgrpo_jax.mgrpo import step as mgrpo_step
 from mgrpo_jax.envs import search
 from mgrpo_jax.envs import world as world_lib
+from mgrpo_jax.rl import batch as batch_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -266,6 +268,35 @@ def test_sft_corpus_rows_are_the_pages_as_visit_shows_them():
     # With the world's names as words, the page's title is one token.
     assert env.tokenizer.encode(doc.title) == [env.tokenizer.words.index(doc.title) +
                                                env.tokenizer.vocab_size - len(env.tokenizer.words)]
+
+
+def test_visit_drills_are_episodes_cut_after_their_first_visit():
+  """sft.visit_drill_weight: each visiting episode once more, cut after its first visit, the
+  visit turn alone in the loss, at the drill's weight."""
+  c = sft_config.get_config("task=multihop,smoke")
+  w = setup.resolve_wiring(c, training=False)
+  env = tasks.build_env(c)
+  eps, sub_eps = play.run_rollouts(c, w, env, play.expert_policies(c, w, env, noise=0.0),
+                                   env.train[:6], num_rollouts=1, key=jax.random.key(0), step=0)
+  assert not sft.visit_drills(eps, env.tokenizer, 3.0)  # The main agent never visits.
+  drills = sft.visit_drills(sub_eps, env.tokenizer, 3.0)
+  visiting = [e for e in sub_eps if "<visit>" in env.tokenizer.decode(e.tokens)]
+  assert len(drills) == len(visiting) > 0
+  for d, e in zip(drills, visiting):
+    n = len(d.tokens)
+    np.testing.assert_array_equal(d.tokens, e.tokens[:n])  # a prefix of the episode
+    weighted = np.flatnonzero(d.loss_mask)
+    assert set(d.loss_mask[weighted]) == {3.0} and weighted[-1] == n - 1
+    np.testing.assert_array_equal(weighted, np.arange(weighted[0], n))  # one turn
+    assert np.all(np.asarray(e.loss_mask)[weighted] == 1)  # that the agent generated
+    turn = env.tokenizer.decode(d.tokens[weighted[0]:])
+    first_visit = re.search(r"<visit>.*?</visit>", env.tokenizer.decode(e.tokens)).group(0)
+    assert turn.strip().startswith(first_visit), turn
+    assert turn.count("<visit>") == 1 and "<visit>" not in env.tokenizer.decode(
+        d.tokens[:weighted[0]])
+  batch = batch_lib.make_batch(drills, np.ones(len(drills)), max_len=c.limits.max_len,
+                               pad_id=env.tokenizer.pad_id, minimum=8)
+  assert batch.loss_mask.sum() == 3.0 * sum(np.count_nonzero(d.loss_mask) for d in drills)
 
 
 def test_byte_world_tokenizer_adds_phrases_roles_and_prompts():
