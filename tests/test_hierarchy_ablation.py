@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import time
 
 import pytest
@@ -288,3 +289,23 @@ def test_warm_start_probe_reads_visits_and_scores_ids(load_benchmark):
   out = probe.probe(*probe.load("smoke"), num_questions=6)
   assert out["step"] == 0 and out["questions"] == 6 and out["expert_sub_visits"] >= 6
   assert 0 < out["p_right_id"] <= out["p_hit_ids"] < 0.1  # 565 token ids, 200 of them doc ids
+
+
+def test_visit_choice_drill_cuts_after_the_visited_id(load_benchmark):
+  """benchmarks/visit_choice_drill.py: each prefix ends at the id of the first visit, the
+  only token in its `visit_id` loss, and an untrained model is at chance on it."""
+  drill = load_benchmark("visit_choice_drill")
+  out = drill.run("smoke", "tiny", steps=2, loss="visit_id", worlds=1, eval_every=2)
+  assert out["train_prefixes"] > 0 and out["valid_prefixes"] > 0
+  assert [e["step"] for e in out["evaluations"]] == [0, 2]
+  assert out["evaluations"][0]["p_right_id"] < 0.05
+  c = sft_config.get_config("task=multihop,smoke,variant=mgrpo")
+  w = setup.resolve_wiring(c, training=False)
+  env = tasks.build_env(c)
+  tok = env.tokenizer
+  (visit_id,) = tok.encode("<visit>")
+  for only_id in (True, False):
+    for tokens, mask, at in drill.prefixes(c, w, env, env.valid[:4], visit_id, only_id):
+      assert at == len(tokens) - 1 and tokens[at - 1] == visit_id
+      assert re.fullmatch(r"doc\d+", tok.decode(tokens[at:]))
+      assert mask[at] == 1 and (mask.sum() == 1) == only_id
