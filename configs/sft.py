@@ -31,6 +31,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       # > 0: add batch_size rows per agent of its visiting traces cut after their first
       # visit, the visit turn alone in the loss at this weight (sft.visit_drills).
       visit_drill_weight=0.0,
+      # Loss weight of the agents' <result> and <answer> turns in their own traces
+      # (sft.weigh_reports; other generated tokens: 1).
+      report_weight=1.0,
       num_steps=300,
       batch_size=16,  # Episodes per agent per step.
       learning_rate=1e-3,
@@ -93,13 +96,14 @@ def _multihop(c, size: str, variant: str = "mgrpo"):
   # id's token (the tokenizer byte+phrases+ids, configs/mgrpo.py).
   # visit_drill_weight: the sub-agent's choice of hit is one token of a ~500-token trace;
   # with the traces alone it stayed at chance for 1100 steps (docs/hierarchy-ablation.md).
+  # report_weight: so is copying the value from the page it then visits.
   c.sft.update(num_questions=3000, expert_noise=0.1, num_steps=1200, batch_size=32,
                learning_rate=2e-3, corpus_weight=1.0, eval_every=300, checkpoint_every=100,
-               other_worlds=29, visit_drill_weight=50.0)
+               other_worlds=29, visit_drill_weight=50.0, report_weight=10.0)
   if size == "gpu":
     c.sft.update(num_questions=8000, num_steps=1000, batch_size=16, learning_rate=1e-5,
                  corpus_weight=0.0, eval_every=250, checkpoint_every=250,
-                 visit_drill_weight=0.0)
+                 visit_drill_weight=0.0, report_weight=1.0)
   if size == "smoke":
     c.sft.update(num_questions=32, num_steps=2, batch_size=4, eval_every=2, checkpoint_every=1,
                  other_worlds=1)

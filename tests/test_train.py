@@ -299,6 +299,29 @@ def test_visit_drills_are_episodes_cut_after_their_first_visit():
   assert batch.loss_mask.sum() == 3.0 * sum(np.count_nonzero(d.loss_mask) for d in drills)
 
 
+def test_report_turns_are_weighted_in_place():
+  """sft.report_weight: the <result> and <answer> turns of the agents' own traces weigh
+  more; every other token keeps its weight, the tokens are unchanged."""
+  c = sft_config.get_config("task=multihop,smoke")
+  w = setup.resolve_wiring(c, training=False)
+  env = tasks.build_env(c)
+  tok = env.tokenizer
+  eps, sub_eps = play.run_rollouts(c, w, env, play.expert_policies(c, w, env, noise=0.0),
+                                   env.train[:6], num_rollouts=1, key=jax.random.key(0), step=0)
+  for before in (eps, sub_eps):
+    after = sft.weigh_reports(before, tok, 7.0)
+    tag = "<answer>" if before is eps else "<result>"
+    for a, b in zip(after, before):
+      assert a.tokens == b.tokens and a.role == b.role and a.q == b.q
+      old, new = np.asarray(b.loss_mask, np.float32), np.asarray(a.loss_mask)
+      changed = np.flatnonzero(new != old)
+      assert len(changed) and set(new[changed]) == {7.0} and set(old[changed]) == {1.0}
+      text = tok.decode([a.tokens[i] for i in changed])
+      assert text.startswith(tag) and text.count(tag) == 1, text
+      assert re.search(re.escape(tag) + r"(.*?)</", tok.decode(b.tokens)).group(1) in text
+      np.testing.assert_array_equal(changed, np.arange(changed[0], changed[-1] + 1))
+
+
 def test_byte_world_tokenizer_adds_phrases_roles_and_prompts():
   c = sft_config.get_config("smoke")
   c.tokenizer = "byte+world"

@@ -35,7 +35,8 @@ _RANGES = {"sft.num_questions": checks.at_least(1), "sft.expert_noise": checks.P
            "sft.weight_decay": checks.NONNEGATIVE, "sft.eval_every": checks.at_least(1),
            "sft.checkpoint_every": checks.at_least(1),
            "sft.other_worlds": checks.NONNEGATIVE,
-           "sft.visit_drill_weight": checks.NONNEGATIVE}
+           "sft.visit_drill_weight": checks.NONNEGATIVE,
+           "sft.report_weight": checks.POSITIVE}
 
 
 def expert_episodes(c, w: setup.Wiring, env, *, seed: int, others=()) -> dict[str, list]:
@@ -157,6 +158,14 @@ class VisitDrill:
     return np.zeros(len(self.tokens), np.float32)
 
 
+def _generated_turns(e, tokenizer):
+  """(start, end, text) of each of `e`'s generated turns (a run of loss-mask entries > 0)."""
+  on = (np.asarray(e.loss_mask, np.float32) > 0).astype(np.int8)
+  edges = np.flatnonzero(np.diff(np.concatenate([[0], on, [0]])))
+  for start, end in zip(edges[::2], edges[1::2]):
+    yield int(start), int(end), tokenizer.decode(e.tokens[start:end]).lstrip()
+
+
 def visit_drills(eps, tokenizer, weight: float) -> list[VisitDrill]:
   """One drill per episode that visits a page: its tokens up to the end of its first
   generated turn that starts with `<visit>`, with loss weight `weight` on that turn only.
@@ -169,15 +178,34 @@ def visit_drills(eps, tokenizer, weight: float) -> list[VisitDrill]:
   """
   out = []
   for e in eps:
-    mask = np.asarray(e.loss_mask, np.float32)
-    # Generated turns: runs of loss-mask ones.
-    edges = np.flatnonzero(np.diff(np.concatenate([[0.0], (mask > 0).astype(float), [0.0]])))
-    for start, end in zip(edges[::2], edges[1::2]):
-      if tokenizer.decode(e.tokens[start:end]).lstrip().startswith("<visit>"):
+    for start, end, text in _generated_turns(e, tokenizer):
+      if text.startswith("<visit>"):
         drill = np.zeros(end, np.float32)
         drill[start:end] = weight
         out.append(VisitDrill(np.asarray(e.tokens[:end], np.int32), drill))
         break
+  return out
+
+
+REPORT_TAGS = ("<result>", "<answer>")
+
+
+def weigh_reports(eps, tokenizer, weight: float) -> list:
+  """`eps` with loss weight `weight` on their generated turns that start with one of
+  REPORT_TAGS: a sub-agent's result, copied from the page it read, and an answer.
+
+  Like the choice of page (`visit_drills`), copying the value from the page is a few tokens
+  of a ~500-token trace (issue 32: at step 900 the sub-agent visited the right page for 40%
+  of its calls, and reported another value of the same kind, "Kraevein Guild" for
+  "Kraevein Institute"). The episodes are copies; the tokens are unchanged.
+  """
+  out = []
+  for e in eps:
+    mask = np.asarray(e.loss_mask, np.float32).copy()
+    for start, end, text in _generated_turns(e, tokenizer):
+      if text.startswith(REPORT_TAGS):
+        mask[start:end] *= weight
+    out.append(dataclasses.replace(e, loss_mask=mask))
   return out
 
 
@@ -226,6 +254,9 @@ def train_sft(c: ml_collections.ConfigDict, workdir: str) -> dict:
   corpus = corpus_rows(env, others) if sft.corpus_weight else []
   drills = {name: visit_drills(eps, env.tokenizer, sft.visit_drill_weight)
             if sft.visit_drill_weight else [] for name, eps in data.items()}
+  if sft.report_weight != 1:
+    data = {name: weigh_reports(eps, env.tokenizer, sft.report_weight)
+            for name, eps in data.items()}
   # Per agent, the other roles' traces (built once: the list is as long as the data).
   others = {name: [e for other, eps in data.items() if other != name for e in eps]
             for name in data}
