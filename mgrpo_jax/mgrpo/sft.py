@@ -112,13 +112,15 @@ def _without_names(eps, sub_eps, names: re.Pattern, tokenizer) -> tuple[list, li
 
 @dataclasses.dataclass(frozen=True)
 class TextRow:
-  """A row of plain text to model, every token in the loss (a page of the world's corpus)."""
+  """A row of text to model: its tokens and per-token loss weights (default: every token 1,
+  as for a page of the world's corpus)."""
 
   tokens: np.ndarray
+  weights: np.ndarray | None = None
 
   @property
   def loss_mask(self) -> np.ndarray:
-    return np.ones(len(self.tokens), np.float32)
+    return np.ones(len(self.tokens), np.float32) if self.weights is None else self.weights
 
   @property
   def logprobs(self) -> np.ndarray:
@@ -146,18 +148,6 @@ def corpus_rows(env, others=()) -> list[TextRow]:
   return rows
 
 
-@dataclasses.dataclass(frozen=True)
-class VisitDrill:
-  """An episode cut after its first visit, the visit turn alone in the loss (at `weight`)."""
-
-  tokens: np.ndarray
-  loss_mask: np.ndarray
-
-  @property
-  def logprobs(self) -> np.ndarray:
-    return np.zeros(len(self.tokens), np.float32)
-
-
 def _generated_turns(e, tokenizer):
   """(start, end, text) of each of `e`'s generated turns (a run of loss-mask entries > 0)."""
   on = (np.asarray(e.loss_mask, np.float32) > 0).astype(np.int8)
@@ -166,7 +156,7 @@ def _generated_turns(e, tokenizer):
     yield int(start), int(end), tokenizer.decode(e.tokens[start:end]).lstrip()
 
 
-def visit_drills(eps, tokenizer, weight: float) -> list[VisitDrill]:
+def visit_drills(eps, tokenizer, weight: float) -> list[TextRow]:
   """One drill per episode that visits a page: its tokens up to the end of its first
   generated turn that starts with `<visit>`, with loss weight `weight` on that turn only.
 
@@ -182,7 +172,7 @@ def visit_drills(eps, tokenizer, weight: float) -> list[VisitDrill]:
       if text.startswith("<visit>"):
         drill = np.zeros(end, np.float32)
         drill[start:end] = weight
-        out.append(VisitDrill(np.asarray(e.tokens[:end], np.int32), drill))
+        out.append(TextRow(np.asarray(e.tokens[:end], np.int32), drill))
         break
   return out
 
