@@ -66,38 +66,66 @@ def probe(c, w, env, agents, step: int, num_questions: int) -> dict:
                                    key=keys.eval_key(c, 0), step=0)
   delegations = [re.findall(r"<delegate>(.*?)</delegate>", tok.decode(e.tokens)) for e in eps]
   names = [any(q.hops[0].entity in d for d in ds) for q, ds in zip(questions, delegations)]
-  in_hits, right = [], []
+  in_hits, right, reported = [], [], []
   for e in sub_eps:
     visit = _first_visit(tok.decode(e.tokens))
     if visit:
       hop = next((h for h in questions[e.q].hops if h.entity in e.task.subtask), None)
       in_hits.append(visit[1] in visit[0])
       right.append(hop is not None and visit[1] == hop.doc_id)
+      if right[-1]:
+        reported.append(play.sub_call_correct(e, questions[e.q]))
   # Teacher-forced on the noise-free experts' sub-agent episodes.
   experts = play.expert_policies(c, w, env, noise=0.0)
   _, expert_sub = play.run_rollouts(c, w, env, experts, questions, num_rollouts=1,
                                     key=jax.random.key(0), step=0)
   (visit_id,) = tok.encode("<visit>")
+  (result_id,) = tok.encode("<result>")
   sub = agents["sub"]
   p_right, p_hits, first = [], [], []
+  p_value, p_value_token, value_first = [], [], []
   for e in expert_sub:
     tokens = list(e.tokens)
     if visit_id not in tokens:
       continue
+    logp = _log_probs(sub, tokens)
     at = tokens.index(visit_id) + 1
     hits, _ = _first_visit(tok.decode(tokens)) or ([], "")
-    logits, _ = models.forward(sub.model_config, sub.params, jnp.asarray([tokens[:at]]),
-                               jnp.arange(at)[None])
-    logp = jax.nn.log_softmax(logits[0, -1])
     # Each id's first token: the whole id when doc ids have one id each (byte+phrases+ids).
-    p_right.append(float(jnp.exp(logp[tokens[at]])))
-    p_hits.append(float(sum(jnp.exp(logp[tok.encode(h)[0]]) for h in set(hits))))
-    first.append(int(jnp.argmax(logp)) == tokens[at])
+    p_right.append(float(jnp.exp(logp[at - 1, tokens[at]])))
+    p_hits.append(float(sum(jnp.exp(logp[at - 1, tok.encode(h)[0]]) for h in set(hits))))
+    first.append(int(jnp.argmax(logp[at - 1])) == tokens[at])
+    span = _result_span(tokens, result_id, tok)
+    if span:
+      lp = np.asarray([logp[i - 1, tokens[i]] for i in range(*span)])
+      p_value.append(float(np.exp(lp.sum())))
+      p_value_token.append(float(np.exp(lp).mean()))
+      value_first.append(all(int(jnp.argmax(logp[i - 1])) == tokens[i] for i in range(*span)))
   mean = lambda xs: round(float(np.mean(xs)), 4) if xs else None
   return dict(step=step, questions=len(questions), main_names_entity=mean(names),
               sub_episodes=len(sub_eps), sub_visit_in_hits=mean(in_hits),
-              sub_visit_right=mean(right), expert_sub_visits=len(p_right),
-              p_right_id=mean(p_right), p_hit_ids=mean(p_hits), right_id_first=mean(first))
+              sub_visit_right=mean(right), sub_result_right=mean(reported),
+              expert_sub_visits=len(p_right), p_right_id=mean(p_right),
+              p_hit_ids=mean(p_hits), right_id_first=mean(first),
+              expert_sub_results=len(p_value), p_value=mean(p_value),
+              p_value_token=mean(p_value_token), value_first=mean(value_first))
+
+
+def _log_probs(agent, tokens) -> jax.Array:
+  """[len(tokens), vocab]: the agent's next-token log-probabilities after each prefix."""
+  logits, _ = models.forward(agent.model_config, agent.params, jnp.asarray([tokens]),
+                             jnp.arange(len(tokens))[None])
+  return jax.nn.log_softmax(logits[0].astype(jnp.float32))
+
+
+def _result_span(tokens, result_id: int, tok):
+  """[start, end) of the answer after an episode's last `<result>`, up to `</result>`."""
+  if result_id not in tokens:
+    return None
+  start = len(tokens) - tokens[::-1].index(result_id)
+  (close,) = tok.encode("</result>")
+  end = tokens.index(close, start) if close in tokens[start:] else len(tokens)
+  return (start, end) if end > start else None
 
 
 def main(argv):

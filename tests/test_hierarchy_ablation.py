@@ -280,15 +280,25 @@ def test_evaluation_records_each_question_in_order(tmp_path):
 
 def test_warm_start_probe_reads_visits_and_scores_ids(load_benchmark):
   """benchmarks/warm_start_probe.py: the first visit's hits and id are parsed from the text,
-  and an untrained sub-agent's probability of the right doc id is near chance."""
+  the report's answer span is found, and an untrained sub-agent's probabilities of the right
+  doc id and of the answer are near chance."""
   probe = load_benchmark("warm_start_probe")
   text = ("<search>Al Bo</search><|im_end|>\n<|im_start|>user\n<tool_response>\n[doc012] Al Bo: "
           "x.\n[doc003] Cy: y.\n</tool_response>\n<visit>doc003</visit> <visit>doc012</visit>")
   assert probe._first_visit(text) == (["doc012", "doc003"], "doc003")
   assert probe._first_visit("<search>Al</search>") is None
-  out = probe.probe(*probe.load("smoke"), num_questions=6)
+  loaded = probe.load("smoke")
+  tok = loaded[2].tokenizer
+  (result_id,) = tok.encode("<result>")
+  tokens = tok.encode("<result>no</result> <result>Kraevein Institute</result><|im_end|>")
+  start, end = probe._result_span(tokens, result_id, tok)
+  assert tok.decode(tokens[start:end]) == "Kraevein Institute"
+  assert probe._result_span(tok.encode("<result></result>"), result_id, tok) is None
+  out = probe.probe(*loaded, num_questions=6)
   assert out["step"] == 0 and out["questions"] == 6 and out["expert_sub_visits"] >= 6
   assert 0 < out["p_right_id"] <= out["p_hit_ids"] < 0.1  # 565 token ids, 200 of them doc ids
+  assert out["expert_sub_results"] >= 6 and out["value_first"] == 0
+  assert 0 <= out["p_value"] <= out["p_value_token"] < 0.05
 
 
 def test_visit_choice_drill_cuts_after_the_visited_id(load_benchmark):
