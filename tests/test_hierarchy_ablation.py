@@ -5,6 +5,7 @@ import os
 import re
 import time
 
+import numpy as np
 import pytest
 
 from configs import mgrpo as mgrpo_config
@@ -301,21 +302,36 @@ def test_warm_start_probe_reads_visits_and_scores_ids(load_benchmark):
   assert 0 <= out["p_value"] <= out["p_value_token"] < 0.05
 
 
-def test_visit_choice_drill_cuts_after_the_visited_id(load_benchmark):
-  """benchmarks/visit_choice_drill.py: each prefix ends at the id of the first visit, the
-  only token in its `visit_id` loss, and an untrained model is at chance on it."""
-  drill = load_benchmark("visit_choice_drill")
-  out = drill.run("smoke", "tiny", steps=2, loss="visit_id", worlds=1, eval_every=2)
-  assert out["train_prefixes"] > 0 and out["valid_prefixes"] > 0
+@pytest.mark.parametrize("skill", ["visit", "report"])
+def test_sub_skill_drill_cuts_after_its_target(load_benchmark, skill):
+  """benchmarks/sub_skill_drill.py: a visit row ends at the id of the first visit, a report
+  row at `</result>` after the hop's answer; the target alone is in the `target` loss (with
+  the report's `</result>`), and an untrained model is at chance on it."""
+  drill = load_benchmark("sub_skill_drill")
+  out = drill.run("smoke", "tiny", steps=2, loss="target", worlds=1, skill=skill, eval_every=2,
+                  valid_questions=16)
+  assert out["train_rows"] > 0 and out["valid_rows"] > 0
   assert [e["step"] for e in out["evaluations"]] == [0, 2]
-  assert out["evaluations"][0]["p_right_id"] < 0.05
+  first = out["evaluations"][0]
+  assert (first["p_right_id"] if skill == "visit" else first["p_value_token"]) < 0.05
   c = sft_config.get_config("task=multihop,smoke,variant=mgrpo")
   w = setup.resolve_wiring(c, training=False)
   env = tasks.build_env(c)
   tok = env.tokenizer
-  (visit_id,) = tok.encode("<visit>")
-  for only_id in (True, False):
-    for tokens, mask, at in drill.prefixes(c, w, env, env.valid[:4], visit_id, only_id):
-      assert at == len(tokens) - 1 and tokens[at - 1] == visit_id
-      assert re.fullmatch(r"doc\d+", tok.decode(tokens[at:]))
-      assert mask[at] == 1 and (mask.sum() == 1) == only_id
+  questions = env.valid[:4]
+  for only_target in (True, False):
+    got = drill.rows(c, w, env, questions, skill, only_target)
+    assert len(got) >= len(questions)
+    for tokens, mask, target in got:
+      (at,) = np.flatnonzero(np.diff(np.concatenate([[0], target])) == 1)
+      end = at + int(target.sum())
+      if skill == "visit":
+        assert end == len(tokens) and tok.decode(tokens[at - 1:at]) == "<visit>"
+        assert re.fullmatch(r"doc\d+", tok.decode(tokens[at:]))
+      else:
+        assert end == len(tokens) - 1 and tok.decode(tokens[end:]) == "</result>"
+        assert tok.decode(tokens[at - 1:at]) == "<result>"
+        answers = {h.answer for q in questions for h in q.hops}
+        assert tok.decode(tokens[at:end]) in answers
+      assert (mask[target == 1] == 1).all()
+      assert (mask.sum() == len(tokens) - at) == only_target
