@@ -145,8 +145,8 @@ def session_budget(sweep_json: dict, session_s: float = SESSION_S) -> dict:
               rl_runs=[dict(variant=r["variant"], seed=r["seed"], wall_s=r["wall_s"],
                             rollout_s=r["rollout_s"], update_s=r["update_s"]) for r in runs
                        if r["kind"] == "rl"],
-              session_s=session_s,
-              runs_per_session_with_warm_start=int((session_s - warm) // per_run),
+              session_s=session_s, warm_start_fits_session=warm < session_s,
+              runs_per_session_with_warm_start=max(0, int((session_s - warm) // per_run)),
               runs_per_session_warm_start_reused=int(session_s // per_run))
 
 

@@ -427,16 +427,20 @@ def _write(records: list[dict], path: str, wall_s: float, power: dict) -> None:
                  invocation["started"]] + [invocation]
   summary = summarize(records)
   covered = {v: s["seeds"] for v, s in summary.items()}
+  split = _EVAL_SPLIT.value
+  split_flag = "" if split == "test" else f" --eval_split={split}"
   out = dict(
       command=f"python benchmarks/hierarchy_sweep.py --size={_SIZE.value} --seeds="
-              f"{power['seeds']} --reuse, as {len(invocations)} invocation(s) (listed in "
-              f"invocations); seeds run so far per variant: {covered}",
+              f"{power['seeds']}{split_flag} --reuse, as {len(invocations)} invocation(s) "
+              f"(listed in invocations); seeds run so far per variant: {covered}",
       # The sweep as a whole: every warm start's and run's own wall time (each counted once).
       runs_wall_s=round(sum(r.get("wall_s", 0) for r in records), 1),
       invocations=invocations, power_analysis=power,
-      note="Greedy accuracy on the test split (world.holdout: whole chains of held-out "
-           "entities, used for nothing else); intervals are mean +- t_{0.975, n-1} * sd / "
-           "sqrt(n) over seeds. Wall times include compilation and evaluation.",
+      note=("Greedy accuracy on the test split (world.holdout: whole chains of held-out "
+            "entities, used for nothing else)" if split == "test" else
+            "Greedy accuracy on the validation split (world.holdout; for tuning choices, not "
+            "for the table)") + "; intervals are mean +- t_{0.975, n-1} * sd / "
+            "sqrt(n) over seeds. Wall times include compilation and evaluation.",
       verdict=verdict(summary, records), summary=summary, runs=records)
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path, "w") as f:

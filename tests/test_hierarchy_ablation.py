@@ -223,7 +223,7 @@ def test_power_analysis_and_verdict(load_benchmark):
 
 def test_session_budget_by_hand(load_benchmark):
   """RL runs per 100-minute invocation from a timed sweep: (6000 - 900) // 300 with the warm
-  start in the session, 6000 // 300 without."""
+  start in the session, 6000 // 300 without; none beside a warm start that fills a session."""
   sweep = load_benchmark("hierarchy_sweep")
   rl = lambda seed, wall: dict(kind="rl", variant="mgrpo", seed=seed, wall_s=wall,
                                rollout_s=1.0, update_s=1.0)
@@ -233,7 +233,10 @@ def test_session_budget_by_hand(load_benchmark):
   b = sweep.session_budget(timed)
   assert b["warm_start_and_closed_book_s"] == 900.0 and b["rl_run_s"] == 300.0
   assert b["runs_per_session_with_warm_start"] == 17
-  assert b["runs_per_session_warm_start_reused"] == 20
+  assert b["runs_per_session_warm_start_reused"] == 20 and b["warm_start_fits_session"]
+  timed["runs"][0]["wall_s"] = 7000.0  # A warm start longer than a session: none beside it.
+  b = sweep.session_budget(timed)
+  assert b["runs_per_session_with_warm_start"] == 0 and not b["warm_start_fits_session"]
 
 
 def test_question_level_tests_by_hand(load_benchmark):
