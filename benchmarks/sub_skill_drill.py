@@ -38,6 +38,7 @@ from absl import app, flags
 from configs import sft as sft_config
 from mgrpo_jax import models
 from mgrpo_jax.mgrpo import play, setup, tasks
+from episode_spans import result_span  # benchmarks/episode_spans.py
 
 _SKILL = flags.DEFINE_enum("skill", "visit", ["visit", "report"], "The skill to learn.")
 _SIZE = flags.DEFINE_enum("size", "cpu", ["cpu", "smoke"], "Task size.")
@@ -58,8 +59,6 @@ def rows(c, w, env, questions, skill: str, only_target: bool):
                              num_rollouts=1, key=jax.random.key(0), step=0)
   tok = env.tokenizer
   (visit_id,) = tok.encode("<visit>")
-  (result_id,) = tok.encode("<result>")
-  (close_id,) = tok.encode("</result>")
   out = []
   for s in sub:
     t = list(s.tokens)
@@ -69,10 +68,10 @@ def rows(c, w, env, questions, skill: str, only_target: bool):
       start = t.index(visit_id) + 1
       end = cut = start + 1
     else:
-      if result_id not in t or close_id not in t[t.index(result_id):]:
+      span = result_span(t, tok)
+      if span is None or span[1] == len(t):  # No answer, or no </result> after it.
         continue
-      start = len(t) - t[::-1].index(result_id)
-      end = t.index(close_id, start)
+      start, end = span
       cut = end + 1
     target = np.zeros(cut, np.float32)
     target[start:end] = 1

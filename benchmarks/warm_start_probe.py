@@ -28,6 +28,7 @@ from mgrpo_jax import checkpoint as ckpt_lib
 from mgrpo_jax import keys, models, sharding
 from mgrpo_jax import workdir as workdir_lib
 from mgrpo_jax.mgrpo import play, setup, sft, tasks
+from episode_spans import result_span  # benchmarks/episode_spans.py
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "The warm start's workdir (its checkpoints).")
 _SIZE = flags.DEFINE_enum("size", "cpu", ["cpu", "gpu", "smoke"], "Task size.")
@@ -80,7 +81,6 @@ def probe(c, w, env, agents, step: int, num_questions: int) -> dict:
   _, expert_sub = play.run_rollouts(c, w, env, experts, questions, num_rollouts=1,
                                     key=jax.random.key(0), step=0)
   (visit_id,) = tok.encode("<visit>")
-  (result_id,) = tok.encode("<result>")
   sub = agents["sub"]
   p_right, p_hits, first = [], [], []
   p_value, p_value_token, value_first = [], [], []
@@ -88,19 +88,19 @@ def probe(c, w, env, agents, step: int, num_questions: int) -> dict:
     tokens = list(e.tokens)
     if visit_id not in tokens:
       continue
-    logp = _log_probs(sub, tokens)
+    logp = np.asarray(_log_probs(sub, tokens))
     at = tokens.index(visit_id) + 1
     hits, _ = _first_visit(tok.decode(tokens)) or ([], "")
     # Each id's first token: the whole id when doc ids have one id each (byte+phrases+ids).
-    p_right.append(float(jnp.exp(logp[at - 1, tokens[at]])))
-    p_hits.append(float(sum(jnp.exp(logp[at - 1, tok.encode(h)[0]]) for h in set(hits))))
-    first.append(int(jnp.argmax(logp[at - 1])) == tokens[at])
-    span = _result_span(tokens, result_id, tok)
+    p_right.append(float(np.exp(logp[at - 1, tokens[at]])))
+    p_hits.append(float(sum(np.exp(logp[at - 1, tok.encode(h)[0]]) for h in set(hits))))
+    first.append(int(np.argmax(logp[at - 1])) == tokens[at])
+    span = result_span(tokens, tok)
     if span:
       lp = np.asarray([logp[i - 1, tokens[i]] for i in range(*span)])
       p_value.append(float(np.exp(lp.sum())))
       p_value_token.append(float(np.exp(lp).mean()))
-      value_first.append(all(int(jnp.argmax(logp[i - 1])) == tokens[i] for i in range(*span)))
+      value_first.append(all(int(np.argmax(logp[i - 1])) == tokens[i] for i in range(*span)))
   mean = lambda xs: round(float(np.mean(xs)), 4) if xs else None
   return dict(step=step, questions=len(questions), main_names_entity=mean(names),
               sub_episodes=len(sub_eps), sub_visit_in_hits=mean(in_hits),
@@ -116,16 +116,6 @@ def _log_probs(agent, tokens) -> jax.Array:
   logits, _ = models.forward(agent.model_config, agent.params, jnp.asarray([tokens]),
                              jnp.arange(len(tokens))[None])
   return jax.nn.log_softmax(logits[0].astype(jnp.float32))
-
-
-def _result_span(tokens, result_id: int, tok):
-  """[start, end) of the answer after an episode's last `<result>`, up to `</result>`."""
-  if result_id not in tokens:
-    return None
-  start = len(tokens) - tokens[::-1].index(result_id)
-  (close,) = tok.encode("</result>")
-  end = tokens.index(close, start) if close in tokens[start:] else len(tokens)
-  return (start, end) if end > start else None
 
 
 def main(argv):

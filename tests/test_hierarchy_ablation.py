@@ -293,11 +293,10 @@ def test_warm_start_probe_reads_visits_and_scores_ids(load_benchmark):
   assert probe._first_visit("<search>Al</search>") is None
   loaded = probe.load("smoke")
   tok = loaded[2].tokenizer
-  (result_id,) = tok.encode("<result>")
   tokens = tok.encode("<result>no</result> <result>Kraevein Institute</result><|im_end|>")
-  start, end = probe._result_span(tokens, result_id, tok)
+  start, end = probe.result_span(tokens, tok)
   assert tok.decode(tokens[start:end]) == "Kraevein Institute"
-  assert probe._result_span(tok.encode("<result></result>"), result_id, tok) is None
+  assert probe.result_span(tok.encode("<result></result>"), tok) is None
   out = probe.probe(*loaded, num_questions=6)
   assert out["step"] == 0 and out["questions"] == 6 and out["expert_sub_visits"] >= 6
   assert 0 < out["p_right_id"] <= out["p_hit_ids"] < 0.1  # 565 token ids, 200 of them doc ids
