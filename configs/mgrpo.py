@@ -85,6 +85,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval_sampling = common.sampling()
   c.eval_sampling.temperature = 0.0  # Greedy evaluation.
   c.num_queries = 2  # Q per step (the quick start of the reference: 2 x 8).
+  # Where RL's questions come from: 0 = the training split; N > 0 = N generated worlds that
+  # no warm start read, step s on world s mod N (mgrpo/tasks.py:TrainingQuestions).
+  c.rl_worlds = 0
   c.num_rollouts = 8  # K
   c.align_d = 4  # D: aligned sub-agent episodes per main rollout.
   c.align_on_empty = "mask"  # "mask" or "borrow" for rollouts that never delegated.

@@ -213,6 +213,21 @@ def test_readme_example_moves_records_across_the_exchange(env, tmp_path):
       assert f"mgrpo:{role} done: steps 0-2" in f.read()  # The summary line.
 
 
+def test_rl_worlds_pair_reads_each_steps_world(env, tmp_path):
+  """config.rl_worlds: the sub-agent program serves each training step with the tools of the
+  world the main program asks about (the noise-free experts then answer every question;
+  with the task's own tools they would find none of the other world's pages)."""
+  pair = Pair(str(tmp_path), f"file://{tmp_path}/run", env, config=README_CONFIG,
+              extra=["--config.rl_worlds=2", "--config.limits.max_turns=6",
+                     "--config.limits.max_new_tokens=160"])  # Room for every expert episode.
+  pair.start("sub")
+  pair.start("main")
+  pair.wait()
+  main = metrics.stable(metrics.read_metrics(pair.workdir("main")))
+  assert [r["main/accuracy"] for r in main if "main/accuracy" in r] == [1.0, 1.0]
+  assert all(r["main/delegations"] > 0 for r in main if "main/delegations" in r)
+
+
 # (victim, metrics lines written before the random delay starts). 0 lands in start-up,
 # step 0's evaluation or rollouts (nothing checkpointed yet: restarts from scratch); 1 in
 # step 0's checkpoint save, step 1 or the final evaluation; 2 in step 1's checkpoint

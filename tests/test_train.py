@@ -56,6 +56,30 @@ def test_two_steps_of_each_variant(variant, tmp_path):
   assert os.listdir(tmp_path / "tb")
 
 
+def test_rl_worlds_train_on_other_worlds_with_their_tools(tmp_path, monkeypatch):
+  """config.rl_worlds: the colocated program's rollouts ask each step's world with that
+  world's tools (the noise-free experts answer them), and evaluate the task's questions."""
+  c = _config("smoke,policy=expert", rl_worlds=2)
+  c.limits.update(max_turns=6, max_new_tokens=160)
+  calls, rollouts = [], play.run_rollouts
+
+  def spy(c_, w, env, policies, questions, **kw):
+    calls.append((env, questions, kw["step"], kw["num_rollouts"]))
+    return rollouts(c_, w, env, policies, questions, **kw)
+
+  monkeypatch.setattr(play, "run_rollouts", spy)
+  colocated.train_and_evaluate(c, str(tmp_path))
+  task = tasks.build_env(c)
+  train = [(e, q, s) for e, q, s, k in calls if k == c.num_rollouts]
+  assert [s for _, _, s in train] == [0, 1]
+  assert train[0][0].documents != train[1][0].documents  # Two worlds.
+  for env, questions, step in train:
+    assert env.documents != task.documents and all(q in env.train for q in questions)
+  assert all(e.documents == task.documents for e, _, _, k in calls if k == 1)  # Evaluations.
+  lines = metrics.read_metrics(str(tmp_path))
+  assert [m["main/accuracy"] for m in lines if "main/accuracy" in m] == [1.0, 1.0]
+
+
 def _expert_rollouts(c, w, env):
   """Valid main and sub episodes from the experts, so every update has real signal."""
   policies = play.expert_policies(c, w, env, noise=0.5, seed=3)

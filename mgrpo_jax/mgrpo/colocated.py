@@ -37,16 +37,18 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict:
   start = workdir_lib.restore_agents(ckpt, agents)
   if not start:
     workdir_lib.write_config(workdir, c)
+  training_questions = tasks.TrainingQuestions(c, env)
 
   def update(step: int) -> dict:
     t0 = time.perf_counter()
     key = keys.step_key(c, step)
-    questions = keys.examples_for_step(env.train, step, c.num_queries, c.seed)
-    policies = play.make_policies(c, w, env, agents, c.sampling, version=step)
-    eps, sub_eps = play.run_rollouts(c, w, env, policies, questions,
+    step_env, questions = training_questions(step)
+    policies = play.make_policies(c, w, step_env, agents, c.sampling, version=step)
+    eps, sub_eps = play.run_rollouts(c, w, step_env, policies, questions,
                                      num_rollouts=c.num_rollouts, key=key, step=step)
     t_roll = time.perf_counter() - t0
-    role_batches, m = mgrpo_step.batches(c, w, env, eps, sub_eps, jax.random.fold_in(key, 2))
+    role_batches, m = mgrpo_step.batches(c, w, step_env, eps, sub_eps,
+                                         jax.random.fold_in(key, 2))
     m.update(mgrpo_step.update(w, agents, role_batches, step))
     gen = sum(e.num_generated for e in eps) + sum(e.num_generated for e in sub_eps)
     m.update({"time/rollout_s": t_roll, "tokens_per_s": gen / t_roll})

@@ -79,6 +79,7 @@ def run_main_agent(c, workdir: str, run, *, timeout_s: float = 600.0) -> None:
   with _lease(run, "main"):
     w, env, agents, ckpt, start = _setup(c, workdir, run, "main")
     ex = delegation.open_exchange(run)
+    training_questions = tasks.TrainingQuestions(c, env)
 
     def evaluate(step: int) -> dict:
       svc = delegation.ExchangeSubAgent(ex, step=delegation.EVAL_STEP_BASE + step,
@@ -89,15 +90,16 @@ def run_main_agent(c, workdir: str, run, *, timeout_s: float = 600.0) -> None:
       return m
 
     def update(step: int) -> dict:
-      questions = keys.examples_for_step(env.train, step, c.num_queries, c.seed)
-      policies = play.make_policies(c, w, env, agents, c.sampling, version=step)
+      step_env, questions = training_questions(step)
+      policies = play.make_policies(c, w, step_env, agents, c.sampling, version=step)
       # Scripted experts (config.policy="expert") have no weight version to go stale.
       version = None if c.policy == "expert" else step
       svc = delegation.ExchangeSubAgent(ex, step=step, timeout_s=timeout_s, version=version,
                                         max_staleness=c.max_staleness)
-      eps, _ = play.run_rollouts(c, w, env, policies, questions, num_rollouts=c.num_rollouts,
-                                 key=keys.step_key(c, step), step=step, service=svc)
-      batch, outcome, m = mgrpo_step.main_side(c, w, env, eps)
+      eps, _ = play.run_rollouts(c, w, step_env, policies, questions,
+                                 num_rollouts=c.num_rollouts, key=keys.step_key(c, step),
+                                 step=step, service=svc)
+      batch, outcome, m = mgrpo_step.main_side(c, w, step_env, eps)
       delegation.publish_outcome(ex, step, outcome, svc.waves)
       m.update(mgrpo_step.update(w, agents, {"main": batch}, step))
       return m
@@ -112,6 +114,8 @@ def run_sub_agent(c, workdir: str, run, *, timeout_s: float = 600.0) -> None:
   with _lease(run, "sub"):
     w, env, agents, ckpt, start = _setup(c, workdir, run, "sub")
     ex = delegation.open_exchange(run)
+    # The main program's step questions come from this step's task: its tools serve them.
+    training_questions = tasks.TrainingQuestions(c, env)
 
     def evaluate(step: int) -> dict:
       policy = play.make_policies(c, w, env, agents, c.eval_sampling, version=step)["sub"]
@@ -125,10 +129,11 @@ def run_sub_agent(c, workdir: str, run, *, timeout_s: float = 600.0) -> None:
 
     def update(step: int) -> dict:
       key = keys.step_key(c, step)
-      policy = play.make_policies(c, w, env, agents, c.sampling, version=step)["sub"]
-      svc = play.colocated_sub_agent(c, env, policy, key)
+      step_env, _ = training_questions(step)
+      policy = play.make_policies(c, w, step_env, agents, c.sampling, version=step)["sub"]
+      svc = play.colocated_sub_agent(c, step_env, policy, key)
       outcome = delegation.serve_step(ex, svc, step, timeout_s=timeout_s)
-      batch, m = mgrpo_step.sub_side(c, env, svc.episodes, outcome, jax.random.fold_in(key, 2),
+      batch, m = mgrpo_step.sub_side(c, step_env, svc.episodes, outcome, jax.random.fold_in(key, 2),
                                      align=w.align)
       m.update(mgrpo_step.update(w, agents, {"sub": batch}, step))  # frozen_sub: no update.
       return m

@@ -70,6 +70,7 @@ def _fields(training: bool) -> tuple[dict, dict]:
   ranges = {"num_rollouts": checks.at_least(2 if training else 1),
             "adv_eps": checks.POSITIVE, "max_to_keep": checks.at_least(1),
             "max_staleness": checks.at_least(0), "seed": checks.at_least(0),
+            "rl_worlds": checks.at_least(0),
             "expert_noise": checks.PROBABILITY}
   ranges.update(dict.fromkeys(("num_queries", "align_d", "num_steps", "eval_every",
                                "num_eval_questions", "checkpoint_every", "num_micro",

@@ -34,7 +34,7 @@ _RANGES = {"sft.num_questions": checks.at_least(1), "sft.expert_noise": checks.P
            "sft.batch_size": checks.at_least(1), "sft.learning_rate": checks.POSITIVE,
            "sft.weight_decay": checks.NONNEGATIVE, "sft.eval_every": checks.at_least(1),
            "sft.checkpoint_every": checks.at_least(1),
-           "sft.other_worlds": checks.NONNEGATIVE,
+           "sft.other_worlds": checks.Range(0, tasks.RL_WORLD_BASE - 1, integer=True),
            "sft.visit_drill_weight": checks.NONNEGATIVE,
            "sft.report_weight": checks.POSITIVE}
 
@@ -53,7 +53,7 @@ def expert_episodes(c, w: setup.Wiring, env, *, seed: int, others=()) -> dict[st
   sft = c.sft
   sources = [(env, env.train)] + [(o, o.train + o.test) for o in others]
   counts = world.allocate(sft.num_questions, [1.0] * len(sources))
-  names = _names_pattern(env.held_out_names)
+  names = tasks.names_pattern(env.held_out_names)
   keep = lambda es: [e for e in es if e.format_ok and (not sft.only_correct or _correct(e))]
   out = {name: [] for name in w.agents}
   for i, ((source_env, pool), n) in enumerate(zip(sources, counts)):
@@ -94,14 +94,6 @@ def objective_config(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   return out
 
 
-def _names_pattern(names) -> re.Pattern | None:
-  """Matches any of `names` as whole words."""
-  if not names:
-    return None
-  return re.compile(r"\b(?:" + "|".join(re.escape(n) for n in sorted(names, key=len)[::-1])
-                    + r")\b")
-
-
 def _without_names(eps, sub_eps, names: re.Pattern, tokenizer) -> tuple[list, list]:
   """Drops the questions (main and sub episodes together) whose text matches `names`."""
   bad = {e.q for e in list(eps) + list(sub_eps) if names.search(tokenizer.decode(e.tokens))}
@@ -136,7 +128,7 @@ def corpus_rows(env, others=()) -> list[TextRow]:
   in the row, as the agents must copy them (a doc id seen only where it cannot be predicted
   would be trained only towards the prior of all doc ids).
   """
-  names = _names_pattern(env.held_out_names)
+  names = tasks.names_pattern(env.held_out_names)
   rows = []
   for i, source in enumerate([env, *others]):
     for d in source.documents:

@@ -7,6 +7,8 @@ import pytest
 
 from configs import mgrpo as mgrpo_config
 from configs import sft as sft_config
+from mgrpo_jax import config_checks as checks
+from mgrpo_jax import keys
 from mgrpo_jax import tokenizer as tk
 from mgrpo_jax.mgrpo import setup, sft, tasks
 from mgrpo_jax.agents import experts
@@ -239,3 +241,45 @@ def test_shuffled_search_hits_leave_the_choice_to_the_agent():
         search.format_hits(env.index.search(h.entity, tool.k)).splitlines())
     first.append(experts.parse_hits(reply)[0][0] == h.doc_id)
   assert 0.2 < sum(first) / len(first) < 0.9
+
+
+def test_rl_worlds_ask_questions_no_warm_start_read(cpu_task, tmp_path):
+  """config.rl_worlds = N: step s asks world s mod N's questions, with that world's tools
+  and the task's tokenizer, none of them a question of the task or a held-out name, the same
+  ones again on a resumed run; 0 keeps the training split."""
+  c, env = cpu_task
+  c = c.copy_and_resolve_references()
+  c.num_queries = 8
+  assert tasks.TrainingQuestions(c, env)(5) == (
+      env, keys.examples_for_step(env.train, 5, 8, c.seed))
+  c.rl_worlds = 3
+  draw = tasks.TrainingQuestions(c, env)
+  steps = {s: draw(s) for s in range(7)}
+  task_questions = {q.text for q in env.train + env.valid + env.test}
+  pages = lambda e: [d.text for d in e.documents]
+  for s, (world_env, questions) in steps.items():
+    assert world_env is not env and world_env.tokenizer is env.tokenizer
+    assert len(questions) == 8 and not {q.text for q in questions} & task_questions
+    assert all(q in world_env.train for q in questions)
+    for q in questions:  # The step's tools read its world: the answer is on the last page.
+      assert q.answer in world_env.tools["visit"](q.hops[-1].doc_id), (s, q.text)
+    assert pages(world_env) != pages(env)
+  assert pages(steps[0][0]) == pages(steps[3][0]) == pages(steps[6][0])
+  assert pages(steps[0][0]) != pages(steps[1][0]) != pages(steps[2][0])
+  assert [q.text for q in steps[0][1]] != [q.text for q in steps[3][1]]
+  assert [q.text for q in tasks.TrainingQuestions(c, env)(4)[1]] == [
+      q.text for q in steps[4][1]]
+
+  # The held-out names filter: call some of world 0's names held out.
+  planted = tuple(q.hops[0].entity for q in steps[0][0].train[:5])
+  kept = tasks.rl_world_env(c, 0, dataclasses.replace(env, held_out_names=planted)).train
+  assert len(kept) < len(steps[0][0].train)
+  assert not any(_naming(planted)(" ".join([q.text] + [h.entity for h in q.hops]))
+                 for q in kept)
+
+  # The warm start's other worlds stop below RL's first world.
+  s = sft_config.get_config("task=multihop,runlocal")
+  s.sft.other_worlds = tasks.RL_WORLD_BASE
+  with pytest.raises(checks.ConfigValueError, match=r"sft\.other_worlds"):
+    sft.train_sft(s, str(tmp_path / "sft"))
+  assert not (tmp_path / "sft").exists()
