@@ -88,6 +88,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Where RL's questions come from: 0 = the training split; N > 0 = N generated worlds that
   # no warm start read, step s on world s mod N (mgrpo/tasks.py:TrainingQuestions).
   c.rl_worlds = 0
+  # With rl_worlds: the RL worlds' questions by pages needed, as world.hop_weights
+  # (() = world.hop_weights): RL on the shorter chains, the evaluation on every length.
+  c.rl_hop_weights = ()
   c.num_rollouts = 8  # K
   c.align_d = 4  # D: aligned sub-agent episodes per main rollout.
   c.align_on_empty = "mask"  # "mask" or "borrow" for rollouts that never delegated.

@@ -102,6 +102,8 @@ def resolve_wiring(c: ml_collections.ConfigDict, *, training: bool = True) -> Wi
   checks.check_weights(c, "beta", 3)
   expert_scorer(c)  # A judge that cannot be loaded fails here, not at the first update.
   checks.check_weights(c, "world.hop_weights")
+  if c.rl_hop_weights:
+    checks.check_weights(c, "rl_hop_weights", len(c.world.hop_weights))
   checks.check_world(c)
   checks.check_mesh(c)
   checks.check_turn_fits(c)

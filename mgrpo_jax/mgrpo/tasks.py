@@ -123,8 +123,12 @@ class TrainingQuestions:
 def rl_world_env(c: ml_collections.ConfigDict, k: int, env: Env) -> Env:
   """RL's k-th world (`TrainingQuestions`): `RL_WORLD_QUESTIONS` questions of a world no
   warm start used, read with `env`'s tokenizer (the agents' vocabulary), every question
-  for training. A question whose chain names one of `env.held_out_names` (two invented
-  worlds can share a word) is dropped: no held-out name is trained on."""
+  for training, in `config.rl_hop_weights`' mix of chain lengths (the task's if empty).
+  A question whose chain names one of `env.held_out_names` (two invented worlds can share a
+  word) is dropped: no held-out name is trained on."""
+  if c.get("rl_hop_weights"):  # RL's own mix of chain lengths (a curriculum).
+    c = c.copy_and_resolve_references()
+    c.world.hop_weights = tuple(c.rl_hop_weights)
   other = other_world_env(c, RL_WORLD_BASE + k, RL_WORLD_QUESTIONS, field="rl_worlds")
   names = names_pattern(env.held_out_names)
   mentions = lambda q: " ".join([q.text] + [f"{h.entity} {h.answer}" for h in q.hops])

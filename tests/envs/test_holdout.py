@@ -270,6 +270,14 @@ def test_rl_worlds_ask_questions_no_warm_start_read(cpu_task, tmp_path):
   assert [q.text for q in tasks.TrainingQuestions(c, env)(4)[1]] == [
       q.text for q in steps[4][1]]
 
+  # A curriculum: RL on one-page chains only; weights that do not match the task's refused.
+  c.rl_hop_weights = (1.0, 0.0, 0.0, 0.0)
+  assert {len(q.hops) for q in tasks.rl_world_env(c, 0, env).train} == {1}
+  c.rl_hop_weights = (1.0, 0.0)
+  with pytest.raises(checks.ConfigValueError, match=r"config\.rl_hop_weights=\(1\.0, 0\.0\)"):
+    setup.resolve_wiring(c)
+  c.rl_hop_weights = ()
+
   # The held-out names filter: call some of world 0's names held out.
   planted = tuple(q.hops[0].entity for q in steps[0][0].train[:5])
   kept = tasks.rl_world_env(c, 0, dataclasses.replace(env, held_out_names=planted)).train
