@@ -55,6 +55,7 @@ from scipy import stats
 from configs import mgrpo as mgrpo_config
 from configs import sft as sft_config
 from mgrpo_jax import keys, metrics, plotting, sharding
+from mgrpo_jax import workdir as workdir_lib
 from mgrpo_jax.mgrpo import colocated, play, setup, sft, tasks
 from mgrpo_jax.mgrpo import hierarchy
 
@@ -106,14 +107,10 @@ def check_reusable(done: dict, config: dict, commit: str, *, any_commit: bool = 
   """Raises ValueError naming what differs when a finished run (its done.json; or an
   unfinished one's progress.json) was made with another config or at another commit than this
   invocation's: such a run is not this sweep's."""
-  flat = lambda d, pre="": {k2: v2 for k, v in d.items() for k2, v2 in (
-      flat(v, f"{pre}{k}.").items() if isinstance(v, dict) else ((f"{pre}{k}", v),))}
-  old, new = flat(done.get("config", {})), flat(config)
-  differ = sorted(k for k in old.keys() | new.keys() if old.get(k, "<absent>") != new.get(
-      k, "<absent>"))
+  differ = workdir_lib.differences(done.get("config", {}), config)
   if differ:
     raise ValueError(f"--reuse refused: the {what}'s config differs in " + "; ".join(
-        f"{k}: {old.get(k, '<absent>')!r} -> {new.get(k, '<absent>')!r}" for k in differ[:10])
+        f"{k}: {old!r} -> {new!r}" for k, (old, new) in list(differ.items())[:10])
         + (f" (and {len(differ) - 10} more)" if len(differ) > 10 else ""))
   if not any_commit and done.get("commit") != commit:
     raise ValueError(f"--reuse refused: the {what} was made at commit "

@@ -96,9 +96,19 @@ def _flatten(d, prefix: str = "") -> dict:
   return out
 
 
+# Fields added to the configs after runs were made, with the value that keeps an older run's
+# behaviour: a config.json without one is read as holding that value (`differences`).
+ADDED_FIELDS = {"rl_worlds": 0, "rl_hop_weights": []}
+
+
 def differences(stored: dict, current: dict) -> dict[str, tuple]:
-  """Dotted field -> (stored value, current value) for every field that differs."""
+  """Dotted field -> (stored value, current value) for every field that differs; a field of
+  `ADDED_FIELDS` absent on one side differs only from a value other than its default."""
   a, b = _flatten(stored), _flatten(current)
+  for k, default in ADDED_FIELDS.items():
+    if (k in a) != (k in b):
+      a.setdefault(k, default)
+      b.setdefault(k, default)
   missing = object()
   return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
           if a.get(k, missing) != b.get(k, missing)}

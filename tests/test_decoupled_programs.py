@@ -22,8 +22,9 @@ import uuid
 
 import pytest
 
-from mgrpo_jax import checkpoint, metrics
-from mgrpo_jax.mgrpo import delegation
+from configs import mgrpo as mgrpo_config
+from mgrpo_jax import checkpoint, keys, metrics
+from mgrpo_jax.mgrpo import delegation, tasks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/mgrpo.py:smoke"  # num_steps=2: steps 0 and 1 train, 0..2 evaluate.
@@ -225,7 +226,17 @@ def test_rl_worlds_pair_reads_each_steps_world(env, tmp_path):
   pair.wait()
   main = metrics.stable(metrics.read_metrics(pair.workdir("main")))
   assert [r["main/accuracy"] for r in main if "main/accuracy" in r] == [1.0, 1.0]
-  assert all(r["main/delegations"] > 0 for r in main if "main/delegations" in r)
+  # Each training step's subtasks name the entities of that step's world's questions.
+  c = mgrpo_config.get_config("smoke,policy=expert")
+  c.rl_worlds = 2
+  task = tasks.build_env(c)
+  ex = delegation.open_exchange(pair.run)
+  for step in (0, 1):  # Worlds 0 and 1, each asked for the first time.
+    world = tasks.rl_world_env(c, step, task)
+    asked = keys.examples_for_step(world.train, 0, c.num_queries, c.seed)
+    names = {h.entity for q in asked for h in q.hops}
+    subtasks = [ex.get("request", k)["subtask"] for k in ex.list("request") if k[0] == step]
+    assert subtasks and all(any(n in s for n in names) for s in subtasks), (step, subtasks)
 
 
 # (victim, metrics lines written before the random delay starts). 0 lands in start-up,

@@ -156,6 +156,8 @@ def test_reuse_refuses_a_changed_config_or_commit(load_benchmark):
   sweep.check_reusable(done, config, "def", any_commit=True)
   with pytest.raises(ValueError, match="config differs"):  # A run from before configs were kept.
     sweep.check_reusable(dict(wall_s=1.0), config, "abc")
+  older = {k: v for k, v in config.items() if k not in ("rl_worlds", "rl_hop_weights")}
+  sweep.check_reusable(dict(done, config=older), config, "abc")  # Fields added since: default.
 
 
 def test_reuse_resumes_an_unfinished_run_and_counts_its_earlier_time(load_benchmark, tmp_path):

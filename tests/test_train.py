@@ -208,6 +208,26 @@ def test_other_worlds_need_a_generated_world():
     tasks.other_world_env(c, 0, num_questions=10)
 
 
+@pytest.mark.parametrize("arg,overrides,match", [
+    ("task=qa,smoke", dict(rl_worlds=2), r"config\.rl_worlds=2 needs a generated world"),
+    ("smoke", dict(rl_hop_weights=(1.0, 1.0, 0.0)), r"rl_hop_weights=.*config\.rl_worlds=0"),
+    ("smoke", dict(rl_worlds=2, rl_hop_weights=(1.0, 0.0)), r"one weight per chain length"),
+    ("smoke", dict(rl_worlds=2, rl_hop_weights=(0.0, 0.0, 0.0)), r"positive sum"),
+    ("runlocal", dict(rl_worlds=2), r"tokenizer='byte\+world'"),
+    ("smoke", dict(rl_worlds=-1), r"config\.rl_worlds=-1; expected an integer >= 0"),
+])
+def test_rl_worlds_the_task_cannot_serve_are_refused(arg, overrides, match):
+  with pytest.raises(checks.ConfigValueError, match=match):
+    setup.resolve_wiring(_config(arg, **overrides))
+
+
+def test_other_worlds_need_the_worlds_own_pages():
+  c = _config("task=multihop,smoke", rl_worlds=2)
+  c.retrieval.corpus = "/data/pages.jsonl"
+  with pytest.raises(checks.ConfigValueError, match=r"config\.rl_worlds needs .*corpus="):
+    tasks.other_world_env(c, 0, num_questions=10, field="rl_worlds")
+
+
 def _adapter_bytes(workdir, name):
   return (Path(workdir) / "lora" / name / lora.ADAPTER_WEIGHTS).read_bytes()
 

@@ -10,6 +10,7 @@ import pytest
 
 from configs import mgrpo
 from mgrpo_jax import workdir
+from mgrpo_jax.mgrpo import setup
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -59,6 +60,21 @@ def test_extending_is_free_and_allowed_changes_are_recorded(tmp_path):
   assert [r["allowed"] for r in records] == [False, True]
   assert records[1]["fields"] == {"seed": [0, 4]}
   assert workdir.load_config(str(tmp_path)).seed == 4
+
+
+def test_a_run_from_before_an_added_field_resumes_and_evaluates(tmp_path):
+  """A config.json written before `rl_worlds` / `rl_hop_weights` existed holds their default
+  (`ADDED_FIELDS`): resuming with the default is no change, another value is refused, and
+  the programs' checks accept the stored config as it is."""
+  current = mgrpo.get_config("task=multihop,smoke")
+  old = json.loads(current.to_json_best_effort())
+  del old["rl_worlds"], old["rl_hop_weights"]
+  (tmp_path / workdir.CONFIG_FILE).write_text(json.dumps(old))
+  assert workdir.check_resume(str(tmp_path), current) == {}
+  current.rl_worlds = 4
+  with pytest.raises(workdir.ConfigChangeError, match=r"rl_worlds: 0 -> 4"):
+    workdir.check_resume(str(tmp_path), current)
+  setup.resolve_wiring(workdir.load_config(str(tmp_path)), training=False)
 
 
 def test_load_without_a_run_names_the_file(tmp_path):

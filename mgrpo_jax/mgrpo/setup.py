@@ -22,6 +22,7 @@ from mgrpo_jax import trainable
 from mgrpo_jax.agents import protocol
 from mgrpo_jax.rl import rewards
 from mgrpo_jax.config_checks import ConfigValueError
+from mgrpo_jax.mgrpo import tasks
 from mgrpo_jax.mgrpo.tasks import Env
 
 
@@ -70,7 +71,6 @@ def _fields(training: bool) -> tuple[dict, dict]:
   ranges = {"num_rollouts": checks.at_least(2 if training else 1),
             "adv_eps": checks.POSITIVE, "max_to_keep": checks.at_least(1),
             "max_staleness": checks.at_least(0), "seed": checks.at_least(0),
-            "rl_worlds": checks.at_least(0),
             "expert_noise": checks.PROBABILITY}
   ranges.update(dict.fromkeys(("num_queries", "align_d", "num_steps", "eval_every",
                                "num_eval_questions", "checkpoint_every", "num_micro",
@@ -102,8 +102,9 @@ def resolve_wiring(c: ml_collections.ConfigDict, *, training: bool = True) -> Wi
   checks.check_weights(c, "beta", 3)
   expert_scorer(c)  # A judge that cannot be loaded fails here, not at the first update.
   checks.check_weights(c, "world.hop_weights")
-  if c.rl_hop_weights:
-    checks.check_weights(c, "rl_hop_weights", len(c.world.hop_weights))
+  if "rl_worlds" in c:  # A run's config.json from before the field has none (= 0).
+    checks.check_config(c, {}, {"rl_worlds": checks.at_least(0)})
+  tasks.check_rl_worlds(c)
   checks.check_world(c)
   checks.check_mesh(c)
   checks.check_turn_fits(c)

@@ -81,6 +81,12 @@ def other_world_env(c: ml_collections.ConfigDict, k: int, num_questions: int, *,
   if is_qa(c):
     raise checks.ConfigValueError(f"config.{field} needs a generated world "
                                   "(task=multihop or the default world); task=qa has none.")
+  if c.retrieval.backend != "bm25s" or c.retrieval.corpus:
+    raise checks.ConfigValueError(
+        f"config.{field} needs the tools to search each world's own pages "
+        "(config.retrieval.backend='bm25s' with corpus=''); got "
+        f"backend={c.retrieval.backend!r}, corpus={c.retrieval.corpus!r}, which serve one "
+        "fixed corpus.")
   other = c.copy_and_resolve_references()
   other.world.seed = c.world.seed + OTHER_WORLD_SEED_STRIDE * (k + 1)
   other.world.update(holdout=(0.0, 0.0), num_questions=num_questions)
@@ -94,6 +100,39 @@ RL_WORLD_BASE = 10_000
 RL_WORLD_QUESTIONS = 256
 
 
+# Tokenizers with one id per name of the task's world: another world's names would be spelled
+# in bytes in RL and read as one id each in evaluation.
+_NAMES_IN_VOCABULARY = ("byte+names", "byte+world")
+
+
+def check_rl_worlds(c: ml_collections.ConfigDict) -> None:
+  """Refuses, naming the field, RL worlds (`rl_worlds`, `rl_hop_weights`) the task cannot
+  serve: before any model is built, in every program that reads them."""
+  n, weights = c.get("rl_worlds", 0), tuple(c.get("rl_hop_weights", ()))
+  if weights and not n:
+    raise checks.ConfigValueError(
+        f"config.rl_hop_weights={weights} weighs the RL worlds' questions, but "
+        "config.rl_worlds=0 trains on the task's own split: set rl_worlds > 0 or leave "
+        "rl_hop_weights=().")
+  if not n:
+    return
+  if is_qa(c):
+    raise checks.ConfigValueError(f"config.rl_worlds={n} needs a generated world "
+                                  "(task=multihop or the default world); task=qa has none.")
+  if c.tokenizer in _NAMES_IN_VOCABULARY:
+    raise checks.ConfigValueError(
+        f"config.rl_worlds={n} with config.tokenizer={c.tokenizer!r}: that vocabulary gives "
+        "the task's names one id each, so other worlds' names would be spelled differently "
+        "in training and evaluation; use 'byte+phrases' or 'byte+phrases+ids'.")
+  if weights:
+    if len(weights) != len(c.world.hop_weights):
+      raise checks.ConfigValueError(
+          f"config.rl_hop_weights={weights}: one weight per chain length of "
+          f"config.world.hop_weights={tuple(c.world.hop_weights)} "
+          f"({len(c.world.hop_weights)} weights).")
+    checks.check_weights(c, "rl_hop_weights")
+
+
 class TrainingQuestions:
   """Each RL step's questions and the task that answers them (its tools, its pages).
 
@@ -105,18 +144,23 @@ class TrainingQuestions:
   validation flat). Both are deterministic in (seed, step): a resumed run asks the same.
   """
 
+  # RL worlds kept built: a few worlds cycled are built once; a fresh one per step is not kept.
+  CACHED_WORLDS = 8
+
   def __init__(self, c: ml_collections.ConfigDict, env: Env):
-    self._c, self._env = c, env
-    self._world = (None, env)  # (index, task): the last RL world, built once per visit.
+    check_rl_worlds(c)
+    self._c, self._env, self._worlds = c, env, {}
 
   def __call__(self, step: int) -> tuple[Env, list]:
     c, n = self._c, self._c.get("rl_worlds", 0)
     if not n:
       return self._env, keys.examples_for_step(self._env.train, step, c.num_queries, c.seed)
     k = step % n
-    if self._world[0] != k:
-      self._world = (k, rl_world_env(c, k, self._env))
-    env = self._world[1]
+    if k not in self._worlds:
+      if len(self._worlds) >= self.CACHED_WORLDS:
+        self._worlds.pop(next(iter(self._worlds)))  # The oldest.
+      self._worlds[k] = rl_world_env(c, k, self._env)
+    env = self._worlds[k]
     return env, keys.examples_for_step(env.train, step // n, c.num_queries, c.seed)
 
 
@@ -124,14 +168,17 @@ def rl_world_env(c: ml_collections.ConfigDict, k: int, env: Env) -> Env:
   """RL's k-th world (`TrainingQuestions`): `RL_WORLD_QUESTIONS` questions of a world no
   warm start used, read with `env`'s tokenizer (the agents' vocabulary), every question
   for training, in `config.rl_hop_weights`' mix of chain lengths (the task's if empty).
-  A question whose chain names one of `env.held_out_names` (two invented worlds can share a
-  word) is dropped: no held-out name is trained on."""
+  A question whose chain or pages name one of `env.held_out_names` (two invented worlds can
+  share a word) is dropped: no held-out name is in an RL question or on its chain's pages
+  (a search may still show another page's title)."""
   if c.get("rl_hop_weights"):  # RL's own mix of chain lengths (a curriculum).
     c = c.copy_and_resolve_references()
     c.world.hop_weights = tuple(c.rl_hop_weights)
   other = other_world_env(c, RL_WORLD_BASE + k, RL_WORLD_QUESTIONS, field="rl_worlds")
   names = names_pattern(env.held_out_names)
-  mentions = lambda q: " ".join([q.text] + [f"{h.entity} {h.answer}" for h in q.hops])
+  pages = {d.doc_id: f"{d.title} {d.text}" for d in other.documents}
+  mentions = lambda q: " ".join([q.text, q.answer, *q.aliases] + [
+      f"{h.entity} {h.answer} {pages[h.doc_id]}" for h in q.hops])
   train = [q for q in other.train + other.test if not (names and names.search(mentions(q)))]
   return dataclasses.replace(other, tokenizer=env.tokenizer, train=train, test=[], valid=[],
                              held_out_names=())
