@@ -240,17 +240,18 @@ class _Disabled:
     return f"Error: {self.name} is disabled (closed book)."
 
 
-def question_log(c, *, closed_book: bool = False) -> dict:
+def question_log(c, *, closed_book: bool = False, env=None, questions=None) -> dict:
   """Greedy episodes of `c`'s agents (`c.init`'s weights) on the eval questions: correctness
   per question and per sub-agent call (for question-level tests beside the per-seed ones).
-  `closed_book`: every tool answers with an error, so nothing can be read."""
+  `closed_book`: every tool answers with an error, so nothing can be read. `env` and
+  `questions`: another task's (default: `c`'s task and its evaluation questions)."""
   w = setup.resolve_wiring(c, training=False)
-  env = tasks.build_env(c)
+  env = tasks.build_env(c) if env is None else env
   if closed_book:
-    env.tools = {name: _Disabled(name) for name in env.tools}
+    env = dataclasses.replace(env, tools={name: _Disabled(name) for name in env.tools})
   mesh = sharding.make_mesh(dict(c.mesh))
   agents = setup.build_agents(c, w, env, mesh, jax.random.key(c.seed))
-  questions = tasks.eval_questions(c, env)
+  questions = tasks.eval_questions(c, env) if questions is None else questions
   policies = play.make_policies(c, w, env, agents, c.eval_sampling, version=0)
   eps, sub_eps = play.run_rollouts(c, w, env, policies, questions, num_rollouts=1,
                                    key=keys.eval_key(c, 0), step=0)

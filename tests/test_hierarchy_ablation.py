@@ -339,3 +339,19 @@ def test_sub_skill_drill_cuts_after_its_target(load_benchmark, skill):
         assert tok.decode(tokens[at:end]) in answers
       assert (mask[target == 1] == 1).all()
       assert (mask.sum() == len(tokens) - at) == only_target
+
+
+def test_question_log_reads_any_task_and_closes_the_book(load_benchmark):
+  """question_log: the noise-free experts answer every question of the task they are given
+  (here an RL world's, with its tools) and none with every tool disabled, which leaves the
+  caller's task as it was."""
+  sweep = load_benchmark("hierarchy_sweep")
+  c = mgrpo_config.get_config("task=multihop,smoke,variant=mgrpo,policy=expert")
+  c.limits.update(max_turns=12, max_new_tokens=256, max_len=8192)  # Room for 4 pages.
+  world = tasks.rl_world_env(c, 0, tasks.build_env(c))
+  questions = world.train[:3]
+  tools = dict(world.tools)
+  log = sweep.question_log(c, env=world, questions=questions)
+  assert log["accuracy"] == 1.0 and log["question_ids"] == [q.id for q in questions]
+  closed = sweep.question_log(c, env=world, questions=questions, closed_book=True)
+  assert closed["accuracy"] == 0.0 and world.tools == tools
