@@ -7,8 +7,8 @@ world nobody read (an RL world index past every run's), and the validation split
 `--num`. A gain on the first set that the others do not share is recall of the worlds the
 agents trained on, not reading.
 
-  python benchmarks/world_recall.py \
-      --runs=warm_start=/work/hier5/sft-mgrpo,rl_train_split=/work/hier5/rl-q8,rl_worlds=/work/hier5/rl-fresh \
+  python benchmarks/world_recall.py --runs=warm_start=/work/hier5/sft-mgrpo,\
+rl_train_split=/work/hier5/rl-q8,rl_worlds=/work/hier5/rl-fresh \
       --rl_run=/work/hier5/rl-q8 --recall_out=benchmarks/results/world-recall-cpu.json
 """
 
@@ -23,7 +23,7 @@ from configs import mgrpo as mgrpo_config
 from configs import sft as sft_config
 from mgrpo_jax import keys
 from mgrpo_jax import workdir as workdir_lib
-from mgrpo_jax.mgrpo import tasks
+from mgrpo_jax.mgrpo import sft, tasks
 
 import hierarchy_sweep as sweep  # benchmarks/hierarchy_sweep.py
 
@@ -52,8 +52,7 @@ def question_sets(n: int) -> dict:
   drawn = {q.id: q for step in range(rl.num_steps)
            for q in keys.examples_for_step(env.train, step, rl.num_queries, rl.seed)}
   s = sft_config.get_config(ARG)
-  per_world = -(-s.sft.num_questions // (s.sft.other_worlds + 1))  # As sft.other_world_envs.
-  read = tasks.other_world_env(s, 0, per_world)
+  read = tasks.other_world_env(s, 0, sft.other_world_questions(s))  # As the warm start's.
   read = dataclasses.replace(read, tokenizer=env.tokenizer)
   unread = tasks.rl_world_env(c, UNREAD_WORLD, env)
   logging.info("RL drew %d distinct training questions in %d steps.", len(drawn), rl.num_steps)

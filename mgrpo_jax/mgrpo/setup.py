@@ -102,8 +102,6 @@ def resolve_wiring(c: ml_collections.ConfigDict, *, training: bool = True) -> Wi
   checks.check_weights(c, "beta", 3)
   expert_scorer(c)  # A judge that cannot be loaded fails here, not at the first update.
   checks.check_weights(c, "world.hop_weights")
-  if "rl_worlds" in c:  # A run's config.json from before the field has none (= 0).
-    checks.check_config(c, {}, {"rl_worlds": checks.at_least(0)})
   tasks.check_rl_worlds(c)
   checks.check_world(c)
   checks.check_mesh(c)

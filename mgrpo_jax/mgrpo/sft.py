@@ -72,10 +72,15 @@ def expert_episodes(c, w: setup.Wiring, env, *, seed: int, others=()) -> dict[st
   return out
 
 
+def other_world_questions(c) -> int:
+  """How many questions each of the `sft.other_worlds` worlds asks (its share of
+  `sft.num_questions`, the training split taking one share too)."""
+  return -(-c.sft.num_questions // (c.sft.other_worlds + 1))
+
+
 def other_world_envs(c) -> list:
   """The `sft.other_worlds` worlds' tasks, each with its share of `sft.num_questions`."""
-  k = c.sft.other_worlds
-  per_world = -(-c.sft.num_questions // (k + 1))
+  k, per_world = c.sft.other_worlds, other_world_questions(c)
   if k:
     logging.info("sft: the traces are shared by the training split and %d other worlds "
                  "(%d questions each).", k, per_world)

@@ -78,6 +78,16 @@ def other_world_env(c: ml_collections.ConfigDict, k: int, num_questions: int, *,
   entities, names and pages, all of them training material (the warm start's
   `sft.other_worlds`, RL's `rl_worlds`): no question or page of `build_env(c)` is among them.
   `field`: the config field that asked for other worlds, named when the task has none."""
+  check_other_worlds(c, field)
+  other = c.copy_and_resolve_references()
+  other.world.seed = c.world.seed + OTHER_WORLD_SEED_STRIDE * (k + 1)
+  other.world.update(holdout=(0.0, 0.0), num_questions=num_questions)
+  return build_env(other)
+
+
+def check_other_worlds(c: ml_collections.ConfigDict, field: str) -> None:
+  """Refuses other worlds (asked for by `config.<field>`) where the task cannot build them:
+  task=qa has no generated world, and a fixed corpus or server would not serve their pages."""
   if is_qa(c):
     raise checks.ConfigValueError(f"config.{field} needs a generated world "
                                   "(task=multihop or the default world); task=qa has none.")
@@ -87,10 +97,6 @@ def other_world_env(c: ml_collections.ConfigDict, k: int, num_questions: int, *,
         "(config.retrieval.backend='bm25s' with corpus=''); got "
         f"backend={c.retrieval.backend!r}, corpus={c.retrieval.corpus!r}, which serve one "
         "fixed corpus.")
-  other = c.copy_and_resolve_references()
-  other.world.seed = c.world.seed + OTHER_WORLD_SEED_STRIDE * (k + 1)
-  other.world.update(holdout=(0.0, 0.0), num_questions=num_questions)
-  return build_env(other)
 
 
 # RL's worlds (config.rl_worlds) are other worlds from this index on, past every warm start's
@@ -107,8 +113,11 @@ _NAMES_IN_VOCABULARY = ("byte+names", "byte+world")
 
 def check_rl_worlds(c: ml_collections.ConfigDict) -> None:
   """Refuses, naming the field, RL worlds (`rl_worlds`, `rl_hop_weights`) the task cannot
-  serve: before any model is built, in every program that reads them."""
+  serve: before any model is built (`setup.resolve_wiring`). A config from before the
+  fields (a run's config.json) has neither: 0 and ()."""
   n, weights = c.get("rl_worlds", 0), tuple(c.get("rl_hop_weights", ()))
+  if n not in checks.at_least(0):
+    raise checks.ConfigValueError(f"config.rl_worlds={n!r}; expected {checks.at_least(0)}.")
   if weights and not n:
     raise checks.ConfigValueError(
         f"config.rl_hop_weights={weights} weighs the RL worlds' questions, but "
@@ -116,9 +125,7 @@ def check_rl_worlds(c: ml_collections.ConfigDict) -> None:
         "rl_hop_weights=().")
   if not n:
     return
-  if is_qa(c):
-    raise checks.ConfigValueError(f"config.rl_worlds={n} needs a generated world "
-                                  "(task=multihop or the default world); task=qa has none.")
+  check_other_worlds(c, f"rl_worlds={n}")
   if c.tokenizer in _NAMES_IN_VOCABULARY:
     raise checks.ConfigValueError(
         f"config.rl_worlds={n} with config.tokenizer={c.tokenizer!r}: that vocabulary gives "
@@ -148,7 +155,6 @@ class TrainingQuestions:
   CACHED_WORLDS = 8
 
   def __init__(self, c: ml_collections.ConfigDict, env: Env):
-    check_rl_worlds(c)
     self._c, self._env, self._worlds = c, env, {}
 
   def __call__(self, step: int) -> tuple[Env, list]:
