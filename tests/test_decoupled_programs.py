@@ -226,6 +226,9 @@ def test_rl_worlds_pair_reads_each_steps_world(env, tmp_path):
   pair.wait()
   main = metrics.stable(metrics.read_metrics(pair.workdir("main")))
   assert [r["main/accuracy"] for r in main if "main/accuracy" in r] == [1.0, 1.0]
+  # The sub program judges its calls against the questions of the step's world.
+  sub = metrics.stable(metrics.read_metrics(pair.workdir("sub")))
+  assert [r["sub/call_accuracy"] for r in sub if "sub/reward" in r] == [1.0, 1.0]
   # Each training step's subtasks name the entities of that step's world's questions.
   c = mgrpo_config.get_config("smoke,policy=expert")
   c.rl_worlds = 2

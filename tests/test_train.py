@@ -78,6 +78,8 @@ def test_rl_worlds_train_on_other_worlds_with_their_tools(tmp_path, monkeypatch)
   assert all(e.documents == task.documents for e, _, _, k in calls if k == 1)  # Evaluations.
   lines = metrics.read_metrics(str(tmp_path))
   assert [m["main/accuracy"] for m in lines if "main/accuracy" in m] == [1.0, 1.0]
+  # Every sub-agent call answered a hop of its own question, in its own step's world.
+  assert [m["sub/call_accuracy"] for m in lines if "main/accuracy" in m] == [1.0, 1.0]
 
 
 def _expert_rollouts(c, w, env):

@@ -129,12 +129,12 @@ def run_sub_agent(c, workdir: str, run, *, timeout_s: float = 600.0) -> None:
 
     def update(step: int) -> dict:
       key = keys.step_key(c, step)
-      step_env, _ = training_questions(step)
+      step_env, questions = training_questions(step)
       policy = play.make_policies(c, w, step_env, agents, c.sampling, version=step)["sub"]
       svc = play.colocated_sub_agent(c, step_env, policy, key)
       outcome = delegation.serve_step(ex, svc, step, timeout_s=timeout_s)
       batch, m = mgrpo_step.sub_side(c, step_env, svc.episodes, outcome, jax.random.fold_in(key, 2),
-                                     align=w.align)
+                                     align=w.align, questions=questions)
       m.update(mgrpo_step.update(w, agents, {"sub": batch}, step))  # frozen_sub: no update.
       return m
 

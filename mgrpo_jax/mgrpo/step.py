@@ -14,6 +14,7 @@ import numpy as np
 
 from mgrpo_jax import trainable
 from mgrpo_jax.mgrpo.tasks import Env
+from mgrpo_jax.mgrpo import play
 from mgrpo_jax.mgrpo.play import episode_metrics
 from mgrpo_jax.mgrpo import setup
 from mgrpo_jax.mgrpo.setup import Wiring
@@ -50,8 +51,12 @@ def sub_advantages(aligned: hierarchy.AlignedSub, *, scale: str, eps: float) -> 
 
 
 def sub_side(c, env: Env, sub_eps, outcome: hierarchy.MainOutcome, key, *,
-             align: str = "sample") -> tuple[batch_lib.Batch, dict]:
+             align: str = "sample", questions=None) -> tuple[batch_lib.Batch, dict]:
   """R_S from the main outcome, alignment to [Q, K, D] (drawn with `key`), A_S, sub batch.
+
+  `questions` (the step's, in the main agent's order) adds `sub/call_accuracy`: the share
+  of the sub-agent's calls that answered a hop of their question (`play.sub_call_correct`),
+  whether or not the main agent's answer was right.
 
   `align="pad"` (the `unaligned` variant) takes every episode once instead: D is
   `limits.max_delegations` (no rollout has more calls), rows past a rollout's calls are
@@ -79,6 +84,9 @@ def sub_side(c, env: Env, sub_eps, outcome: hierarchy.MainOutcome, key, *,
                                pad_id=env.tokenizer.pad_id, minimum=MIN_LENGTH)
   m = episode_metrics("sub", sub_eps)
   m["sub/reward"] = float(r_s.mean()) if len(r_s) else 0.0
+  if questions is not None and sub_eps:
+    m["sub/call_accuracy"] = float(np.mean([play.sub_call_correct(ep, questions[ep.q])
+                                            for ep in sub_eps]))
   m.update(aligned.stats)
   return batch, m
 
@@ -88,7 +96,9 @@ def batches(c, w: Wiring, env: Env, episodes, sub_episodes, key) -> tuple[dict, 
   batch, outcome, m = main_side(c, w, env, episodes)
   out = {w.lead: batch}
   if w.has_sub:
-    out["sub"], sub_m = sub_side(c, env, sub_episodes, outcome, key, align=w.align)
+    questions = [e.task for e in episodes[::c.num_rollouts]]  # A main episode's task.
+    out["sub"], sub_m = sub_side(c, env, sub_episodes, outcome, key, align=w.align,
+                                 questions=questions)
     m.update(sub_m)
   return out, m
 
