@@ -56,7 +56,8 @@ def test_two_steps_of_each_variant(variant, tmp_path):
   assert os.listdir(tmp_path / "tb")
 
 
-def test_rl_worlds_train_on_other_worlds_with_their_tools(tmp_path, monkeypatch):
+def test_rl_worlds_train_on_other_worlds_with_their_tools(tmp_path, monkeypatch,
+                                                          load_benchmark):
   """config.rl_worlds: the colocated program's rollouts ask each step's world with that
   world's tools (the noise-free experts answer them), and evaluate the task's questions."""
   c = _config("smoke,policy=expert", rl_worlds=2)
@@ -80,6 +81,17 @@ def test_rl_worlds_train_on_other_worlds_with_their_tools(tmp_path, monkeypatch)
   assert [m["main/accuracy"] for m in lines if "main/accuracy" in m] == [1.0, 1.0]
   # Every sub-agent call answered a hop of its own question, in its own step's world.
   assert [m["sub/call_accuracy"] for m in lines if "main/accuracy" in m] == [1.0, 1.0]
+  # benchmarks/rl_run_record.py reads the run from its workdir alone.
+  rec = load_benchmark("rl_run_record").record(str(tmp_path), block=1)
+  evals = [m for m in lines if "eval/accuracy" in m]
+  assert [e["step"] for e in rec["evaluations"]] == [m["step"] for m in evals]
+  for e, m in zip(rec["evaluations"], evals):
+    with open(play.questions_path(str(tmp_path), m["step"])) as f:
+      assert e["sub_call_accuracy"] == json.load(f)["sub_call_accuracy"] is not None
+    assert e["accuracy"] == round(m["eval/accuracy"], 4)
+  assert [(b["steps"], b["main_batch_accuracy"], b["sub_call_accuracy"])
+          for b in rec["training_blocks"]] == [("0-0", 1.0, 1.0), ("1-1", 1.0, 1.0)]
+  assert rec["settings"]["rl_worlds"] == 2
 
 
 def _expert_rollouts(c, w, env):
