@@ -158,8 +158,9 @@ def test_colocated_step_equals_the_decoupled_protocol_over_an_in_memory_exchange
   batches_a, m_a = mgrpo_step.batches(c, w, env, eps_a, sub_a, jax.random.key(1))
   # The loopback's sub side trains on R_M as it comes back over the exchange.
   main_b, outcome, m_b = mgrpo_step.main_side(c, w, env, eps_b)
+  # As the decoupled sub program, which reads the step's questions (sub/call_accuracy).
   sub_batch_b, sub_m = mgrpo_step.sub_side(c, env, sub_b, loop.relay_outcome(outcome),
-                                           jax.random.key(1))
+                                           jax.random.key(1), questions=questions)
   m_b.update(sub_m)
   batches_b = {"main": main_b, "sub": sub_batch_b}
   assert loop.exchange.array_steps("main_reward") == [step]  # R_M went through it.
