@@ -22,6 +22,9 @@ import os
 
 from absl import app, flags
 
+from mgrpo_jax import metrics
+from mgrpo_jax.mgrpo import play
+
 _WORKDIR = flags.DEFINE_string("workdir", None, "The RL run's workdir.", required=True)
 _NAME = flags.DEFINE_string("name", "", "The run's name in `runs` (default: the workdir's "
                             "last part).")
@@ -63,7 +66,7 @@ def evaluations(workdir: str, rows: list[dict]) -> list[dict]:
       e["accuracy_by_pages"] = [round(r[f"eval/accuracy_hops{p}"], 4) for p in pages]
     if "eval/delegations" in r:
       e["delegations"] = round(r["eval/delegations"], 3)
-    path = os.path.join(workdir, "eval_questions", f"step_{r['step']}.json")
+    path = play.questions_path(workdir, r["step"])
     if os.path.exists(path):
       with open(path) as f:
         e["sub_call_accuracy"] = json.load(f).get("sub_call_accuracy")
@@ -97,15 +100,15 @@ def record(workdir: str, *, name: str = "", command: str = "", commit: str = "",
   """The run's record (see the module docstring)."""
   with open(os.path.join(workdir, "config.json")) as f:
     config = json.load(f)
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    rows = [json.loads(line) for line in f if line.strip()]
+  rows = metrics.read_metrics(workdir)
   rec = dict(name=name or os.path.basename(os.path.normpath(workdir)))
   if command:
     rec["command"] = command
   if commit:
     rec["commit"] = commit
   rec["workdir"] = workdir
-  rec["settings"] = {k: _get(config, k) for k in SETTINGS if _get(config, k) is not None}
+  settings = {k: _get(config, k) for k in SETTINGS}
+  rec["settings"] = {k: v for k, v in settings.items() if v is not None}
   changes = os.path.join(workdir, "config_changes.jsonl")
   if os.path.exists(changes):
     with open(changes) as f:

@@ -15,7 +15,6 @@ import numpy as np
 from mgrpo_jax import trainable
 from mgrpo_jax.mgrpo.tasks import Env
 from mgrpo_jax.mgrpo import play
-from mgrpo_jax.mgrpo.play import episode_metrics
 from mgrpo_jax.mgrpo import setup
 from mgrpo_jax.mgrpo.setup import Wiring
 from mgrpo_jax.rl import advantages
@@ -40,7 +39,7 @@ def main_side(c, w: Wiring, env: Env,
   batch = batch_lib.make_batch(episodes, np.asarray(adv_m).reshape(-1),
                                max_len=c.limits.max_len, pad_id=env.tokenizer.pad_id,
                                minimum=MIN_LENGTH)
-  return batch, outcome, episode_metrics(w.lead, episodes, outcome)
+  return batch, outcome, play.episode_metrics(w.lead, episodes, outcome)
 
 
 def sub_advantages(aligned: hierarchy.AlignedSub, *, scale: str, eps: float) -> np.ndarray:
@@ -82,7 +81,7 @@ def sub_side(c, env: Env, sub_eps, outcome: hierarchy.MainOutcome, key, *,
     adv_s = np.concatenate([adv_s[keep], np.zeros(width - len(keep), np.float32)])
   batch = batch_lib.make_batch(rows, adv_s, max_len=c.limits.max_len,
                                pad_id=env.tokenizer.pad_id, minimum=MIN_LENGTH)
-  m = episode_metrics("sub", sub_eps)
+  m = play.episode_metrics("sub", sub_eps)
   m["sub/reward"] = float(r_s.mean()) if len(r_s) else 0.0
   if questions is not None and sub_eps:
     m["sub/call_accuracy"] = float(np.mean([play.sub_call_correct(ep, questions[ep.q])
