@@ -53,6 +53,18 @@ def git_commit() -> str:
 PAIRED_SD, EFFECT, POWER, ALPHA = 0.054, 0.05, 0.80, 0.05
 
 
+def mcnemar(correct_a, correct_b) -> dict:
+  """Two evaluations of the same questions (per-question correctness, same order): how many
+  only `a` answers right (a_only), only `b` (b_only), and McNemar's exact two-sided p (the
+  binomial test at 1/2 on the discordant questions; 1 when there are none)."""
+  if len(correct_a) != len(correct_b):
+    raise ValueError(f"{len(correct_a)} and {len(correct_b)} questions: not the same evaluation")
+  a_only = sum(bool(x) and not y for x, y in zip(correct_a, correct_b))
+  b_only = sum(bool(y) and not x for x, y in zip(correct_a, correct_b))
+  p = stats.binomtest(a_only, a_only + b_only).pvalue if a_only + b_only else 1.0
+  return dict(a_only=a_only, b_only=b_only, mcnemar_p=float(f"{p:.3g}"))
+
+
 def paired_t_power(n: int, effect: float, sd: float, alpha: float = ALPHA) -> float:
   """Power of the two-sided paired t-test over `n` pairs to detect a mean difference `effect`
   when the differences have sd `sd` (non-central t with n - 1 degrees of freedom)."""

@@ -50,8 +50,6 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 
-from scipy import stats
-
 from configs import mgrpo as mgrpo_config
 from configs import sft as sft_config
 from mgrpo_jax import keys, metrics, plotting, sharding
@@ -333,10 +331,7 @@ def question_tests(records: list[dict], a: str, b: str) -> list[dict]:
     qa, qb = logs[(a, seed)], logs[(b, seed)]
     if qa["question_ids"] != qb["question_ids"]:
       raise ValueError(f"seed {seed}: {a} and {b} answered different questions")
-    a_only = sum(x and not y for x, y in zip(qa["correct"], qb["correct"]))
-    b_only = sum(y and not x for x, y in zip(qa["correct"], qb["correct"]))
-    p = stats.binomtest(a_only, a_only + b_only).pvalue if a_only + b_only else 1.0
-    out.append(dict(seed=seed, a_only=a_only, b_only=b_only, mcnemar_p=round(float(p), 4)))
+    out.append(dict(seed=seed, **hi.mcnemar(qa["correct"], qb["correct"])))
   return out
 
 

@@ -15,6 +15,11 @@ matter for RL), `metrics.jsonl`, `eval_questions/step_<n>.json` and `config_chan
 
 Without `--add_to` the record is printed. With it, the record replaces the run of the same
 `name` (default: the workdir's last part) in the JSON's `runs`, or is appended.
+
+Paired views, question by question (McNemar's exact test, `hierarchy_instrument.mcnemar`):
+each evaluation against the run's step-0 evaluation (`vs_step_0`: questions gained, lost),
+and with `--against=NAME=WORKDIR,...` against other runs at every step both evaluated
+(`paired`: questions only this run answers right, only the other).
 """
 
 import json
@@ -25,6 +30,8 @@ from absl import app, flags
 from mgrpo_jax import metrics
 from mgrpo_jax.mgrpo import play
 
+import hierarchy_instrument as hi  # benchmarks/hierarchy_instrument.py
+
 _WORKDIR = flags.DEFINE_string("workdir", None, "The RL run's workdir.", required=True)
 _NAME = flags.DEFINE_string("name", "", "The run's name in `runs` (default: the workdir's "
                             "last part).")
@@ -34,6 +41,8 @@ _COMMIT = flags.DEFINE_string("commit", "", "The commit of the code the run ran 
 _NOTE = flags.DEFINE_string("note", "", "What the run changes, and anything its numbers need.")
 _BLOCK = flags.DEFINE_integer("block", 30, "Training steps per training block.")
 _ADD_TO = flags.DEFINE_string("add_to", "", "A results JSON whose `runs` gets the record.")
+_AGAINST = flags.DEFINE_list("against", [], "NAME=WORKDIR of runs to pair with, question by "
+                             "question, at every step both evaluated.")
 
 # The settings of config.json an RL record states (dotted paths; absent ones are skipped).
 SETTINGS = ("init", "variant", "num_queries", "num_rollouts", "main_optim.learning_rate",
@@ -55,7 +64,7 @@ def _mean(rows, key):
 
 def evaluations(workdir: str, rows: list[dict]) -> list[dict]:
   """Each evaluation's accuracy, by pages needed, delegations and sub-agent call accuracy."""
-  out = []
+  records, out = question_records(workdir), []
   for r in rows:
     if "eval/accuracy" not in r:
       continue
@@ -66,11 +75,42 @@ def evaluations(workdir: str, rows: list[dict]) -> list[dict]:
       e["accuracy_by_pages"] = [round(r[f"eval/accuracy_hops{p}"], 4) for p in pages]
     if "eval/delegations" in r:
       e["delegations"] = round(r["eval/delegations"], 3)
-    path = play.questions_path(workdir, r["step"])
-    if os.path.exists(path):
-      with open(path) as f:
-        e["sub_call_accuracy"] = json.load(f).get("sub_call_accuracy")
+    questions = records.get(r["step"])
+    if questions is not None:
+      e["sub_call_accuracy"] = questions.get("sub_call_accuracy")
+      if r["step"] != 0 and 0 in records:
+        t = _paired(questions, records[0], f"step {r['step']} and step 0 of {workdir}")
+        e["vs_step_0"] = dict(gained=t["a_only"], lost=t["b_only"], mcnemar_p=t["mcnemar_p"])
     out.append(e)
+  return out
+
+
+def question_records(workdir: str) -> dict[int, dict]:
+  """The per-question records of the run's evaluations (`play.question_record`), by step."""
+  folder = os.path.dirname(play.questions_path(workdir, 0))
+  out = {}
+  for name in os.listdir(folder) if os.path.isdir(folder) else []:
+    if name.startswith("step_") and name.endswith(".json"):
+      with open(os.path.join(folder, name)) as f:
+        out[int(name.removeprefix("step_").removesuffix(".json"))] = json.load(f)
+  return out
+
+
+def _paired(a: dict, b: dict, what: str) -> dict:
+  if a["question_ids"] != b["question_ids"]:
+    raise ValueError(f"{what} evaluated different questions; no paired comparison")
+  return hi.mcnemar(a["correct"], b["correct"])
+
+
+def paired(workdir: str, against: dict[str, str]) -> list[dict]:
+  """This run against each named run, at every step both evaluated."""
+  mine, out = question_records(workdir), []
+  for name, other_dir in against.items():
+    theirs = question_records(other_dir)
+    for step in sorted(set(mine) & set(theirs)):
+      t = _paired(mine[step], theirs[step], f"{workdir} and {other_dir} at step {step}")
+      out.append(dict(run=name, step=step, this_only=t["a_only"], other_only=t["b_only"],
+                      mcnemar_p=t["mcnemar_p"]))
   return out
 
 
@@ -96,7 +136,7 @@ def training_blocks(rows: list[dict], block: int) -> list[dict]:
 
 
 def record(workdir: str, *, name: str = "", command: str = "", commit: str = "",
-           note: str = "", block: int = 30) -> dict:
+           note: str = "", block: int = 30, against: dict[str, str] | None = None) -> dict:
   """The run's record (see the module docstring)."""
   with open(os.path.join(workdir, "config.json")) as f:
     config = json.load(f)
@@ -116,6 +156,8 @@ def record(workdir: str, *, name: str = "", command: str = "", commit: str = "",
   if note:
     rec["note"] = note
   rec["evaluations"] = evaluations(workdir, rows)
+  if against:
+    rec["paired"] = paired(workdir, against)
   rec["training_blocks"] = training_blocks(rows, block)
   return rec
 
@@ -132,11 +174,23 @@ def add_to(path: str, rec: dict) -> None:
   os.replace(path + ".tmp", path)
 
 
+def _against(items: list[str]) -> dict[str, str]:
+  out = {}
+  for item in items:
+    name, sep, workdir = item.partition("=")
+    if not sep or not name or not workdir:
+      raise app.UsageError(f"--against={item!r}: expected NAME=WORKDIR")
+    if not os.path.isdir(os.path.dirname(play.questions_path(workdir, 0))):
+      raise app.UsageError(f"--against={item!r}: {workdir} holds no eval_questions/")
+    out[name] = workdir
+  return out
+
+
 def main(argv):
   del argv
   rec = record(_WORKDIR.value, name=_NAME.value, command=_COMMAND.value,
                commit=_COMMIT.value, note=_NOTE.value,
-               block=_BLOCK.value)
+               block=_BLOCK.value, against=_against(_AGAINST.value))
   if _ADD_TO.value:
     add_to(_ADD_TO.value, rec)
   print(json.dumps(rec, indent=1))

@@ -9,7 +9,8 @@ agents trained on, not reading.
 
   python benchmarks/world_recall.py --runs=warm_start=/work/hier5/sft-mgrpo,\
 rl_train_split=/work/hier5/rl-q8,rl_worlds=/work/hier5/rl-fresh \
-      --rl_run=/work/hier5/rl-q8 --recall_out=benchmarks/results/world-recall-cpu.json
+      --rl_run=/work/hier5/rl-q8 --warm_start=/work/hier5/sft-mgrpo \
+      --recall_out=benchmarks/results/world-recall-cpu.json
 """
 
 import dataclasses
@@ -20,7 +21,6 @@ import time
 from absl import app, flags, logging
 
 from configs import mgrpo as mgrpo_config
-from configs import sft as sft_config
 from mgrpo_jax import keys
 from mgrpo_jax import workdir as workdir_lib
 from mgrpo_jax.mgrpo import sft, tasks
@@ -31,6 +31,9 @@ _RUNS = flags.DEFINE_list("runs", None, "label=workdir of each set of agents (a 
                           "or an RL run's; its final weights, hf/).", required=True)
 _RL_RUN = flags.DEFINE_string("rl_run", None, "The RL workdir on the training split whose "
                               "drawn questions are the first set.", required=True)
+_WARM_START = flags.DEFINE_string("warm_start", None, "The warm start's workdir: its own "
+                                  "config (sft.num_questions, sft.other_worlds) gives the other "
+                                  "world it read.", required=True)
 _NUM = flags.DEFINE_integer("num", 96, "Questions per set.")
 _RECALL_OUT = flags.DEFINE_string("recall_out", "", "Results JSON (default: print only).")
 
@@ -51,7 +54,7 @@ def question_sets(n: int) -> dict:
   rl = workdir_lib.load_config(_RL_RUN.value)
   drawn = {q.id: q for step in range(rl.num_steps)
            for q in keys.examples_for_step(env.train, step, rl.num_queries, rl.seed)}
-  s = sft_config.get_config(ARG)
+  s = workdir_lib.load_config(_WARM_START.value)
   read = tasks.other_world_env(s, 0, sft.other_world_questions(s))  # As the warm start's.
   read = dataclasses.replace(read, tokenizer=env.tokenizer)
   unread = tasks.rl_world_env(c, UNREAD_WORLD, env)
@@ -66,7 +69,7 @@ def main(argv):
   del argv
   sets = question_sets(_NUM.value)
   out = dict(what=__doc__.split("\n\n")[1].replace("\n", " "), arg=ARG, num=_NUM.value,
-             rl_run=_RL_RUN.value, results=[])
+             rl_run=_RL_RUN.value, warm_start=_WARM_START.value, results=[])
   for item in _RUNS.value:
     label, workdir = item.split("=", 1)
     for name, (env, questions) in sets.items():

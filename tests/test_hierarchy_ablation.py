@@ -260,6 +260,38 @@ def test_question_level_tests_by_hand(load_benchmark):
     sweep.question_tests(records, "mgrpo", "frozen_sub")
 
 
+def _fake_run(workdir, evals: dict[int, list[bool]], ids=("q1", "q2", "q3", "q4")):
+  """A workdir with a config, one metrics line per evaluation and its question records."""
+  os.makedirs(os.path.join(workdir, "eval_questions"))
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    json.dump(dict(variant="mgrpo", num_steps=max(evals)), f)
+  with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+    for step, correct in evals.items():
+      f.write(json.dumps({"step": step, "eval/accuracy": float(np.mean(correct))}) + "\n")
+      with open(play.questions_path(workdir, step), "w") as q:
+        json.dump(dict(step=step, question_ids=list(ids), correct=correct), q)
+
+
+def test_rl_run_record_pairs_by_question(load_benchmark, tmp_path):
+  """Each evaluation against step 0 (gained 3, lost 0 -> p = 2 * 0.5^3 = 0.25; gained 1,
+  lost 1 -> p = 1), and against another run at the steps both evaluated."""
+  record = load_benchmark("rl_run_record")
+  a, b = str(tmp_path / "a"), str(tmp_path / "b")
+  _fake_run(a, {0: [False, False, False, True], 30: [True, True, True, True],
+                60: [True, False, False, False]})
+  _fake_run(b, {0: [False] * 4, 60: [True, True, False, False]})
+  rec = record.record(a, against={"b": b})
+  assert [e.get("vs_step_0") for e in rec["evaluations"]] == [
+      None, dict(gained=3, lost=0, mcnemar_p=0.25), dict(gained=1, lost=1, mcnemar_p=1.0)]
+  assert rec["paired"] == [
+      dict(run="b", step=0, this_only=1, other_only=0, mcnemar_p=1.0),
+      dict(run="b", step=60, this_only=0, other_only=1, mcnemar_p=1.0)]
+  c = str(tmp_path / "c")
+  _fake_run(c, {0: [False] * 4}, ids=("q1", "q2", "q3", "x"))
+  with pytest.raises(ValueError, match="different questions"):
+    record.record(a, against={"c": c})
+
+
 def test_evaluation_records_each_question_in_order(tmp_path):
   """play.evaluate's per-question record (what the sweep's question-level tests read) agrees
   with its metrics question by question: overall, by pages needed, and one sub-agent call
