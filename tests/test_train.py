@@ -1,5 +1,6 @@
 """Training programs end to end on the smoke config: variants, wiring, resume, bad configs."""
 
+import dataclasses
 import json
 import os
 import re
@@ -20,7 +21,7 @@ from mgrpo_jax.models import lora
 from mgrpo_jax import config_checks as checks
 from mgrpo_jax import evaluate, metrics, sharding
 from mgrpo_jax import workdir as workdir_lib
-from mgrpo_jax.mgrpo import colocated, play, setup, sft, tasks
+from mgrpo_jax.mgrpo import colocated, hierarchy, play, setup, sft, tasks
 from mgrpo_jax.mgrpo import step as mgrpo_step
 from mgrpo_jax.envs import search
 from mgrpo_jax.envs import world as world_lib
@@ -92,6 +93,24 @@ def test_rl_worlds_train_on_other_worlds_with_their_tools(tmp_path, monkeypatch,
   assert [(b["steps"], b["main_batch_accuracy"], b["sub_call_accuracy"])
           for b in rec["training_blocks"]] == [("0-0", 1.0, 1.0), ("1-1", 1.0, 1.0)]
   assert rec["settings"]["rl_worlds"] == 2
+
+
+def test_rl_worlds_single_agent_reads_each_worlds_pages():
+  """The single agent (full-context control) on an RL world's one- and two-page questions:
+  the noise-free single expert answers each with that world's tools, the task's own would
+  not serve its pages."""
+  c = _config("task=multihop,smoke,variant=single,full_context", rl_worlds=2,
+              rl_hop_weights=(1.0, 1.0, 0.0, 0.0))
+  task = tasks.build_env(c)
+  world = tasks.rl_world_env(c, 1, task)
+  w = setup.WIRINGS[c.variant]
+  questions = world.train[:4]
+  for env, right in ((world, 1.0), (task, 0.0)):
+    env_tools = dataclasses.replace(world, tools=env.tools)
+    eps, _ = play.run_rollouts(c, w, env_tools, play.expert_policies(c, w, env_tools),
+                               questions, num_rollouts=1, key=jax.random.key(0), step=0)
+    outcome = hierarchy.main_outcomes(eps, [q.answers for q in questions], len(questions), 1)
+    assert outcome.correct.mean() == right, env
 
 
 def _expert_rollouts(c, w, env):
