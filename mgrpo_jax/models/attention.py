@@ -7,7 +7,9 @@ Every implementation computes, for queries q[b, k, g, t] and keys k[b, k, s],
 where `q_idx` is the cache slot (= packed-row index) of the query, so causality follows the
 slots, while RoPE positions may restart inside a packed row. Implementations:
 
-- "reference": the einsum over the full [T, S] score tensor (the parity baseline).
+- "reference": the einsum over the full [T, S] score tensor (the parity baseline); `attend`
+  runs it over chunks of queries where the scores of the whole batch would pass
+  `REFERENCE_MAX_SCORE_BYTES` (`query_chunked`, the same result).
 - "blockwise": flash-style online softmax over [block, block] tiles with a hand-written
   backward (`jax.custom_vjp`) that recomputes the tiles, so neither pass ever holds more
   than one tile of scores: memory is linear in T. Pure JAX, runs everywhere.
@@ -35,6 +37,12 @@ _AUTO_REFERENCE_MAX_TS = 1 << 20
 # inputs, and a head dim that is a multiple of 8 and at most 128 (256 from Hopper on).
 CUDNN_DTYPES = ("bfloat16", "float16")
 CUDNN_MAX_HEAD_DIM = 128
+# The most bytes of float32 scores the reference materialises in one piece: above it, the
+# queries go through in chunks (`query_chunked`). An evaluation of 265 multihop questions
+# (hundreds of rows at once) peaked at 9.9 GB resident with the whole [B, K, G, T, S]
+# tensor, at 3.6 GB with this budget in 67 s instead of 63 (64 MiB: 3.3 GB in 85 s;
+# docs/hierarchy-ablation.md, "What has run").
+REFERENCE_MAX_SCORE_BYTES = 256 << 20
 # A large finite negative instead of -inf: a row with no visible key softmaxes to a uniform
 # garbage row instead of NaN (reference only; the blockwise kernel returns zeros there).
 _MASK_VALUE = -1e30
@@ -60,6 +68,33 @@ def reference(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, q_idx_BxT, kv_valid_BxS, q_seg_
   scores = jnp.where(vis[:, None, None], scores, _MASK_VALUE)
   probs = jax.nn.softmax(scores, axis=-1).astype(dt)
   return jnp.einsum("bkgts,bksh->bkgth", probs, v_BxKxSxH)
+
+
+def query_chunked(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, q_idx_BxT, kv_valid_BxS, q_seg_BxT=None,
+                  kv_seg_BxS=None, *, max_score_bytes: int | None = None):
+  """The reference over chunks of queries (`lax.map`), each chunk's float32 scores within
+  `max_score_bytes` (default `REFERENCE_MAX_SCORE_BYTES`): the same per-query softmax, so the
+  same result, in bounded memory. The batch axis is left whole (and so keeps its sharding)."""
+  b, kh, g, t, _ = q_BxKxGxTxH.shape
+  row_bytes = b * kh * g * k_BxKxSxH.shape[2] * 4
+  chunk = max(1, (max_score_bytes or REFERENCE_MAX_SCORE_BYTES) // row_bytes)
+  chunk = chunk // 8 * 8 if chunk >= 8 else chunk
+  if chunk >= t:
+    return reference(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, q_idx_BxT, kv_valid_BxS, q_seg_BxT,
+                     kv_seg_BxS)
+  n = -(-t // chunk)
+  # Padded queries see nothing (slot -1); their rows are cut off below.
+  q = _blocked(_pad_axis(q_BxKxGxTxH, 3, n * chunk, 0), 3, chunk)
+  q_idx = _blocked(_pad_axis(q_idx_BxT.astype(jnp.int32), 1, n * chunk, -1), 1, chunk)
+  q_seg = None if q_seg_BxT is None else _blocked(_pad_axis(q_seg_BxT, 1, n * chunk, 0), 1,
+                                                   chunk)
+
+  def one(xs):
+    q_i, idx_i, seg_i = xs
+    return reference(q_i, k_BxKxSxH, v_BxKxSxH, idx_i, kv_valid_BxS, seg_i, kv_seg_BxS)
+
+  out = jax.lax.map(one, (q, q_idx, q_seg))
+  return _unblocked(out, 3)[:, :, :, :t]
 
 
 def _pad_axis(x, axis: int, size: int, value):
@@ -366,8 +401,8 @@ def attend(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, *, q_idx_BxT, kv_valid_BxS, q_seg_
   which = resolve(impl, cached=cached, packed=packed, t=t, s=s, dtype=q_BxKxGxTxH.dtype,
                   head_dim=q_BxKxGxTxH.shape[-1])
   if which == "reference":
-    return reference(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, q_idx_BxT, kv_valid_BxS, q_seg_BxT,
-                     kv_seg_BxS)
+    return query_chunked(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, q_idx_BxT, kv_valid_BxS,
+                         q_seg_BxT, kv_seg_BxS)
   if which == "cudnn":
     return cudnn(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, kv_valid_BxS.sum(-1))
   if which == "cudnn_packed":

@@ -61,6 +61,45 @@ def test_blockwise_equals_reference(case, blocks):
     np.testing.assert_allclose(a, b, atol=2e-5)
 
 
+@pytest.mark.parametrize("case", ["padded", "packed"])
+@pytest.mark.parametrize("chunk", [1, 8, 16, T])
+def test_query_chunked_equals_reference(case, chunk):
+  """Chunks of `chunk` queries (a score budget of that many query rows; T: one piece)."""
+  q_idx, valid, qs, ks, live = _cases()[case]
+  q, k, v = _qkv()
+  budget = chunk * B * K * G * T * 4
+  ref = lambda q, k, v: attention.reference(q, k, v, q_idx, valid, qs, ks)
+  chk = lambda q, k, v: attention.query_chunked(q, k, v, q_idx, valid, qs, ks,
+                                                max_score_bytes=budget)
+  w = np.broadcast_to(np.asarray(live)[:, None, None, :, None], (B, K, G, T, H))
+  np.testing.assert_allclose(np.asarray(jax.jit(chk)(q, k, v))[w],
+                             np.asarray(ref(q, k, v))[w], atol=2e-6)
+  g_ref = jax.grad(_loss(ref, live), argnums=(0, 1, 2))(q, k, v)
+  g_chk = jax.jit(jax.grad(_loss(chk, live), argnums=(0, 1, 2)))(q, k, v)
+  for a, b in zip(g_chk, g_ref):
+    np.testing.assert_allclose(a, b, atol=2e-5)
+
+
+def test_attend_bounds_the_reference_scores_of_a_large_batch():
+  """An evaluation's prefill (512 rows of 640 tokens, the CPU multihop agents' heads): the
+  reference's temporaries hold the whole batch's scores (3.4 GB, 6.4 GB in all); "auto"
+  keeps the reference's math in chunks of queries, so what it holds beside a few copies of
+  the queries (320 MB) is one chunk's scores (`REFERENCE_MAX_SCORE_BYTES`)."""
+  b, kh, g, t, h = 512, 2, 2, 640, 64
+  shapes = (jax.ShapeDtypeStruct((b, kh, g, t, h), jnp.float32),
+            jax.ShapeDtypeStruct((b, kh, t, h), jnp.float32),
+            jax.ShapeDtypeStruct((b, kh, t, h), jnp.float32),
+            jax.ShapeDtypeStruct((b, t), jnp.int32), jax.ShapeDtypeStruct((b, t), bool))
+  temp = lambda fn: jax.jit(fn).lower(*shapes).compile().memory_analysis().temp_size_in_bytes
+  full = temp(attention.reference)
+  bounded = temp(lambda q, k, v, i, m: attention.attend(q, k, v, q_idx_BxT=i, kv_valid_BxS=m,
+                                                        cached=True))
+  scores, queries = b * kh * g * t * t * 4, b * kh * g * t * h * 4
+  assert full >= scores
+  assert bounded <= 2 * queries + 2 * attention.REFERENCE_MAX_SCORE_BYTES < scores
+  assert bounded < full / 4
+
+
 def test_blockwise_bf16_close_to_reference():
   q_idx, valid, qs, ks, live = _cases()["packed"]
   q, k, v = _qkv(jnp.bfloat16)
