@@ -156,8 +156,12 @@ def test_reuse_refuses_a_changed_config_or_commit(load_benchmark):
   sweep.check_reusable(done, config, "def", any_commit=True)
   with pytest.raises(ValueError, match="config differs"):  # A run from before configs were kept.
     sweep.check_reusable(dict(wall_s=1.0), config, "abc")
-  older = {k: v for k, v in config.items() if k not in ("rl_worlds", "rl_hop_weights")}
-  sweep.check_reusable(dict(done, config=older), config, "abc")  # Fields added since: default.
+  # Fields added since a run: their defaults (the training split's RL, as every run then).
+  split = dict(config, rl_worlds=0, rl_hop_weights=[])
+  older = {k: v for k, v in split.items() if k not in ("rl_worlds", "rl_hop_weights")}
+  sweep.check_reusable(dict(done, config=older), split, "abc")
+  with pytest.raises(ValueError, match=r"rl_worlds: 0 -> 1000"):
+    sweep.check_reusable(dict(done, config=older), config, "abc")
 
 
 def test_reuse_resumes_an_unfinished_run_and_counts_its_earlier_time(load_benchmark, tmp_path):

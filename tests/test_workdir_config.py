@@ -67,6 +67,7 @@ def test_a_run_from_before_an_added_field_resumes_and_evaluates(tmp_path):
   (`ADDED_FIELDS`): resuming with the default is no change, another value is refused, and
   the programs' checks accept the stored config as it is."""
   current = mgrpo.get_config("task=multihop,smoke")
+  current.rl_worlds, current.rl_hop_weights = 0, ()  # The training split, as every run then.
   old = json.loads(current.to_json_best_effort())
   del old["rl_worlds"], old["rl_hop_weights"]
   (tmp_path / workdir.CONFIG_FILE).write_text(json.dumps(old))

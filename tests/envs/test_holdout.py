@@ -249,7 +249,7 @@ def test_rl_worlds_ask_questions_no_warm_start_read(cpu_task, tmp_path):
   ones again on a resumed run; 0 keeps the training split."""
   c, env = cpu_task
   c = c.copy_and_resolve_references()
-  c.num_queries = 8
+  c.num_queries, c.rl_worlds, c.rl_hop_weights = 8, 0, ()
   assert tasks.TrainingQuestions(c, env)(5) == (
       env, keys.examples_for_step(env.train, 5, 8, c.seed))
   c.rl_worlds = 3
