@@ -50,6 +50,7 @@ def _sample(questions: list, n: int) -> list:
 def question_sets(n: int) -> dict:
   """name -> (task, questions)."""
   c = mgrpo_config.get_config(ARG)
+  c.rl_hop_weights = ()  # The unread world asks every chain length, as the task does.
   env = tasks.build_env(c)
   rl = workdir_lib.load_config(_RL_RUN.value)
   drawn = {q.id: q for step in range(rl.num_steps)
