@@ -180,6 +180,8 @@ def _against(items: list[str]) -> dict[str, str]:
     name, sep, workdir = item.partition("=")
     if not sep or not name or not workdir:
       raise app.UsageError(f"--against={item!r}: expected NAME=WORKDIR")
+    if name in out:
+      raise app.UsageError(f"--against names {name!r} twice")
     if not os.path.isdir(os.path.dirname(play.questions_path(workdir, 0))):
       raise app.UsageError(f"--against={item!r}: {workdir} holds no eval_questions/")
     out[name] = workdir

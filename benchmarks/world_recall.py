@@ -56,6 +56,9 @@ def question_sets(n: int) -> dict:
   drawn = {q.id: q for step in range(rl.num_steps)
            for q in keys.examples_for_step(env.train, step, rl.num_queries, rl.seed)}
   s = workdir_lib.load_config(_WARM_START.value)
+  if "sft" not in s:
+    raise app.UsageError(f"--warm_start={_WARM_START.value}: its config.json is not a warm "
+                         "start's (no sft section); pass the SFT workdir.")
   read = tasks.other_world_env(s, 0, sft.other_world_questions(s))  # As the warm start's.
   read = dataclasses.replace(read, tokenizer=env.tokenizer)
   unread = tasks.rl_world_env(c, UNREAD_WORLD, env)

@@ -74,7 +74,8 @@ def query_chunked(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, q_idx_BxT, kv_valid_BxS, q_
                   kv_seg_BxS=None, *, max_score_bytes: int | None = None):
   """The reference over chunks of queries (`lax.map`), each chunk's float32 scores within
   `max_score_bytes` (default `REFERENCE_MAX_SCORE_BYTES`): the same per-query softmax, so the
-  same result, in bounded memory. The batch axis is left whole (and so keeps its sharding)."""
+  same result, in bounded memory (the budget bounds one copy of a chunk's scores; the mask
+  and probabilities sit beside it). The batch axis is left whole (and keeps its sharding)."""
   b, kh, g, t, _ = q_BxKxGxTxH.shape
   row_bytes = b * kh * g * k_BxKxSxH.shape[2] * 4
   chunk = max(1, (max_score_bytes or REFERENCE_MAX_SCORE_BYTES) // row_bytes)
@@ -93,7 +94,8 @@ def query_chunked(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, q_idx_BxT, kv_valid_BxS, q_
     q_i, idx_i, seg_i = xs
     return reference(q_i, k_BxKxSxH, v_BxKxSxH, idx_i, kv_valid_BxS, seg_i, kv_seg_BxS)
 
-  out = jax.lax.map(one, (q, q_idx, q_seg))
+  # Rematerialised: a gradient keeps one chunk's scores at a time, not every chunk's.
+  out = jax.lax.map(jax.checkpoint(one, prevent_cse=False), (q, q_idx, q_seg))
   return _unblocked(out, 3)[:, :, :, :t]
 
 

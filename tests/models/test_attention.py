@@ -100,6 +100,26 @@ def test_attend_bounds_the_reference_scores_of_a_large_batch():
   assert bounded < full / 4
 
 
+def test_query_chunked_gradient_keeps_one_chunk_of_scores():
+  """Under jax.grad each chunk's scores are recomputed in the backward pass, not kept: the
+  temporaries stay far below the reference's, whose backward keeps every score."""
+  b, kh, g, t, h = 16, 2, 2, 512, 16
+  shapes = (jax.ShapeDtypeStruct((b, kh, g, t, h), jnp.float32),
+            jax.ShapeDtypeStruct((b, kh, t, h), jnp.float32),
+            jax.ShapeDtypeStruct((b, kh, t, h), jnp.float32))
+  q_idx = jnp.broadcast_to(jnp.arange(t), (b, t))
+  valid = jnp.ones((b, t), bool)
+  budget = 8 << 20  # A sixteenth of the batch's 128 MiB of scores.
+  grad = lambda fn: jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v) ** 2), argnums=(0, 1, 2))
+  temp = lambda fn: (jax.jit(grad(fn)).lower(*shapes).compile().memory_analysis()
+                     .temp_size_in_bytes)
+  full = temp(lambda q, k, v: attention.reference(q, k, v, q_idx, valid))
+  chunked = temp(lambda q, k, v: attention.query_chunked(q, k, v, q_idx, valid,
+                                                         max_score_bytes=budget))
+  assert full >= b * kh * g * t * t * 4
+  assert chunked < full / 3
+
+
 def test_blockwise_bf16_close_to_reference():
   q_idx, valid, qs, ks, live = _cases()["packed"]
   q, k, v = _qkv(jnp.bfloat16)
