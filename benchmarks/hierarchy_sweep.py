@@ -100,12 +100,18 @@ def config_record(c) -> dict:
   return json.loads(c.to_json_best_effort(sort_keys=True))
 
 
+# Fields of the RL config that a warm start never reads (configs/sft.py builds on the RL
+# config): a warm start made under other RL defaults is still this sweep's.
+WARM_START_IGNORES = ("rl_worlds", "rl_hop_weights", "num_queries", "num_steps", "eval_every")
+
+
 def check_reusable(done: dict, config: dict, commit: str, *, any_commit: bool = False,
-                   what: str = "finished run") -> None:
+                   what: str = "finished run", ignore: tuple = ()) -> None:
   """Raises ValueError naming what differs when a finished run (its done.json; or an
   unfinished one's progress.json) was made with another config or at another commit than this
-  invocation's: such a run is not this sweep's."""
-  differ = workdir_lib.differences(done.get("config", {}), config)
+  invocation's: such a run is not this sweep's. `ignore`: fields the run does not read."""
+  differ = {k: v for k, v in workdir_lib.differences(done.get("config", {}), config).items()
+            if k not in ignore}
   if differ:
     raise ValueError(f"--reuse refused: the {what}'s config differs in " + "; ".join(
         f"{k}: {old!r} -> {new!r}" for k, (old, new) in list(differ.items())[:10])
@@ -124,7 +130,8 @@ def _write_json(path: str, record: dict) -> None:
 
 
 def _timed(workdir: str, run, config: dict, *, reuse: bool | None = None,
-           any_commit: bool | None = None, heartbeat_s: float = 30.0) -> float:
+           any_commit: bool | None = None, heartbeat_s: float = 30.0,
+           ignore: tuple = ()) -> float:
   """Runs `run()` in `workdir`, or reuses a finished run; its wall seconds.
 
   Without --reuse a run starts from scratch. With it, a finished run (done.json) is kept, and
@@ -140,13 +147,14 @@ def _timed(workdir: str, run, config: dict, *, reuse: bool | None = None,
   if reuse and os.path.exists(marker):
     with open(marker) as f:
       done = json.load(f)
-    check_reusable(done, config, commit, any_commit=any_commit)
+    check_reusable(done, config, commit, any_commit=any_commit, ignore=ignore)
     return done["wall_s"]
   before = 0.0
   if reuse and os.path.exists(progress):
     with open(progress) as f:
       started = json.load(f)
-    check_reusable(started, config, commit, any_commit=any_commit, what="unfinished run")
+    check_reusable(started, config, commit, any_commit=any_commit, what="unfinished run",
+                   ignore=ignore)
     before = started["wall_s"]
     logging.info("Resuming the unfinished run in %s (%.0f s so far).", workdir, before)
   else:
@@ -195,7 +203,8 @@ def warm_start(variant: str) -> dict:
   # run's first evaluation), so they read the validation split whatever --eval_split says:
   # one warm start then serves a validation (timing) invocation and the test invocations.
   c.eval_split = "valid"
-  wall = _timed(workdir, lambda: sft.train_sft(c, workdir), config_record(c))
+  wall = _timed(workdir, lambda: sft.train_sft(c, workdir), config_record(c),
+                ignore=WARM_START_IGNORES)
   rec = dict(kind="warm_start", config=f"configs/sft.py:{arg}", variant=variant,
              commit=_run_commit(workdir),
              steps=c.sft.num_steps, wall_s=round(wall, 1), workdir=workdir,

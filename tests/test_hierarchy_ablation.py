@@ -162,6 +162,16 @@ def test_reuse_refuses_a_changed_config_or_commit(load_benchmark):
   sweep.check_reusable(dict(done, config=older), split, "abc")
   with pytest.raises(ValueError, match=r"rl_worlds: 0 -> 1000"):
     sweep.check_reusable(dict(done, config=older), config, "abc")
+  # A warm start reads none of RL's fields: one made under other RL defaults is kept, one
+  # with another warm-start setting is not.
+  warm = sweep.config_record(sft_config.get_config("task=multihop,smoke,variant=mgrpo"))
+  before = dict(warm, rl_worlds=0, rl_hop_weights=[], num_queries=3, num_steps=30)
+  with pytest.raises(ValueError, match="num_queries: 3 -> 2"):
+    sweep.check_reusable(dict(done, config=before), warm, "abc")
+  sweep.check_reusable(dict(done, config=before), warm, "abc", ignore=sweep.WARM_START_IGNORES)
+  before["sft"] = dict(before["sft"], num_questions=1)
+  with pytest.raises(ValueError, match=r"sft\.num_questions"):
+    sweep.check_reusable(dict(done, config=before), warm, "abc", ignore=sweep.WARM_START_IGNORES)
 
 
 def test_reuse_resumes_an_unfinished_run_and_counts_its_earlier_time(load_benchmark, tmp_path):
