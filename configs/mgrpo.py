@@ -273,7 +273,7 @@ def _multihop(c, size: str, full_context: bool = False):
   # learnt its own questions and nothing else; on unread worlds of every chain length the
   # rollouts found too few right answers (1-3%); on their short chains (8-11% right) M-GRPO
   # went from 9.1% to 18.5%, 14.3% and 15.1% of the validation questions in three seeds
-  # (frozen_sub: to 9.1% and 7.5% in two).
+  # (frozen_sub: to 9.1%, 7.5% and 9.1%).
   c.rl_worlds, c.rl_hop_weights = 1000, (1.0, 1.0, 0.0, 0.0)
   # Evaluations answer every test question (286 at this size; the sweep's power analysis).
   c.num_steps, c.eval_every, c.num_eval_questions, c.checkpoint_every = 90, 30, 1000, 10
