@@ -1,11 +1,12 @@
 """Issue 32: does what RL learns on its own training questions reach chains it never saw?
 
-Greedy accuracy of warm-started and RL'd agents (main + sub, CPU multihop task) on four
+Greedy accuracy of warm-started and RL'd agents (main + sub, CPU multihop task) on five
 question sets: the training-split questions an RL run drew (open and closed book: the tools
 answer with an error), another world the warm start read (`sft.other_worlds`' first), a
-world nobody read (an RL world index past every run's), and the validation split's first
-`--num`. A gain on the first set that the others do not share is recall of the worlds the
-agents trained on, not reading.
+world nobody read (an RL world index past every run's; every chain length), that world's
+one- and two-page questions (the chains the RL recipe trains on), and the validation
+split's first `--num`. A gain on the first set that the others do not share is recall of the worlds the agents
+trained on, not reading.
 
   python benchmarks/world_recall.py --runs=warm_start=/work/hier5/sft-mgrpo,\
 rl_train_split=/work/hier5/rl-q8,rl_worlds=/work/hier5/rl-fresh \
@@ -62,10 +63,14 @@ def question_sets(n: int) -> dict:
   read = tasks.other_world_env(s, 0, sft.other_world_questions(s))  # As the warm start's.
   read = dataclasses.replace(read, tokenizer=env.tokenizer)
   unread = tasks.rl_world_env(c, UNREAD_WORLD, env)
+  short = c.copy_and_resolve_references()
+  short.rl_hop_weights = (1.0, 1.0, 0.0, 0.0)  # The RL recipe's chains, on a world RL never saw.
+  unread_short = tasks.rl_world_env(short, UNREAD_WORLD, env)
   logging.info("RL drew %d distinct training questions in %d steps.", len(drawn), rl.num_steps)
   return {"rl_training_questions": (env, _sample(drawn.values(), n)),
           "warm_start_other_world": (read, _sample(read.train + read.test, n)),
           "unread_world": (unread, _sample(unread.train, n)),
+          "unread_world_short_chains": (unread_short, _sample(unread_short.train, n)),
           "validation": (env, env.valid[:n])}
 
 
