@@ -65,6 +65,14 @@ def mcnemar(correct_a, correct_b) -> dict:
   return dict(a_only=a_only, b_only=b_only, mcnemar_p=float(f"{p:.3g}"))
 
 
+def mcnemar_records(a: dict, b: dict, what: str) -> dict:
+  """`mcnemar` of two per-question records (`play.question_record`), which must hold the same
+  questions in the same order (`what` names the pair in the error)."""
+  if a["question_ids"] != b["question_ids"]:
+    raise ValueError(f"{what} evaluated different questions; no paired comparison")
+  return mcnemar(a["correct"], b["correct"])
+
+
 def paired_t_power(n: int, effect: float, sd: float, alpha: float = ALPHA) -> float:
   """Power of the two-sided paired t-test over `n` pairs to detect a mean difference `effect`
   when the differences have sd `sd` (non-central t with n - 1 degrees of freedom)."""

@@ -337,10 +337,8 @@ def question_tests(records: list[dict], a: str, b: str) -> list[dict]:
           if r["kind"] == "rl" and "questions" in r}
   out = []
   for seed in sorted({s for v, s in logs if v == a} & {s for v, s in logs if v == b}):
-    qa, qb = logs[(a, seed)], logs[(b, seed)]
-    if qa["question_ids"] != qb["question_ids"]:
-      raise ValueError(f"seed {seed}: {a} and {b} answered different questions")
-    out.append(dict(seed=seed, **hi.mcnemar(qa["correct"], qb["correct"])))
+    out.append(dict(seed=seed, **hi.mcnemar_records(logs[(a, seed)], logs[(b, seed)],
+                                                    f"seed {seed}: {a} and {b}")))
   return out
 
 

@@ -62,9 +62,10 @@ def _mean(rows, key):
   return round(sum(values) / len(values), 4) if values else None
 
 
-def evaluations(workdir: str, rows: list[dict]) -> list[dict]:
-  """Each evaluation's accuracy, by pages needed, delegations and sub-agent call accuracy."""
-  records, out = question_records(workdir), []
+def evaluations(workdir: str, rows: list[dict], records: dict[int, dict]) -> list[dict]:
+  """Each evaluation's accuracy, by pages needed, delegations and sub-agent call accuracy;
+  `records`: the run's `question_records`."""
+  out = []
   for r in rows:
     if "eval/accuracy" not in r:
       continue
@@ -79,7 +80,8 @@ def evaluations(workdir: str, rows: list[dict]) -> list[dict]:
     if questions is not None:
       e["sub_call_accuracy"] = questions.get("sub_call_accuracy")
       if r["step"] != 0 and 0 in records:
-        t = _paired(questions, records[0], f"step {r['step']} and step 0 of {workdir}")
+        t = hi.mcnemar_records(questions, records[0],
+                               f"step {r['step']} and step 0 of {workdir}")
         e["vs_step_0"] = dict(gained=t["a_only"], lost=t["b_only"], mcnemar_p=t["mcnemar_p"])
     out.append(e)
   return out
@@ -96,19 +98,15 @@ def question_records(workdir: str) -> dict[int, dict]:
   return out
 
 
-def _paired(a: dict, b: dict, what: str) -> dict:
-  if a["question_ids"] != b["question_ids"]:
-    raise ValueError(f"{what} evaluated different questions; no paired comparison")
-  return hi.mcnemar(a["correct"], b["correct"])
-
-
-def paired(workdir: str, against: dict[str, str]) -> list[dict]:
-  """This run against each named run, at every step both evaluated."""
-  mine, out = question_records(workdir), []
+def paired(workdir: str, mine: dict[int, dict], against: dict[str, str]) -> list[dict]:
+  """This run (its `question_records`, `mine`) against each named run, at every step both
+  evaluated."""
+  out = []
   for name, other_dir in against.items():
     theirs = question_records(other_dir)
     for step in sorted(set(mine) & set(theirs)):
-      t = _paired(mine[step], theirs[step], f"{workdir} and {other_dir} at step {step}")
+      t = hi.mcnemar_records(mine[step], theirs[step],
+                             f"{workdir} and {other_dir} at step {step}")
       out.append(dict(run=name, step=step, this_only=t["a_only"], other_only=t["b_only"],
                       mcnemar_p=t["mcnemar_p"]))
   return out
@@ -155,9 +153,10 @@ def record(workdir: str, *, name: str = "", command: str = "", commit: str = "",
       rec["config_changes"] = [json.loads(line)["fields"] for line in f if line.strip()]
   if note:
     rec["note"] = note
-  rec["evaluations"] = evaluations(workdir, rows)
+  records = question_records(workdir)
+  rec["evaluations"] = evaluations(workdir, rows, records)
   if against:
-    rec["paired"] = paired(workdir, against)
+    rec["paired"] = paired(workdir, records, against)
   rec["training_blocks"] = training_blocks(rows, block)
   return rec
 

@@ -5,8 +5,8 @@ question sets: the training-split questions an RL run drew (open and closed book
 answer with an error), another world the warm start read (`sft.other_worlds`' first), a
 world nobody read (an RL world index past every run's; every chain length), that world's
 one- and two-page questions (the chains the RL recipe trains on), and the validation
-split's first `--num`. A gain on the first set that the others do not share is recall of the worlds the agents
-trained on, not reading.
+split's first `--num`. A gain on the first set that the others do not share is recall of
+the worlds the agents trained on, not reading.
 
   python benchmarks/world_recall.py --runs=warm_start=/work/hier5/sft-mgrpo,\
 rl_train_split=/work/hier5/rl-q8,rl_worlds=/work/hier5/rl-fresh \
