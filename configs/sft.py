@@ -25,6 +25,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       # > 0: the traces are shared evenly between the training split and this many other
       # generated worlds (tasks.other_world_env): more names than a tiny model memorises.
       other_worlds=0,
+      # -1: other_worlds. More: the experts' questions come from this many other worlds
+      # (the same share of num_questions from each, and from the training split), of which
+      # only the first other_worlds give their pages as corpus rows (the single agent's:
+      # more questions, the same share per world and the same pages as the pair's).
+      trace_worlds=-1,
       context_weight=0.0,  # Loss weight of prompt / tool-reply tokens (generated ones: 1).
       other_roles_weight=0.0,  # > 0: add batch_size/2 rows of other roles' traces, as text.
       corpus_weight=0.0,  # > 0: add batch_size/2 rows of the world's pages, as text.
@@ -70,9 +75,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
 
 # The single agent's warm start keeps only correct demonstrations, and its teacher sees this
-# many times more training questions, so it keeps about as many episodes as the pair's main
-# agent (issue 32): at expert_noise 0.1 the single expert is right on 148 of the 1449 CPU
-# training questions (10.2%; the pair's main expert ends format-valid on all of them).
+# many times more questions, so it keeps about as many episodes as the pair's main agent
+# (issue 32): at expert_noise 0.1 the single expert is right on 148 of the 1449 CPU
+# training questions (10.2%; the pair's main expert ends format-valid on all of them). The
+# extra questions come from this many times the worlds (sft.trace_worlds): a CPU world holds
+# 1800-2900 questions at the task's chain lengths, not 4000 (120000 over 30 worlds).
 SINGLE_QUESTIONS_FACTOR = 10
 
 
@@ -84,7 +91,9 @@ def _multihop(c, size: str, variant: str = "mgrpo"):
   not trained on. The single agent keeps only correct demonstrations, from
   SINGLE_QUESTIONS_FACTOR times as many questions, so that it learns from about as many
   episodes as the pair's main agent (before issue 32 it kept ~900 format-valid, mostly wrong
-  ones); `shared` gets batch_size rows of each role per step (mgrpo_jax/sft.py), as the pair.
+  ones), from as many times the worlds: each world, the training split too, asks it as many
+  questions as it asks the pair, and its corpus rows are the pair's (the same pages);
+  `shared` gets batch_size rows of each role per step (mgrpo_jax/sft.py), as the pair.
   The experts slip 10% of the time per decision (the teacher): slips compound over a
   question's pages. The recipe (1200 steps, 10% slips, lr 2e-3) was chosen on the task
   before issue 32, on its test questions (see the issue); on this task, any change to it is
@@ -97,7 +106,9 @@ def _multihop(c, size: str, variant: str = "mgrpo"):
   # visit_drill_weight: the sub-agent's choice of hit is one token of a ~500-token trace;
   # with the traces alone it stayed at chance for 1100 steps (docs/hierarchy-ablation.md).
   # report_weight: so is copying the value from the page it then visits.
-  c.sft.update(num_questions=3000, expert_noise=0.1, num_steps=1200, batch_size=32,
+  # num_questions: from 3000 traces M-GRPO's RL gained 4.5 points on validation (7.2 ->
+  # 11.7%), from 12000 5.2-9.4 (9.1 -> 14.3-18.5%, three seeds; docs/hierarchy-ablation.md).
+  c.sft.update(num_questions=12000, expert_noise=0.1, num_steps=1200, batch_size=32,
                learning_rate=2e-3, corpus_weight=1.0, eval_every=300, checkpoint_every=100,
                other_worlds=29, visit_drill_weight=50.0, report_weight=10.0)
   if size == "gpu":
@@ -108,7 +119,8 @@ def _multihop(c, size: str, variant: str = "mgrpo"):
     c.sft.update(num_questions=32, num_steps=2, batch_size=4, eval_every=2, checkpoint_every=1,
                  other_worlds=1)
   if variant == "single":
-    c.sft.update(only_correct=True, num_questions=SINGLE_QUESTIONS_FACTOR * c.sft.num_questions)
+    c.sft.update(only_correct=True, num_questions=SINGLE_QUESTIONS_FACTOR * c.sft.num_questions,
+                 trace_worlds=SINGLE_QUESTIONS_FACTOR * (c.sft.other_worlds + 1) - 1)
 
 
 def _qa(c, size: str):

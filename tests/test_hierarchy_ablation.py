@@ -41,12 +41,14 @@ def test_variants_share_data_budgets_recipe_and_updates(module, size):
     assert flat.keys() == reference.keys()
     differ = {k for k in flat if flat[k] != reference[k]}
     # The declared differences (issue 32): the single agent's warm start keeps only correct
-    # demonstrations from 10x the questions; its control's context holds every page.
+    # demonstrations from 10x the questions, asked by 10x the worlds (the same share per
+    # world, the same pages: tests/test_train.py); its control's context holds every page.
     allowed = {"variant"}
     if "variant=single" in arg and module is sft_config:
-      allowed |= {"sft.only_correct", "sft.num_questions"}
+      allowed |= {"sft.only_correct", "sft.num_questions", "sft.trace_worlds"}
       assert flat["sft.only_correct"] and not reference["sft.only_correct"]
       assert flat["sft.num_questions"] == 10 * reference["sft.num_questions"]
+      assert flat["sft.trace_worlds"] + 1 == 10 * (reference["sft.other_worlds"] + 1)
     if "full_context" in arg:
       # Its micro-batches hold a row of its max_len (packing changes no loss).
       allowed |= {"limits.max_len", "main_model.max_tokens_per_micro",

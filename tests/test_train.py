@@ -236,6 +236,48 @@ def test_sft_resume_is_bit_identical_and_learns(tmp_path):
   assert a[3]["sft/single/nll"] < a[0]["sft/single/nll"]
 
 
+def test_trace_worlds_ask_questions_and_only_other_worlds_give_pages():
+  """sft.trace_worlds: every one of those worlds asks its share of the questions (the
+  training split one share too), and only the first sft.other_worlds give corpus rows."""
+  c = sft_config.get_config("task=multihop,smoke")
+  c.sft.update(num_questions=12, other_worlds=1, trace_worlds=3)
+  w = setup.resolve_wiring(c, training=False)
+  env = tasks.build_env(c)
+  data, corpus = sft.warm_start_texts(c, w, env)
+  others = [tasks.other_world_env(c, k, num_questions=3) for k in range(3)]
+  asked = {e.task.text for e in data["main"]}
+  for source, questions in [(env, env.train)] + [(o, o.train + o.test) for o in others]:
+    assert len({q.text for q in questions} & asked) == 3
+  text = lambda rows: [env.tokenizer.decode(r.tokens) for r in rows]
+  assert text(corpus) == text(sft.corpus_rows(env, others[:1]))
+  assert len(corpus) > len(sft.corpus_rows(env))
+  unread = {d.title for o in others[1:] for d in o.documents} - {
+      d.title for o in [env, others[0]] for d in o.documents}
+  assert unread and not any(t in row for t in unread for row in text(corpus))
+
+
+def test_trace_worlds_below_other_worlds_are_refused(tmp_path):
+  c = sft_config.get_config("task=multihop,smoke")
+  c.sft.update(other_worlds=2, trace_worlds=1)
+  with pytest.raises(checks.ConfigValueError,
+                     match=r"sft\.trace_worlds=1 < config\.sft\.other_worlds=2"):
+    sft.train_sft(c, str(tmp_path))
+  assert not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("size", ["runlocal", "smoke"])
+def test_single_warm_start_asks_each_world_as_many_questions_as_the_pairs(size):
+  """The single agent's teacher solves SINGLE_QUESTIONS_FACTOR times the questions over as
+  many times the worlds: the same share per world and the same pages as the pair's."""
+  pair, single = (sft_config.get_config(f"task=multihop,{size},variant={v}")
+                  for v in ("mgrpo", "single"))
+  assert single.sft.num_questions == sft_config.SINGLE_QUESTIONS_FACTOR * pair.sft.num_questions
+  assert sft.trace_worlds(single) + 1 == sft_config.SINGLE_QUESTIONS_FACTOR * (
+      sft.trace_worlds(pair) + 1)
+  assert sft.other_world_questions(single) == sft.other_world_questions(pair)
+  assert single.sft.other_worlds == pair.sft.other_worlds and single.sft.only_correct
+
+
 def test_other_worlds_need_a_generated_world():
   c = sft_config.get_config("task=qa,smoke")
   with pytest.raises(checks.ConfigValueError, match=r"sft\.other_worlds.*task=qa"):

@@ -35,6 +35,7 @@ _RANGES = {"sft.num_questions": checks.at_least(1), "sft.expert_noise": checks.P
            "sft.weight_decay": checks.NONNEGATIVE, "sft.eval_every": checks.at_least(1),
            "sft.checkpoint_every": checks.at_least(1),
            "sft.other_worlds": checks.Range(0, tasks.RL_WORLD_BASE - 1, integer=True),
+           "sft.trace_worlds": checks.Range(-1, tasks.RL_WORLD_BASE - 1, integer=True),
            "sft.visit_drill_weight": checks.NONNEGATIVE,
            "sft.report_weight": checks.POSITIVE}
 
@@ -72,18 +73,38 @@ def expert_episodes(c, w: setup.Wiring, env, *, seed: int, others=()) -> dict[st
   return out
 
 
+def trace_worlds(c) -> int:
+  """How many other worlds' questions the experts solve: `sft.trace_worlds`, -1 (and a
+  config from before the field) meaning `sft.other_worlds`."""
+  n = c.sft.get("trace_worlds", -1)
+  return c.sft.other_worlds if n == -1 else n
+
+
+def check_trace_worlds(c) -> None:
+  """Refuses `sft.trace_worlds` below `sft.other_worlds`: every world whose pages are corpus
+  rows asks questions too."""
+  n = c.sft.get("trace_worlds", -1)
+  if n != -1 and n < c.sft.other_worlds:
+    raise checks.ConfigValueError(
+        f"config.sft.trace_worlds={n} < config.sft.other_worlds={c.sft.other_worlds}: the "
+        "worlds whose pages the warm start reads ask questions too; use -1 (the same worlds) "
+        "or at least other_worlds.")
+
+
 def other_world_questions(c) -> int:
-  """How many questions each of the `sft.other_worlds` worlds asks (its share of
-  `sft.num_questions`, the training split taking one share too)."""
-  return -(-c.sft.num_questions // (c.sft.other_worlds + 1))
+  """How many questions each of the other worlds asks (its share of `sft.num_questions`,
+  the training split taking one share too)."""
+  return -(-c.sft.num_questions // (trace_worlds(c) + 1))
 
 
 def other_world_envs(c) -> list:
-  """The `sft.other_worlds` worlds' tasks, each with its share of `sft.num_questions`."""
-  k, per_world = c.sft.other_worlds, other_world_questions(c)
+  """The other worlds' tasks (`trace_worlds`), each with its share of `sft.num_questions`;
+  the first `sft.other_worlds` of them give their pages to `corpus_rows` too."""
+  k, per_world = trace_worlds(c), other_world_questions(c)
   if k:
     logging.info("sft: the traces are shared by the training split and %d other worlds "
-                 "(%d questions each).", k, per_world)
+                 "(%d questions each); the pages of %d of them are corpus rows.", k, per_world,
+                 c.sft.other_worlds)
   return [tasks.other_world_env(c, i, per_world) for i in range(k)]
 
 
@@ -224,21 +245,30 @@ def _weights(mask_BxT: np.ndarray, rows, row_weights, context_weight: float) -> 
   return np.where(other_B[:, None] < 0, own, other).astype(np.float32)
 
 
+def warm_start_texts(c, w: setup.Wiring, env) -> tuple[dict[str, list], list[TextRow]]:
+  """The warm start's material: the experts' traces per agent (`expert_episodes` over the
+  training split and `trace_worlds` other worlds) and, with `sft.corpus_weight`, the pages
+  of the training split and of the first `sft.other_worlds` other worlds (`corpus_rows`)."""
+  logging.info("sft: the scripted experts solve %d training questions (the warm start's "
+               "traces).", c.sft.num_questions)
+  others = other_world_envs(c)
+  data = expert_episodes(c, w, env, seed=c.seed, others=others)
+  corpus = corpus_rows(env, others[:c.sft.other_worlds]) if c.sft.corpus_weight else []
+  return data, corpus
+
+
 def train_sft(c: ml_collections.ConfigDict, workdir: str) -> dict:
   """Runs the warm start; resumes from `workdir` when it holds a checkpoint."""
   w = setup.resolve_wiring(c, training=False)
   checks.check_config(c, {}, _RANGES)
+  check_trace_worlds(c)
   os.makedirs(workdir, exist_ok=True)
   sft = c.sft
   mesh = sharding.make_mesh(dict(c.mesh))
   checks.check_batch_divides_mesh(sft.batch_size, mesh, "config.sft.batch_size")
   env = tasks.build_env(c)
   setup.check_task(c, w, env)
-  logging.info("sft: the scripted experts solve %d training questions (the warm start's "
-               "traces).", sft.num_questions)
-  others = other_world_envs(c)
-  data = expert_episodes(c, w, env, seed=c.seed, others=others)
-  corpus = corpus_rows(env, others) if sft.corpus_weight else []
+  data, corpus = warm_start_texts(c, w, env)
   drills = {name: visit_drills(eps, env.tokenizer, sft.visit_drill_weight)
             if sft.visit_drill_weight else [] for name, eps in data.items()}
   if sft.report_weight != 1:
