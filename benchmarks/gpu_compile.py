@@ -166,10 +166,13 @@ def decode(target: str, preset: str, rows: int, param_dtype: str = "bfloat16",
   return out
 
 
-def prefill(target: str, preset: str, rows: int, length: int) -> dict:
-  """The sampler's prefill (`sampling._prefill`) of `rows` prompts of `length` tokens."""
+def prefill(target: str, preset: str, rows: int, length: int,
+            model_overrides: dict | None = None) -> dict:
+  """The sampler's prefill (`sampling._prefill`) of `rows` prompts of `length` tokens
+  (`model_overrides`: fields of the preset's config, e.g. fewer layers in a test)."""
   devices = gpu_devices(target, 1)
-  cfg = models.get_preset(preset, param_dtype="bfloat16", compute_dtype="bfloat16")
+  cfg = models.get_preset(preset, param_dtype="bfloat16", compute_dtype="bfloat16",
+                          **(model_overrides or {}))
   mesh, _ = _mesh(dict(data=1, fsdp=1, tensor=1), devices)
   capacity = sampling.cache_len(length + 1, 32768)
   stacked = qwen3.abstract_params(cfg)

@@ -18,7 +18,7 @@ from jax._src.cudnn import fused_attention_stablehlo
 import pytest
 
 from mgrpo_jax import hlo_stats, models, sampling
-from mgrpo_jax.models import qwen3
+from mgrpo_jax.models import attention, qwen3
 
 TARGETS = pathlib.Path(__file__).parent.parent / "benchmarks" / "gpu_targets"
 # The small model: Qwen3's proportions where they matter here (a layer's weights far larger
@@ -164,6 +164,27 @@ def test_packed_update_runs_a_fused_attention_kernel(update_program):
   module, _ = update_program
   targets = {i.custom_call_target for i, _, _ in module.executed() if i.custom_call_target}
   assert any("fmha" in t or "flash" in t or "attention" in t for t in targets), targets
+
+
+def test_prefill_chunks_the_reference_scores_the_way_the_gpu_bounds(load_benchmark,
+                                                                   monkeypatch):
+  """The sampler's prefill of 16 prompts of 1024 tokens (Qwen3-0.6B's widths, 2 layers)
+  takes the reference attention, whose scores (1 GiB) pass REFERENCE_MAX_SCORE_BYTES: the
+  chunks XLA:GPU is compiled with (static slices, chosen by the lowering platform) need
+  less than the whole scores and less than the loop XLA:CPU needs (which at 28 layers,
+  64 prompts took 30.9 GB a GPU against 27.1 unchunked and 21.2 sliced)."""
+  gpu_compile = load_benchmark("gpu_compile")
+  _devices(1)
+  chunked = attention.query_chunked
+  total = {}
+  for name, kwargs in (("default", {}), ("loop", dict(loop=True)),
+                       ("whole", dict(max_score_bytes=1 << 40))):
+    monkeypatch.setattr(attention, "query_chunked", functools.partial(chunked, **kwargs))
+    jax.clear_caches()  # The prefill is traced again with this attention.
+    total[name] = gpu_compile.prefill("h100_sxm", "qwen3_0p6b", 16, 1024,
+                                      model_overrides=dict(num_layers=2))["total_gb"]
+  jax.clear_caches()
+  assert total["default"] < total["loop"] and total["default"] < total["whole"], total
 
 
 def _toy_decode(layers=3, d=256, batch=2, stacked=True, copy=False):

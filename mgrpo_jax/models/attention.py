@@ -71,32 +71,58 @@ def reference(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, q_idx_BxT, kv_valid_BxS, q_seg_
 
 
 def query_chunked(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, q_idx_BxT, kv_valid_BxS, q_seg_BxT=None,
-                  kv_seg_BxS=None, *, max_score_bytes: int | None = None):
-  """The reference over chunks of queries (`lax.map`), each chunk's float32 scores within
+                  kv_seg_BxS=None, *, max_score_bytes: int | None = None,
+                  loop: bool | None = None):
+  """The reference over chunks of queries, each chunk's float32 scores within
   `max_score_bytes` (default `REFERENCE_MAX_SCORE_BYTES`): the same per-query softmax, so the
   same result, in bounded memory (the budget bounds one copy of a chunk's scores; the mask
-  and probabilities sit beside it). The batch axis is left whole (and keeps its sharding)."""
+  and probabilities sit beside it). The batch axis is left whole (and keeps its sharding).
+
+  How the chunks run depends on the compiler, chosen where the program is lowered
+  (`lax.platform_dependent`, so a deviceless GPU compile on a CPU host gets the GPU's):
+  XLA:CPU bounds memory only with a loop (`lax.map`: with static slices it held 3.6 GB of
+  scores that the loop holds as 0.3), XLA:GPU only with static slices (Qwen3-0.6B's prefill
+  of 64 x 1024 tokens: 21.2 GB a GPU against 30.9 GB with the loop and 27.1 GB unchunked;
+  docs/gpu-compile.md). `loop` True or False forces one way. Each chunk is rematerialised
+  under `jax.grad`.
+  """
   b, kh, g, t, _ = q_BxKxGxTxH.shape
   row_bytes = b * kh * g * k_BxKxSxH.shape[2] * 4
-  chunk = max(1, (max_score_bytes or REFERENCE_MAX_SCORE_BYTES) // row_bytes)
-  chunk = chunk // 8 * 8 if chunk >= 8 else chunk
-  if chunk >= t:
+  most = max(1, (max_score_bytes or REFERENCE_MAX_SCORE_BYTES) // row_bytes)
+  most = most // 8 * 8 if most >= 8 else most
+  if most >= t:
     return reference(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, q_idx_BxT, kv_valid_BxS, q_seg_BxT,
                      kv_seg_BxS)
+  n = -(-t // most)
+  # Even chunks (a multiple of 8 queries where the budget allows): the last one is not
+  # mostly padding.
+  chunk = -(-t // n)
+  chunk = min(most, -(-chunk // 8) * 8) if most >= 8 else chunk
   n = -(-t // chunk)
-  # Padded queries see nothing (slot -1); their rows are cut off below.
-  q = _blocked(_pad_axis(q_BxKxGxTxH, 3, n * chunk, 0), 3, chunk)
-  q_idx = _blocked(_pad_axis(q_idx_BxT.astype(jnp.int32), 1, n * chunk, -1), 1, chunk)
-  q_seg = None if q_seg_BxT is None else _blocked(_pad_axis(q_seg_BxT, 1, n * chunk, 0), 1,
-                                                   chunk)
 
-  def one(xs):
-    q_i, idx_i, seg_i = xs
+  def one(q_i, idx_i, seg_i):
     return reference(q_i, k_BxKxSxH, v_BxKxSxH, idx_i, kv_valid_BxS, seg_i, kv_seg_BxS)
 
-  # Rematerialised: a gradient keeps one chunk's scores at a time, not every chunk's.
-  out = jax.lax.map(jax.checkpoint(one, prevent_cse=False), (q, q_idx, q_seg))
-  return _unblocked(out, 3)[:, :, :, :t]
+  one = jax.checkpoint(one, prevent_cse=False)  # A gradient keeps one chunk's scores.
+
+  def looped(q, q_idx, q_seg):
+    # Padded queries see nothing (slot -1); their rows are cut off below.
+    q = _blocked(_pad_axis(q, 3, n * chunk, 0), 3, chunk)
+    q_idx = _blocked(_pad_axis(q_idx.astype(jnp.int32), 1, n * chunk, -1), 1, chunk)
+    q_seg = None if q_seg is None else _blocked(_pad_axis(q_seg, 1, n * chunk, 0), 1, chunk)
+    out = jax.lax.map(lambda xs: one(*xs), (q, q_idx, q_seg))
+    return _unblocked(out, 3)[:, :, :, :t]
+
+  def sliced(q, q_idx, q_seg):
+    cut = lambda x, i, axis: None if x is None else jax.lax.slice_in_dim(
+        x, i, min(i + chunk, t), axis=axis)
+    return jnp.concatenate([one(cut(q, i, 3), cut(q_idx, i, 1), cut(q_seg, i, 1))
+                            for i in range(0, t, chunk)], axis=3)
+
+  if loop is not None:
+    return (looped if loop else sliced)(q_BxKxGxTxH, q_idx_BxT, q_seg_BxT)
+  return jax.lax.platform_dependent(q_BxKxGxTxH, q_idx_BxT, q_seg_BxT, cpu=looped,
+                                    default=sliced)
 
 
 def _pad_axis(x, axis: int, size: int, value):

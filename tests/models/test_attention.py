@@ -62,15 +62,17 @@ def test_blockwise_equals_reference(case, blocks):
 
 
 @pytest.mark.parametrize("case", ["padded", "packed"])
-@pytest.mark.parametrize("chunk", [1, 8, 16, T])
-def test_query_chunked_equals_reference(case, chunk):
-  """Chunks of `chunk` queries (a score budget of that many query rows; T: one piece)."""
+@pytest.mark.parametrize("chunk,loop", [(1, None), (8, None), (16, None), (T, None),
+                                        (8, False), (16, False)])
+def test_query_chunked_equals_reference(case, chunk, loop):
+  """Chunks of `chunk` queries (a score budget of that many query rows; T: one piece), by
+  the platform's way (None: on CPU the loop), a loop or static slices (GPU's way)."""
   q_idx, valid, qs, ks, live = _cases()[case]
   q, k, v = _qkv()
   budget = chunk * B * K * G * T * 4
   ref = lambda q, k, v: attention.reference(q, k, v, q_idx, valid, qs, ks)
   chk = lambda q, k, v: attention.query_chunked(q, k, v, q_idx, valid, qs, ks,
-                                                max_score_bytes=budget)
+                                                max_score_bytes=budget, loop=loop)
   w = np.broadcast_to(np.asarray(live)[:, None, None, :, None], (B, K, G, T, H))
   np.testing.assert_allclose(np.asarray(jax.jit(chk)(q, k, v))[w],
                              np.asarray(ref(q, k, v))[w], atol=2e-6)
