@@ -52,7 +52,7 @@ from absl import app, flags, logging
 
 from configs import mgrpo as mgrpo_config
 from configs import sft as sft_config
-from mgrpo_jax import keys, metrics, plotting, sharding
+from mgrpo_jax import compile_cache, keys, metrics, plotting, sharding
 from mgrpo_jax import workdir as workdir_lib
 from mgrpo_jax.mgrpo import colocated, play, setup, sft, tasks
 from mgrpo_jax.mgrpo import hierarchy
@@ -467,6 +467,10 @@ def _table(summary: dict) -> str:
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
+  # As the launchers: a run compiles only the step shapes no earlier run of the sweep did
+  # (the runs' wall times then depend on what the cache holds; --compilation_cache_dir=none
+  # measures from an empty one).
+  compile_cache.enable_from_flags()
   # A smoke run proves the pipeline, it measures nothing: its JSON stays in the workdir.
   results = _WORKDIR.value if _SIZE.value == "smoke" else "benchmarks/results"
   if _INSTRUMENT.value:

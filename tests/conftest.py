@@ -216,7 +216,8 @@ def _load_benchmark(name: str):
   """benchmarks/<name>.py as a module, loaded once per process.
 
   Benchmarks define absl flags at import, and two of them may share a name (`--out`): a
-  benchmark's flags replace earlier same-named ones, which only its own `main` reads.
+  benchmark's flags replace earlier same-named ones, which only its own `main` reads. It is
+  also registered under its own name, for the benchmarks that import it.
   """
   import importlib.util
   import re
@@ -236,6 +237,9 @@ def _load_benchmark(name: str):
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   sys.modules[key] = module
+  # A sibling benchmark's `import <name>` (gpu_compile imports memory) gets this module, not
+  # a second copy whose flags would be defined twice.
+  sys.modules.setdefault(name, module)
   return module
 
 

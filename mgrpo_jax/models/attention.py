@@ -21,7 +21,9 @@ slots, while RoPE positions may restart inside a packed row. Implementations:
   "cudnn". GPU only, opt-in: "auto" never takes it until a lent GPU has checked it
   (tests/models/test_attention.py's `gpu` test).
 - "auto": cuDNN where it applies on GPU (unpacked rows), else the reference for small
-  [T, S] (cheapest on CPU at demo sizes), else blockwise.
+  [T, S] (the sampler's cached queries up to 1024 x 1024, the train step's rows up to
+  128 x 128: measured on CPU, `_AUTO_REFERENCE_MAX_TS`), else blockwise, in tiles of at most
+  `CPU_BLOCK` where the program is lowered for a CPU.
 """
 
 import functools
@@ -31,8 +33,18 @@ import jax.numpy as jnp
 
 IMPLEMENTATIONS = ("auto", "cudnn", "cudnn_packed", "blockwise", "reference")
 CUDNN_IMPLEMENTATIONS = ("cudnn", "cudnn_packed")
-# "auto" keeps the reference while one row's scores per head stay this small (1024 x 1024).
+# "auto" keeps the reference while one row's scores per head stay this small: 1024 x 1024
+# for the sampler's cached queries (forward only), 128 x 128 for the train step's rows. Under
+# jax.grad on 2 CPU cores, one layer's attention of Qwen3-shaped tiny heads (2 kv x 2, head
+# dim 64, float32) took, reference against blockwise in 128-tiles: 75 / 38 ms at 32 x 128
+# tokens, 120 / 48 ms at 16 x 256, 217 / 49 ms at 8 x 512, 510 / 84 ms at 4 x 1024 (packed,
+# three sequences a row); forward only, 64 rows: 60 / 57 ms at 128, 145 / 150 at 256, 810 /
+# 297 at 512 (docs/training.md, "Attention on CPU").
 _AUTO_REFERENCE_MAX_TS = 1 << 20
+_AUTO_REFERENCE_MAX_TS_UNCACHED = 128 * 128
+# The blockwise kernel's tiles on XLA:CPU under "auto" (at most the config's block): 4 x 1024
+# packed tokens under grad took 84 ms in 128-tiles, 160 in 256, 444 in 512.
+CPU_BLOCK = 128
 # What cuDNN's fused kernel takes (jax checks both when it lowers the call): half-precision
 # inputs, and a head dim that is a multiple of 8 and at most 128 (256 from Hopper on).
 CUDNN_DTYPES = ("bfloat16", "float16")
@@ -410,7 +422,8 @@ def resolve(impl: str, *, cached: bool, packed: bool, t: int, s: int, dtype,
     return impl
   if cudnn_ok and not why_not and jax.default_backend() == "gpu":
     return "cudnn"
-  return "reference" if t * s <= _AUTO_REFERENCE_MAX_TS else "blockwise"
+  most = _AUTO_REFERENCE_MAX_TS if cached else _AUTO_REFERENCE_MAX_TS_UNCACHED
+  return "reference" if t * s <= most else "blockwise"
 
 
 def attend(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, *, q_idx_BxT, kv_valid_BxS, q_seg_BxT=None,
@@ -436,5 +449,10 @@ def attend(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, *, q_idx_BxT, kv_valid_BxS, q_seg_
   if which == "cudnn_packed":
     return cudnn_packed(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, q_seg_BxT,
                         max_segments=max_segments)
-  return blockwise(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, q_idx_BxT, kv_valid_BxS, q_seg_BxT,
-                   kv_seg_BxS, block_q=block, block_kv=block)
+  tiles = lambda size: lambda q, k, v, q_idx, kv_valid, q_seg, kv_seg: blockwise(
+      q, k, v, q_idx, kv_valid, q_seg, kv_seg, block_q=size, block_kv=size)
+  args = (q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, q_idx_BxT, kv_valid_BxS, q_seg_BxT, kv_seg_BxS)
+  if impl != "auto" or block <= CPU_BLOCK:
+    return tiles(block)(*args)
+  # Smaller tiles where the program is lowered for a CPU (CPU_BLOCK), the config's elsewhere.
+  return jax.lax.platform_dependent(*args, cpu=tiles(CPU_BLOCK), default=tiles(block))

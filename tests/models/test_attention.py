@@ -122,6 +122,37 @@ def test_query_chunked_gradient_keeps_one_chunk_of_scores():
   assert chunked < full / 3
 
 
+def test_auto_train_rows_take_cpu_tiles_and_equal_reference():
+  """"auto" on packed train rows past 128 x 128: the blockwise kernel, in CPU_BLOCK tiles
+  where lowered for a CPU (lax.platform_dependent), the config's block elsewhere; the same
+  outputs and gradients as the reference."""
+  t = 256
+  rng = np.random.default_rng(3)
+  q = jnp.asarray(rng.normal(size=(B, K, G, t, H)), jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(B, K, t, H)), jnp.float32) for _ in range(2))
+  seg = jnp.asarray(np.stack([np.repeat([1, 2, 3], [100, 90, 66]),
+                              np.r_[np.repeat([1, 2], [130, 100]), np.zeros(26, int)]]))
+  q_idx = jnp.broadcast_to(jnp.arange(t), (B, t))
+  valid = jnp.ones((B, t), bool)
+  ref = lambda q, k, v: attention.reference(q, k, v, q_idx, valid, seg, seg)
+  auto = lambda q, k, v: attention.attend(q, k, v, q_idx_BxT=q_idx, kv_valid_BxS=valid,
+                                          q_seg_BxT=seg, kv_seg_BxS=seg, block=512)
+  live = seg > 0
+  w = np.broadcast_to(np.asarray(live)[:, None, None, :, None], q.shape)
+  np.testing.assert_allclose(np.asarray(jax.jit(auto)(q, k, v))[w], np.asarray(ref(q, k, v))[w],
+                             atol=2e-6)
+  g_ref = jax.grad(_loss(ref, live), argnums=(0, 1, 2))(q, k, v)
+  g_auto = jax.jit(jax.grad(_loss(auto, live), argnums=(0, 1, 2)))(q, k, v)
+  for a, b in zip(g_auto, g_ref):
+    np.testing.assert_allclose(a, b, atol=2e-5)
+  # Lowered for the CPU, the queries are blocked [t / CPU_BLOCK, B, K, G, CPU_BLOCK, H]; the
+  # config's 512 would make one block of all 256.
+  hlo = jax.jit(auto).lower(q, k, v).as_text()
+  tile = attention.CPU_BLOCK
+  assert f"tensor<{t // tile}x{B}x{K}x{G}x{tile}x{H}xf32>" in hlo
+  assert f"tensor<1x{B}x{K}x{G}x{t}x{H}xf32>" not in hlo
+
+
 def test_blockwise_bf16_close_to_reference():
   q_idx, valid, qs, ks, live = _cases()["packed"]
   q, k, v = _qkv(jnp.bfloat16)
@@ -246,6 +277,11 @@ def test_resolve():
   assert r("cudnn", cached=False, packed=True, t=64, s=64) == "blockwise"
   assert r("auto", cached=False, packed=False, t=64, s=64) == (
       "cudnn" if on_gpu else "reference")
+  # The train step's rows past 128 x 128 take the blockwise kernel (faster on CPU under
+  # grad from 128 tokens on); the sampler's cached queries keep the reference to 1024 x 1024.
+  assert r("auto", cached=False, packed=True, t=128, s=128) == "reference"
+  assert r("auto", cached=False, packed=True, t=256, s=256) == "blockwise"
+  assert r("auto", cached=True, packed=False, t=1024, s=1024) == "reference"
   assert r("auto", cached=True, packed=False, t=4096, s=4096) == "blockwise"
   # cuDNN for packed rows only when asked for by name ("auto" keeps blockwise there).
   assert r("cudnn_packed", cached=False, packed=True, t=64, s=64) == "cudnn_packed"
