@@ -35,15 +35,15 @@ IMPLEMENTATIONS = ("auto", "cudnn", "cudnn_packed", "blockwise", "reference")
 CUDNN_IMPLEMENTATIONS = ("cudnn", "cudnn_packed")
 # "auto" keeps the reference while one row's scores per head stay this small: 1024 x 1024
 # for the sampler's cached queries (forward only), 128 x 128 for the train step's rows. Under
-# jax.grad on 2 CPU cores, one layer's attention of Qwen3-shaped tiny heads (2 kv x 2, head
-# dim 64, float32) took, reference against blockwise in 128-tiles: 75 / 38 ms at 32 x 128
-# tokens, 120 / 48 ms at 16 x 256, 217 / 49 ms at 8 x 512, 510 / 84 ms at 4 x 1024 (packed,
-# three sequences a row); forward only, 64 rows: 60 / 57 ms at 128, 145 / 150 at 256, 810 /
-# 297 at 512 (docs/training.md, "Attention on CPU").
+# jax.grad on 2 idle CPU cores, one layer's attention of the CPU agents' heads (2 kv x 2,
+# head dim 64, float32, three packed sequences a row), reference against blockwise in
+# 128-tiles: 21 / 26 ms at 32 x 128 tokens, 37 / 31 at 16 x 256, 78 / 29 at 8 x 512, 187 / 72
+# at 4 x 1024; forward only, 64 rows: 20 / 20 ms at 128, 69 / 62 at 256, 280 / 150 at 512
+# (benchmarks/attention_cpu.py, benchmarks/results/attention-cpu.json).
 _AUTO_REFERENCE_MAX_TS = 1 << 20
 _AUTO_REFERENCE_MAX_TS_UNCACHED = 128 * 128
 # The blockwise kernel's tiles on XLA:CPU under "auto" (at most the config's block): 4 x 1024
-# packed tokens under grad took 84 ms in 128-tiles, 160 in 256, 444 in 512.
+# packed tokens under grad took 72 ms in 128-tiles, 66 in 256, 123 in 512; 8 x 512: 29, 51, 78.
 CPU_BLOCK = 128
 # What cuDNN's fused kernel takes (jax checks both when it lowers the call): half-precision
 # inputs, and a head dim that is a multiple of 8 and at most 128 (256 from Hopper on).
