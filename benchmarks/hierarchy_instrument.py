@@ -7,6 +7,7 @@ teacher), the power analysis that sets the sweep's seeds, and how many runs fit 
 """
 
 import collections
+import functools
 import json
 import os
 import platform
@@ -33,8 +34,11 @@ EXTRA = {name: f"variant={variant}" for name, variant in (
 EXTRA.update(dict(mgrpo_config.HIERARCHY_CONTROLS))
 
 
+@functools.cache
 def git_commit() -> str:
-  """HEAD's commit, with "+dirty" when tracked files differ from it ("unknown" outside git)."""
+  """HEAD's commit, with "+dirty" when tracked files differ from it ("unknown" outside git),
+  as of the first call: the code this process runs, which a commit made while it runs (the
+  sweep's invocations last hours) does not change. `main` calls it first thing."""
   try:
     head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                           check=True).stdout.strip()

@@ -471,6 +471,7 @@ def main(argv):
   # (the runs' wall times then depend on what the cache holds; --compilation_cache_dir=none
   # measures from an empty one).
   compile_cache.enable_from_flags()
+  git_commit()  # Pinned now: the commit of the code this process runs.
   # A smoke run proves the pipeline, it measures nothing: its JSON stays in the workdir.
   results = _WORKDIR.value if _SIZE.value == "smoke" else "benchmarks/results"
   if _INSTRUMENT.value:
