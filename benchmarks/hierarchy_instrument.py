@@ -38,7 +38,8 @@ EXTRA.update(dict(mgrpo_config.HIERARCHY_CONTROLS))
 def git_commit() -> str:
   """HEAD's commit, with "+dirty" when tracked files differ from it ("unknown" outside git),
   as of the first call: the code this process runs, which a commit made while it runs (the
-  sweep's invocations last hours) does not change. `main` calls it first thing."""
+  sweep's invocations last hours) does not change. `hierarchy_sweep.main` calls it before
+  anything is built (from the repository, as every invocation runs)."""
   try:
     head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                           check=True).stdout.strip()

@@ -98,7 +98,7 @@ def _flatten(d, prefix: str = "") -> dict:
 
 # Fields added to the configs after runs were made, with the value that keeps an older run's
 # behaviour: a config.json without one is read as holding that value (`differences`).
-ADDED_FIELDS = {"rl_worlds": 0, "rl_hop_weights": []}
+ADDED_FIELDS = {"rl_worlds": 0, "rl_hop_weights": [], "sft.trace_worlds": -1}
 
 
 def differences(stored: dict, current: dict) -> dict[str, tuple]:

@@ -228,6 +228,10 @@ def _load_benchmark(name: str):
   if key in sys.modules:
     return sys.modules[key]
   path = pathlib.Path(__file__).parent.parent / "benchmarks" / f"{name}.py"
+  imported = sys.modules.get(name)  # Already imported by a sibling benchmark (`import memory`).
+  if imported is not None and pathlib.Path(getattr(imported, "__file__", "")) == path:
+    sys.modules[key] = imported
+    return imported
   if str(path.parent) not in sys.path:  # As when run: a script imports its siblings.
     sys.path.append(str(path.parent))
   for flag in re.findall(r'flags\.DEFINE_\w+\(\s*"(\w+)"', path.read_text()):

@@ -256,11 +256,13 @@ def test_trace_worlds_ask_questions_and_only_other_worlds_give_pages():
   assert unread and not any(t in row for t in unread for row in text(corpus))
 
 
-def test_trace_worlds_below_other_worlds_are_refused(tmp_path):
+@pytest.mark.parametrize("value", [1, -2, tasks.RL_WORLD_BASE])
+def test_trace_worlds_below_other_worlds_are_refused(tmp_path, value):
   c = sft_config.get_config("task=multihop,smoke")
-  c.sft.update(other_worlds=2, trace_worlds=1)
+  c.sft.update(other_worlds=2)
+  c.sft.trace_worlds = value
   with pytest.raises(checks.ConfigValueError,
-                     match=r"sft\.trace_worlds=1 < config\.sft\.other_worlds=2"):
+                     match=rf"sft\.trace_worlds={value!r}: expected -1 .*other_worlds=2"):
     sft.train_sft(c, str(tmp_path))
   assert not os.listdir(tmp_path)
 

@@ -9,8 +9,9 @@ import ml_collections
 import pytest
 
 from configs import mgrpo
+from configs import sft as sft_config
 from mgrpo_jax import workdir
-from mgrpo_jax.mgrpo import setup
+from mgrpo_jax.mgrpo import setup, sft
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -76,6 +77,21 @@ def test_a_run_from_before_an_added_field_resumes_and_evaluates(tmp_path):
   with pytest.raises(workdir.ConfigChangeError, match=r"rl_worlds: 0 -> 4"):
     workdir.check_resume(str(tmp_path), current)
   setup.resolve_wiring(workdir.load_config(str(tmp_path)), training=False)
+
+
+def test_a_warm_start_from_before_trace_worlds_resumes(tmp_path):
+  """A warm start's config.json from before `sft.trace_worlds` reads as -1 (the same worlds):
+  resuming with -1 is no change, another value is refused, and the warm start's own check
+  accepts the stored config."""
+  current = sft_config.get_config("task=multihop,smoke")
+  old = json.loads(current.to_json_best_effort())
+  del old["sft"]["trace_worlds"]
+  (tmp_path / workdir.CONFIG_FILE).write_text(json.dumps(old))
+  assert workdir.check_resume(str(tmp_path), current) == {}
+  current.sft.trace_worlds = 5
+  with pytest.raises(workdir.ConfigChangeError, match=r"sft\.trace_worlds: -1 -> 5"):
+    workdir.check_resume(str(tmp_path), current)
+  sft.check_trace_worlds(workdir.load_config(str(tmp_path)))
 
 
 def test_load_without_a_run_names_the_file(tmp_path):

@@ -35,7 +35,6 @@ _RANGES = {"sft.num_questions": checks.at_least(1), "sft.expert_noise": checks.P
            "sft.weight_decay": checks.NONNEGATIVE, "sft.eval_every": checks.at_least(1),
            "sft.checkpoint_every": checks.at_least(1),
            "sft.other_worlds": checks.Range(0, tasks.RL_WORLD_BASE - 1, integer=True),
-           "sft.trace_worlds": checks.Range(-1, tasks.RL_WORLD_BASE - 1, integer=True),
            "sft.visit_drill_weight": checks.NONNEGATIVE,
            "sft.report_weight": checks.POSITIVE}
 
@@ -81,14 +80,18 @@ def trace_worlds(c) -> int:
 
 
 def check_trace_worlds(c) -> None:
-  """Refuses `sft.trace_worlds` below `sft.other_worlds`: every world whose pages are corpus
-  rows asks questions too."""
+  """Refuses a `sft.trace_worlds` that is not -1 or an integer from `sft.other_worlds` to
+  below RL's worlds: every world whose pages the warm start reads asks questions too. A
+  config from before the field (a run's config.json) has none: -1."""
   n = c.sft.get("trace_worlds", -1)
-  if n != -1 and n < c.sft.other_worlds:
+  ok = isinstance(n, int) and not isinstance(n, bool) and (
+      n == -1 or c.sft.other_worlds <= n < tasks.RL_WORLD_BASE)
+  if not ok:
     raise checks.ConfigValueError(
-        f"config.sft.trace_worlds={n} < config.sft.other_worlds={c.sft.other_worlds}: the "
-        "worlds whose pages the warm start reads ask questions too; use -1 (the same worlds) "
-        "or at least other_worlds.")
+        f"config.sft.trace_worlds={n!r}: expected -1 (the same worlds as "
+        f"config.sft.other_worlds={c.sft.other_worlds}) or an integer from other_worlds to "
+        f"{tasks.RL_WORLD_BASE - 1}; the worlds whose pages the warm start reads ask "
+        "questions too.")
 
 
 def other_world_questions(c) -> int:
@@ -100,6 +103,7 @@ def other_world_questions(c) -> int:
 def other_world_envs(c) -> list:
   """The other worlds' tasks (`trace_worlds`), each with its share of `sft.num_questions`;
   the first `sft.other_worlds` of them give their pages to `corpus_rows` too."""
+  check_trace_worlds(c)
   k, per_world = trace_worlds(c), other_world_questions(c)
   if k:
     logging.info("sft: the traces are shared by the training split and %d other worlds "

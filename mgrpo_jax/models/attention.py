@@ -21,9 +21,9 @@ slots, while RoPE positions may restart inside a packed row. Implementations:
   "cudnn". GPU only, opt-in: "auto" never takes it until a lent GPU has checked it
   (tests/models/test_attention.py's `gpu` test).
 - "auto": cuDNN where it applies on GPU (unpacked rows), else the reference for small
-  [T, S] (the sampler's cached queries up to 1024 x 1024, the train step's rows up to
-  128 x 128: measured on CPU, `_AUTO_REFERENCE_MAX_TS`), else blockwise, in tiles of at most
-  `CPU_BLOCK` where the program is lowered for a CPU.
+  [T, S] (the sampler's cached queries up to 1024 x 1024, `_AUTO_REFERENCE_MAX_TS`; the
+  train step's rows up to 128 x 128, `_AUTO_REFERENCE_MAX_TS_UNCACHED`), else blockwise, in
+  even tiles of at most `CPU_BLOCK` where the program is lowered for a CPU.
 """
 
 import functools
@@ -35,11 +35,14 @@ IMPLEMENTATIONS = ("auto", "cudnn", "cudnn_packed", "blockwise", "reference")
 CUDNN_IMPLEMENTATIONS = ("cudnn", "cudnn_packed")
 # "auto" keeps the reference while one row's scores per head stay this small: 1024 x 1024
 # for the sampler's cached queries (forward only), 128 x 128 for the train step's rows. Under
-# jax.grad on 2 idle CPU cores, one layer's attention of the CPU agents' heads (2 kv x 2,
+# jax.grad on 2 CPU cores (the other jobs paused), one layer's attention of the CPU agents' heads (2 kv x 2,
 # head dim 64, float32, three packed sequences a row), reference against blockwise in
 # 128-tiles: 21 / 26 ms at 32 x 128 tokens, 37 / 31 at 16 x 256, 78 / 29 at 8 x 512, 187 / 72
 # at 4 x 1024; forward only, 64 rows: 20 / 20 ms at 128, 69 / 62 at 256, 280 / 150 at 512
-# (benchmarks/attention_cpu.py, benchmarks/results/attention-cpu.json).
+# (benchmarks/attention_cpu.py, benchmarks/results/attention-cpu.json). The sampler's cached
+# prefill, which that forward case resembles, keeps the reference for now: the evaluation's
+# memory figures (REFERENCE_MAX_SCORE_BYTES) were measured with it. On GPU, rows that cuDNN
+# does not take (packed, or float32) past 128 x 128 also go blockwise: not measured there.
 _AUTO_REFERENCE_MAX_TS = 1 << 20
 _AUTO_REFERENCE_MAX_TS_UNCACHED = 128 * 128
 # The blockwise kernel's tiles on XLA:CPU under "auto" (at most the config's block): 4 x 1024
@@ -106,8 +109,7 @@ def query_chunked(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, q_idx_BxT, kv_valid_BxS, q_
     return reference(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, q_idx_BxT, kv_valid_BxS, q_seg_BxT,
                      kv_seg_BxS)
   n = -(-t // most)
-  # Even chunks (a multiple of 8 queries where the budget allows): the last one is not
-  # mostly padding.
+  # Chunks as even as multiples of 8 queries allow (where the budget holds 8 or more).
   chunk = -(-t // n)
   chunk = min(most, -(-chunk // 8) * 8) if most >= 8 else chunk
   n = -(-t // chunk)
@@ -115,20 +117,21 @@ def query_chunked(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, q_idx_BxT, kv_valid_BxS, q_
   def one(q_i, idx_i, seg_i):
     return reference(q_i, k_BxKxSxH, v_BxKxSxH, idx_i, kv_valid_BxS, seg_i, kv_seg_BxS)
 
-  one = jax.checkpoint(one, prevent_cse=False)  # A gradient keeps one chunk's scores.
+  # Rematerialised: a gradient keeps one chunk's scores (CSE is harmless only in a loop).
+  remat = lambda cse: jax.checkpoint(one, prevent_cse=cse)
 
   def looped(q, q_idx, q_seg):
     # Padded queries see nothing (slot -1); their rows are cut off below.
     q = _blocked(_pad_axis(q, 3, n * chunk, 0), 3, chunk)
     q_idx = _blocked(_pad_axis(q_idx.astype(jnp.int32), 1, n * chunk, -1), 1, chunk)
     q_seg = None if q_seg is None else _blocked(_pad_axis(q_seg, 1, n * chunk, 0), 1, chunk)
-    out = jax.lax.map(lambda xs: one(*xs), (q, q_idx, q_seg))
+    out = jax.lax.map(lambda xs: remat(False)(*xs), (q, q_idx, q_seg))
     return _unblocked(out, 3)[:, :, :, :t]
 
   def sliced(q, q_idx, q_seg):
     cut = lambda x, i, axis: None if x is None else jax.lax.slice_in_dim(
         x, i, min(i + chunk, t), axis=axis)
-    return jnp.concatenate([one(cut(q, i, 3), cut(q_idx, i, 1), cut(q_seg, i, 1))
+    return jnp.concatenate([remat(True)(cut(q, i, 3), cut(q_idx, i, 1), cut(q_seg, i, 1))
                             for i in range(0, t, chunk)], axis=3)
 
   if loop is not None:
@@ -449,10 +452,17 @@ def attend(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, *, q_idx_BxT, kv_valid_BxS, q_seg_
   if which == "cudnn_packed":
     return cudnn_packed(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, q_seg_BxT,
                         max_segments=max_segments)
-  tiles = lambda size: lambda q, k, v, q_idx, kv_valid, q_seg, kv_seg: blockwise(
-      q, k, v, q_idx, kv_valid, q_seg, kv_seg, block_q=size, block_kv=size)
+  tiles = lambda bq, bk: lambda q, k, v, q_idx, kv_valid, q_seg, kv_seg: blockwise(
+      q, k, v, q_idx, kv_valid, q_seg, kv_seg, block_q=bq, block_kv=bk)
   args = (q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, q_idx_BxT, kv_valid_BxS, q_seg_BxT, kv_seg_BxS)
   if impl != "auto" or block <= CPU_BLOCK:
-    return tiles(block)(*args)
-  # Smaller tiles where the program is lowered for a CPU (CPU_BLOCK), the config's elsewhere.
-  return jax.lax.platform_dependent(*args, cpu=tiles(CPU_BLOCK), default=tiles(block))
+    return tiles(block, block)(*args)
+  # Smaller tiles where the program is lowered for a CPU (even ones of at most CPU_BLOCK:
+  # 129 tokens are two tiles of 72, not of 128), the config's elsewhere.
+  small = tiles(_even_tile(t, CPU_BLOCK), _even_tile(s, CPU_BLOCK))
+  return jax.lax.platform_dependent(*args, cpu=small, default=tiles(block, block))
+
+
+def _even_tile(n: int, most: int) -> int:
+  """The tile, a multiple of 8 of at most `most`, that cuts n into the fewest even tiles."""
+  return min(most, -(-(-(-n // -(-n // most))) // 8) * 8)

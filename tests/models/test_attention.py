@@ -282,6 +282,9 @@ def test_resolve():
   assert r("auto", cached=False, packed=True, t=128, s=128) == "reference"
   assert r("auto", cached=False, packed=True, t=256, s=256) == "blockwise"
   assert r("auto", cached=True, packed=False, t=1024, s=1024) == "reference"
+  # CPU tiles cut a length into the fewest even tiles (129 tokens: two of 72, not of 128).
+  assert [attention._even_tile(n, 128) for n in (37, 128, 129, 256, 300)] == [
+      40, 128, 72, 128, 104]
   assert r("auto", cached=True, packed=False, t=4096, s=4096) == "blockwise"
   # cuDNN for packed rows only when asked for by name ("auto" keeps blockwise there).
   assert r("cudnn_packed", cached=False, packed=True, t=64, s=64) == "cudnn_packed"
