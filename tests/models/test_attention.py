@@ -124,8 +124,8 @@ def test_query_chunked_gradient_keeps_one_chunk_of_scores():
 
 def test_auto_train_rows_take_cpu_tiles_and_equal_reference():
   """"auto" on packed train rows past 128 x 128: the blockwise kernel, in CPU_BLOCK tiles
-  where lowered for a CPU (lax.platform_dependent), the config's block elsewhere; the same
-  outputs and gradients as the reference."""
+  where lowered for a CPU (lax.platform_dependent), the config's block where lowered for a
+  GPU; the same outputs and gradients as the reference."""
   t = 256
   rng = np.random.default_rng(3)
   q = jnp.asarray(rng.normal(size=(B, K, G, t, H)), jnp.float32)
@@ -151,6 +151,10 @@ def test_auto_train_rows_take_cpu_tiles_and_equal_reference():
   tile = attention.CPU_BLOCK
   assert f"tensor<{t // tile}x{B}x{K}x{G}x{tile}x{H}xf32>" in hlo
   assert f"tensor<1x{B}x{K}x{G}x{t}x{H}xf32>" not in hlo
+  # Lowered for a GPU (no device needed to lower), the config's block: one tile of 256.
+  gpu = jax.jit(auto).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+  assert f"tensor<1x{B}x{K}x{G}x{t}x{H}xf32>" in gpu
+  assert f"tensor<{t // tile}x{B}x{K}x{G}x{tile}x{H}xf32>" not in gpu
 
 
 def test_blockwise_bf16_close_to_reference():
