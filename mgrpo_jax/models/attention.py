@@ -35,11 +35,12 @@ IMPLEMENTATIONS = ("auto", "cudnn", "cudnn_packed", "blockwise", "reference")
 CUDNN_IMPLEMENTATIONS = ("cudnn", "cudnn_packed")
 # "auto" keeps the reference while one row's scores per head stay this small: 1024 x 1024
 # for the sampler's cached queries (forward only), 128 x 128 for the train step's rows. Under
-# jax.grad on 2 CPU cores (the other jobs paused), one layer's attention of the CPU agents' heads (2 kv x 2,
-# head dim 64, float32, three packed sequences a row), reference against blockwise in
-# 128-tiles: 21 / 26 ms at 32 x 128 tokens, 37 / 31 at 16 x 256, 78 / 29 at 8 x 512, 187 / 72
-# at 4 x 1024; forward only, 64 rows: 20 / 20 ms at 128, 69 / 62 at 256, 280 / 150 at 512
-# (benchmarks/attention_cpu.py, benchmarks/results/attention-cpu.json). The sampler's cached
+# jax.grad on 2 CPU cores (the other jobs paused), one layer's attention of the CPU agents'
+# heads (2 kv x 2, head dim 64, float32, three packed sequences a row), reference against
+# blockwise in 128-tiles: 21 / 26 ms at 32 x 128 tokens, 37 / 31 at 16 x 256, 78 / 29 at
+# 8 x 512, 187 / 72 at 4 x 1024; forward only, 64 rows: 20 / 20 ms at 128, 69 / 62 at 256,
+# 280 / 150 at 512 (benchmarks/attention_cpu.py, benchmarks/results/attention-cpu.json).
+# The sampler's cached
 # prefill, which that forward case resembles, keeps the reference for now: the evaluation's
 # memory figures (REFERENCE_MAX_SCORE_BYTES) were measured with it. On GPU, rows that cuDNN
 # does not take (packed, or float32) past 128 x 128 also go blockwise: not measured there.
@@ -108,11 +109,9 @@ def query_chunked(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, q_idx_BxT, kv_valid_BxS, q_
   if most >= t:
     return reference(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, q_idx_BxT, kv_valid_BxS, q_seg_BxT,
                      kv_seg_BxS)
-  n = -(-t // most)
   # Chunks as even as multiples of 8 queries allow (where the budget holds 8 or more).
-  chunk = -(-t // n)
-  chunk = min(most, -(-chunk // 8) * 8) if most >= 8 else chunk
-  n = -(-t // chunk)
+  chunk = _even_tile(t, most) if most >= 8 else _cdiv(t, _cdiv(t, most))
+  n = _cdiv(t, chunk)
 
   def one(q_i, idx_i, seg_i):
     return reference(q_i, k_BxKxSxH, v_BxKxSxH, idx_i, kv_valid_BxS, seg_i, kv_seg_BxS)
@@ -463,6 +462,11 @@ def attend(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, *, q_idx_BxT, kv_valid_BxS, q_seg_
   return jax.lax.platform_dependent(*args, cpu=small, default=tiles(block, block))
 
 
+def _cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
 def _even_tile(n: int, most: int) -> int:
-  """The tile, a multiple of 8 of at most `most`, that cuts n into the fewest even tiles."""
-  return min(most, -(-(-(-n // -(-n // most))) // 8) * 8)
+  """The tile, a multiple of 8 of at most `most` (itself one), that cuts n into the fewest
+  even tiles."""
+  return min(most, 8 * _cdiv(_cdiv(n, _cdiv(n, most)), 8))
