@@ -58,6 +58,7 @@ from mgrpo_jax.mgrpo import colocated, play, setup, sft, tasks
 from mgrpo_jax.mgrpo import hierarchy
 
 import hierarchy_instrument as hi  # benchmarks/hierarchy_instrument.py
+import sweep_archive  # benchmarks/sweep_archive.py
 
 _SIZE = flags.DEFINE_enum("size", "cpu", ["cpu", "gpu", "smoke"], "Task size (configs/mgrpo.py).")
 _SEEDS = flags.DEFINE_integer("seeds", 0, "Seeds per variant (0: the power analysis's number).")
@@ -81,6 +82,9 @@ _EVAL_SPLIT = flags.DEFINE_enum("eval_split", "test", ["test", "valid"], "Which 
 _TIMING = flags.DEFINE_string("timing", "", "With --instrument: a sweep JSON of one timed run "
                                "(e.g. --only=mgrpo --seeds=1 --eval_split=valid) whose wall "
                                "times size the sessions (session_budget).")
+_ARCHIVE = flags.DEFINE_string("archive", None, "Where finished warm starts are kept for a "
+                               "later session's machine (sweep_archive.py); default: --out "
+                               "without .json, plus -warm-starts; 'none': nowhere.")
 _INSTRUMENT = flags.DEFINE_bool("instrument", False, "Only the cheap measurements (no training): "
                                 "splits, leaks, the no-tool guesser, the teacher, the power "
                                 "analysis; writes hierarchy-instrument-<size>.json.")
@@ -195,7 +199,9 @@ def _evals(workdir: str) -> list[dict]:
           for r in metrics.read_metrics(workdir) if "eval/accuracy" in r]
 
 
-def warm_start(variant: str) -> dict:
+def warm_start(variant: str, archive: str = "") -> dict:
+  """The variant's warm start: made, or reused from the workdir or (with --reuse) from
+  `archive`, where a finished one is then kept."""
   arg = f"task=multihop,{_FLAG[_SIZE.value]},{EXTRA[variant]}"
   workdir = os.path.join(_WORKDIR.value, f"sft-{variant}")
   c = sft_config.get_config(arg)
@@ -203,10 +209,15 @@ def warm_start(variant: str) -> dict:
   # run's first evaluation), so they read the validation split whatever --eval_split says:
   # one warm start then serves a validation (timing) invocation and the test invocations.
   c.eval_split = "valid"
+  if archive and _REUSE.value and sweep_archive.restore(archive, workdir):
+    logging.info("Warm start %s restored from %s.", variant, archive)
   wall = _timed(workdir, lambda: sft.train_sft(c, workdir), config_record(c),
                 ignore=WARM_START_IGNORES)
+  if archive and sweep_archive.save(workdir, archive) is None:
+    logging.warning("Warm start %s is over %d MiB: not archived; keep --workdir on a "
+                    "persistent disk.", variant, sweep_archive.MAX_BYTES // 2**20)
   rec = dict(kind="warm_start", config=f"configs/sft.py:{arg}", variant=variant,
-             commit=_run_commit(workdir),
+             commit=_run_commit(workdir), digest=sweep_archive.digest(workdir),
              steps=c.sft.num_steps, wall_s=round(wall, 1), workdir=workdir,
              evals=_evals(workdir))
   logging.info("Warm start %s: %.0f s.", variant, wall)
@@ -226,7 +237,7 @@ def rl_run(arg: str, init: str, name: str = "") -> dict:
     if any(key in r for r in steps):
       train[key] = float(np.mean([r[key] for r in steps if key in r]))
   rec = dict(kind="rl", config=f"configs/mgrpo.py:{arg},init={init}", variant=name,
-             seed=c.seed, commit=_run_commit(workdir), steps=c.num_steps, wall_s=round(wall, 1),
+             seed=c.seed, commit=_run_commit(workdir), init_digest=sweep_archive.digest(init), steps=c.num_steps, wall_s=round(wall, 1),
              rollout_s=round(sum(r["time/rollout_s"] for r in steps), 1),
              update_s=round(sum(r["time/step_s"] - r["time/rollout_s"] for r in steps), 1),
              workdir=workdir, evals=_evals(workdir), train_means=train,
@@ -495,12 +506,16 @@ def main(argv):
   args += list(mgrpo_config.hierarchy_controls(_SIZE.value, seeds, seed_start=_SEED_START.value))
   if _ONLY.value:
     args = [(name, a) for name, a in args if name in _ONLY.value]
+  archive = _ARCHIVE.value
+  if archive is None:  # The GPU size's warm starts are too large to commit.
+    archive = "" if _SIZE.value == "gpu" else os.path.splitext(out)[0] + "-warm-starts"
+  archive = "" if archive == "none" else archive
   t0 = time.perf_counter()
   records = hi.baselines(_SIZE.value, _EVAL_SPLIT.value, _WORKDIR.value)
   inits = {}
   for variant, arg in args:
     if WARM_START[variant] not in inits:
-      rec = warm_start(WARM_START[variant])
+      rec = warm_start(WARM_START[variant], archive)
       records.append(rec)
       inits[WARM_START[variant]] = rec["workdir"]
       if WARM_START[variant] == "mgrpo":
