@@ -219,6 +219,52 @@ def test_reuse_resumes_an_unfinished_run_and_counts_its_earlier_time(load_benchm
   assert resumed == [True, False]  # From scratch.
 
 
+def test_archived_warm_start_goes_on_on_a_fresh_machine(load_benchmark, tmp_path, monkeypatch):
+  """A finished warm start kept in the archive is restored into an empty workdir, where
+  --reuse keeps it only when its config matches; edited weights and a workdir with its own
+  run are not restored over; one too large for the repository is not archived."""
+  sweep, archive_lib = load_benchmark("hierarchy_sweep"), load_benchmark("sweep_archive")
+  config = sweep.config_record(sft_config.get_config("task=multihop,smoke,variant=mgrpo"))
+  made, archive = str(tmp_path / "old" / "sft-mgrpo"), str(tmp_path / "archive")
+
+  def train():  # What a warm start leaves: final weights, metrics, a checkpoint.
+    for agent in ("main", "sub"):
+      os.makedirs(os.path.join(made, "hf", agent))
+      with open(os.path.join(made, "hf", agent, "model.safetensors"), "wb") as f:
+        f.write(agent.encode() * 100)
+    with open(os.path.join(made, "metrics.jsonl"), "w") as f:
+      f.write('{"step": 1, "eval/accuracy": 0.25}\n')
+    os.makedirs(os.path.join(made, "checkpoints", "1"))
+
+  wall = sweep._timed(made, train, config, reuse=True, any_commit=False)
+  weights = archive_lib.save(made, archive)
+  assert weights == archive_lib.digest(made)
+  assert sorted(os.listdir(os.path.join(archive, "sft-mgrpo"))) == [
+      "archive.json", "done.json", "hf", "metrics.jsonl"]  # No checkpoints.
+
+  fresh = str(tmp_path / "new" / "sft-mgrpo")
+  assert archive_lib.restore(archive, fresh)
+  assert archive_lib.digest(fresh) == weights
+  assert sweep._evals(fresh) == [{"step": 1, "accuracy": 0.25}]
+  ran = []
+  assert sweep._timed(fresh, lambda: ran.append(1), config, reuse=True, any_commit=False) == wall
+  assert not ran  # Kept, not trained again.
+  changed = dict(config, sft=dict(config["sft"], num_steps=config["sft"]["num_steps"] + 1))
+  with pytest.raises(ValueError, match=r"sft\.num_steps"):
+    sweep._timed(fresh, lambda: None, changed, reuse=True, any_commit=False)
+  assert not archive_lib.restore(archive, fresh)  # The workdir's own run wins.
+
+  with open(os.path.join(archive, "sft-mgrpo", "hf", "sub", "model.safetensors"), "ab") as f:
+    f.write(b"edited")
+  with pytest.raises(ValueError, match="do not match archive.json"):
+    archive_lib.restore(archive, str(tmp_path / "third" / "sft-mgrpo"))
+  assert not os.path.exists(tmp_path / "third" / "sft-mgrpo" / "done.json")
+  assert not archive_lib.restore(archive, str(tmp_path / "third" / "sft-single"))  # None kept.
+  monkeypatch.setattr(archive_lib, "MAX_BYTES", 100)
+  assert archive_lib.save(made, str(tmp_path / "small")) is None
+  assert not os.path.exists(tmp_path / "small")
+
+
 def test_power_analysis_and_verdict(load_benchmark):
   """Seeds for 80% power at 5 points with paired sd 5.4 (normal approximation 9.15, the t-test
   needs more), and a table that refuses to rank when M-GRPO is within 5 points of guessing."""
