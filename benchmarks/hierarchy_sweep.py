@@ -287,7 +287,8 @@ def closed_book_run(init: str) -> dict:
   c.eval_split = _EVAL_SPLIT.value
   log = question_log(c, closed_book=True)
   return dict(kind="closed_book", variant="closed_book", config=f"configs/mgrpo.py:{arg}, "
-              "every tool disabled", wall_s=round(time.perf_counter() - t0, 1),
+              "every tool disabled", init_digest=sweep_archive.digest(init),
+              wall_s=round(time.perf_counter() - t0, 1),
               evals=[{"step": 0, "accuracy": log["accuracy"]}], questions=log)
 
 
@@ -416,6 +417,29 @@ def _key(r: dict) -> str:
   return f"{r['kind']}/{r['variant']}/{r.get('seed', '')}"
 
 
+def _family(r: dict) -> str | None:
+  """The warm start a run started from (its WARM_START name); None for what reads none."""
+  if r["kind"] == "closed_book":
+    return "mgrpo"
+  return WARM_START.get(r["variant"]) if r["kind"] == "rl" else None
+
+
+def split_by_warm_start(records: list[dict]) -> tuple[list[dict], list[dict]]:
+  """(the records of the warm starts the JSON holds, the runs that started from another).
+
+  A warm start made again (a new machine lost the old one before it was archived) is another
+  draw of the same recipe: the runs from the old one are kept aside, not mixed into the
+  summary with the new one's. A run without `init_digest` predates digests: it counts as from
+  another warm start once its family's warm start has a digest."""
+  digests = {r["variant"]: r.get("digest") for r in records if r["kind"] == "warm_start"}
+  keep, other = [], []
+  for r in records:
+    family = _family(r)
+    known = digests.get(family) if family else None
+    (other if known and r.get("init_digest") != known else keep).append(r)
+  return keep, other
+
+
 def _write(records: list[dict], path: str, wall_s: float, power: dict) -> None:
   """Writes the sweep's JSON, merged with the runs and invocations an earlier invocation wrote
   to `path` (a sweep split over sessions: --seed_start / --only with --reuse)."""
@@ -425,8 +449,17 @@ def _write(records: list[dict], path: str, wall_s: float, power: dict) -> None:
       old = json.load(f)
   # Runs of a JSON from before this protocol (no invocations recorded) are not merged.
   merged = {_key(r): r for r in old.get("runs", [])} if "invocations" in old else {}
+  # A warm start made again, and a record (closed_book) of the new one, replace the old ones'
+  # records, which are kept aside.
+  made_from = lambda r: r.get("digest") if r["kind"] == "warm_start" else r.get("init_digest")
+  replaced = [merged[_key(r)] for r in records if _key(r) in merged
+              and (r["kind"] == "warm_start" or _family(r))
+              and made_from(merged[_key(r)]) != made_from(r)]
   merged.update({_key(r): r for r in records})
-  records = list(merged.values())
+  records, aside = split_by_warm_start(list(merged.values()))
+  seen = {(_key(r), r.get("digest"), r.get("init_digest"), r.get("wall_s")) for r in aside}
+  aside += [r for r in old.get("other_warm_start_runs", []) + replaced
+            if (_key(r), r.get("digest"), r.get("init_digest"), r.get("wall_s")) not in seen]
   invocation = dict(
       command=" ".join(["python", "benchmarks/hierarchy_sweep.py"] + sys.argv[1:]),
       commit=git_commit(), wall_s=round(wall_s, 1), eval_split=_EVAL_SPLIT.value,
@@ -452,7 +485,8 @@ def _write(records: list[dict], path: str, wall_s: float, power: dict) -> None:
             "Greedy accuracy on the validation split (world.holdout; for tuning choices, not "
             "for the table)") + "; intervals are mean +- t_{0.975, n-1} * sd / "
             "sqrt(n) over seeds. Wall times include compilation and evaluation.",
-      verdict=verdict(summary, records), summary=summary, runs=records)
+      verdict=verdict(summary, records), summary=summary, runs=records,
+      other_warm_start_runs=aside)
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path, "w") as f:
     json.dump(out, f, indent=1)

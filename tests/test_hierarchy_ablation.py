@@ -265,6 +265,47 @@ def test_archived_warm_start_goes_on_on_a_fresh_machine(load_benchmark, tmp_path
   assert not os.path.exists(tmp_path / "small")
 
 
+def test_a_remade_warm_start_sets_the_old_runs_aside(load_benchmark, tmp_path, monkeypatch):
+  """When the JSON's warm start is made again (a new machine lost it), the runs from the old
+  one (by init_digest; none before digests) leave the summary for other_warm_start_runs, once
+  each, with the old warm start itself; the new one's runs make the summary."""
+  sweep = load_benchmark("hierarchy_sweep")
+  value = lambda v: type("Flag", (), {"value": v})()
+  monkeypatch.setattr(sweep, "_EVAL_SPLIT", value("test"))
+  monkeypatch.setattr(sweep, "_SIZE", value("cpu"))
+  power = sweep.power_analysis(286)
+  path = str(tmp_path / "sweep.json")
+
+  def rl(variant, seed, final, init=None):
+    return dict(kind="rl", variant=variant, seed=seed, wall_s=1.0, train_means={},
+                evals=[{"step": 0, "accuracy": 0.0}, {"step": 90, "accuracy": final}],
+                **({"init_digest": init} if init else {}))
+
+  no_tool = dict(kind="no_tool", variant="no_tool", evals=[{"step": 0, "accuracy": 0.0}])
+  old = [no_tool, dict(kind="warm_start", variant="mgrpo", wall_s=7197.0, evals=[]),
+         dict(kind="closed_book", variant="closed_book", evals=[{"step": 0, "accuracy": 0}]),
+         rl("mgrpo", 0, 0.05), rl("frozen_sub", 0, 0.03)]
+  sweep._write(old, path, 1.0, power)
+  with open(path) as f:
+    assert json.load(f)["summary"]["mgrpo"]["seeds"] == [0]  # No digest yet: one warm start.
+  new = [dict(kind="warm_start", variant="mgrpo", digest="d1", wall_s=5000.0, evals=[]),
+         dict(kind="closed_book", variant="closed_book", init_digest="d1",
+              evals=[{"step": 0, "accuracy": 0}]),
+         rl("mgrpo", 1, 0.2, "d1"), rl("frozen_sub", 1, 0.1, "d1")]
+  sweep._write(new, path, 1.0, power)
+  sweep._write([rl("mgrpo", 2, 0.3, "d1")], path, 1.0, power)
+  with open(path) as f:
+    out = json.load(f)
+  assert out["summary"]["mgrpo"]["seeds"] == [1, 2]
+  assert out["summary"]["frozen_sub"]["seeds"] == [1]
+  assert out["summary"]["frozen_sub"]["mgrpo_minus"]["accuracy"]["seeds"] == [0.1]
+  aside = sorted((r["kind"], r["variant"], r.get("seed"), r.get("wall_s"))
+                 for r in out["other_warm_start_runs"])
+  assert aside == [("closed_book", "closed_book", None, None), ("rl", "frozen_sub", 0, 1.0),
+                   ("rl", "mgrpo", 0, 1.0), ("warm_start", "mgrpo", None, 7197.0)]
+  assert {(r["kind"], r.get("digest")) for r in out["runs"]} >= {("warm_start", "d1")}
+
+
 def test_power_analysis_and_verdict(load_benchmark):
   """Seeds for 80% power at 5 points with paired sd 5.4 (normal approximation 9.15, the t-test
   needs more), and a table that refuses to rank when M-GRPO is within 5 points of guessing."""
