@@ -102,6 +102,19 @@ def test_attend_bounds_the_reference_scores_of_a_large_batch():
   assert bounded < full / 4
 
 
+def test_even_tiles_stay_within_the_most_and_are_as_few_as_its_tiles():
+  """An even tile (of CPU attention; of query_chunked's chunks, where `most` is the rows the
+  byte budget holds, rounded down to 8) never exceeds `most`, is a multiple of 8, and cuts n
+  into no more pieces than tiles of `most` would, padding fewer than 8 rows per piece."""
+  for most in (8, 16, 72, 128, 256, 1000 // 8 * 8):
+    for n in (1, 7, 8, 9, 37, 100, 129, 511, 640, 1000, 4097):
+      tile = attention._even_tile(n, most)
+      pieces = -(-n // tile)
+      assert tile <= most and tile % 8 == 0, (n, most, tile)
+      assert pieces == -(-n // most), (n, most, tile)
+      assert tile * pieces - n < 8 * pieces, (n, most, tile)
+
+
 def test_query_chunked_gradient_keeps_one_chunk_of_scores():
   """Under jax.grad each chunk's scores are recomputed in the backward pass, not kept: the
   temporaries stay far below the reference's, whose backward keeps every score."""
