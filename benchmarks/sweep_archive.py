@@ -1,21 +1,33 @@
-"""A sweep's finished warm starts, kept in the repository so that a new machine goes on.
+"""A sweep's warm starts, kept in the repository so that a new machine goes on.
+
+  python benchmarks/sweep_archive.py --workdir=/work/sweep/sft-single \
+      --archive=benchmarks/results/hierarchy-heldout-cpu-warm-starts   # before a session ends
 
 A session may begin on a fresh machine: only what is committed survives it (session 15 found
 `/work/sweep` gone, and with it the main + sub warm start, about two hours on 2 cores). What a
-run reads of a warm start is small: its final weights (`hf/<agent>`, about 1 MB per agent at
-the CPU size), and what the sweep reports of it, its `done.json` (config, commit, wall time)
-and `metrics.jsonl` (its evaluations). `save` copies those into the archive once the warm
-start has finished; `restore` puts them back into a workdir that holds none of its own, where
-`--reuse` then checks their config and commit as for any finished run. `digest` names the
-weights, so that every RL run records which warm start it started from.
+run reads of a finished warm start is small: its final weights (`hf/<agent>`, about 1 MB per
+agent at the CPU size), and what the sweep reports of it, its `done.json` (config, commit,
+wall time) and `metrics.jsonl` (its evaluations). The sweep `save`s those once a warm start
+has finished. A warm start still training when a session must end (it takes longer than
+most sessions have left) is saved by hand with the command above, with the sweep paused
+(`kill -STOP`): its `progress.json`, config, metrics and checkpoint (weights and optimizer
+state, each step checked against its digests on restore), about 3 times the weights.
+
+`restore` puts an archived warm start back into a workdir that holds none of its own, where
+`--reuse` then checks its config and commit as for any finished run, or resumes the
+unfinished one from its checkpoint. `digest` names the final weights, so that every RL run
+records which warm start it started from.
 """
 
 import hashlib
 import json
 import os
 import shutil
+import sys
 
-KEPT = ("done.json", "metrics.jsonl", "config.json", "hf")  # What a run or the JSON reads.
+FINISHED = ("done.json", "metrics.jsonl", "config.json", "hf")  # What a run or the JSON reads.
+UNFINISHED = ("progress.json", "metrics.jsonl", "config.json", "checkpoints")  # What resumes.
+MARKERS = ("done.json", "progress.json")  # A run's own: _timed writes one or the other.
 DIGEST_FILE = "archive.json"
 # A warm start larger than this (the GPU size's models) belongs on a persistent disk.
 MAX_BYTES = 64 * 2**20
@@ -42,55 +54,79 @@ def _size(path: str) -> int:
   return sum(os.path.getsize(os.path.join(d, n)) for d, _, ns in os.walk(path) for n in ns)
 
 
+def _copy(src: str, dest: str, names) -> None:
+  """Copies `names` (files or folders, those that exist) from src to dest, in order."""
+  for name in dict.fromkeys(names):
+    path = os.path.join(src, name)
+    if os.path.isdir(path):
+      shutil.copytree(path, os.path.join(dest, name))
+    elif os.path.exists(path):
+      shutil.copy2(path, os.path.join(dest, name))
+
+
 def save(workdir: str, archive: str) -> str | None:
-  """Copies a finished warm start's KEPT files to `archive/<basename(workdir)>`, replacing an
-  older copy whole (written beside it, then renamed). Returns the weights' digest, or None
-  when the files exceed MAX_BYTES (nothing is written)."""
-  if not os.path.exists(os.path.join(workdir, "done.json")):
-    raise FileNotFoundError(f"{workdir}: no done.json; only a finished warm start is archived.")
-  kept = [n for n in KEPT if os.path.exists(os.path.join(workdir, n))]
-  if sum(_size(os.path.join(workdir, n)) for n in kept) > MAX_BYTES:
+  """Copies a warm start to `archive/<basename(workdir)>`, replacing an older copy whole
+  (written beside it, then renamed): a finished one's FINISHED files, an unfinished one's
+  UNFINISHED files (pause its process first: a checkpoint being written is not copied
+  whole). Returns the final weights' digest ("" for an unfinished one), or None when the
+  files exceed MAX_BYTES (nothing is written)."""
+  finished = os.path.exists(os.path.join(workdir, "done.json"))
+  if not finished and not os.path.exists(os.path.join(workdir, "progress.json")):
+    raise FileNotFoundError(f"{workdir}: neither done.json nor progress.json; not a run of "
+                            "the sweep.")
+  names = FINISHED if finished else UNFINISHED
+  if sum(_size(os.path.join(workdir, n)) for n in names
+         if os.path.exists(os.path.join(workdir, n))) > MAX_BYTES:
     return None
   dest = os.path.join(archive, os.path.basename(os.path.normpath(workdir)))
   tmp = dest + ".tmp"
   shutil.rmtree(tmp, ignore_errors=True)
   os.makedirs(tmp)
-  for name in kept:
-    src = os.path.join(workdir, name)
-    (shutil.copytree if os.path.isdir(src) else shutil.copy2)(src, os.path.join(tmp, name))
-  weights = digest(tmp)
+  _copy(workdir, tmp, names)
+  weights = digest(tmp) if finished else ""
   with open(os.path.join(tmp, DIGEST_FILE), "w") as f:
-    json.dump({"digest": weights, "from": os.path.abspath(workdir)}, f, indent=1)
+    json.dump({"digest": weights, "finished": finished, "from": os.path.abspath(workdir)},
+              f, indent=1)
   shutil.rmtree(dest, ignore_errors=True)
   os.replace(tmp, dest)
   return weights
 
 
 def restore(archive: str, workdir: str) -> bool:
-  """Copies `archive/<basename(workdir)>` into `workdir` when the workdir holds no warm start
-  of its own (no done.json nor progress.json); False when there was nothing to restore.
-  Raises ValueError when the copied weights are not the archived ones."""
+  """Copies `archive/<basename(workdir)>` into `workdir` when the workdir holds no run of its
+  own (neither done.json nor progress.json); False when there was nothing to restore.
+  Raises ValueError when a finished warm start's weights are not the archived ones."""
   src = os.path.join(archive, os.path.basename(os.path.normpath(workdir)))
-  if not os.path.exists(os.path.join(src, "done.json")):
+  if not os.path.exists(os.path.join(src, DIGEST_FILE)):
     return False
-  if any(os.path.exists(os.path.join(workdir, n)) for n in ("done.json", "progress.json")):
+  if any(os.path.exists(os.path.join(workdir, n)) for n in MARKERS):
     return False
-  # Without either file the workdir holds nothing a run made (one always begins with
+  with open(os.path.join(src, DIGEST_FILE)) as f:
+    kept = json.load(f)
+  # Without a marker the workdir holds nothing a run made (one always begins with
   # progress.json), e.g. a restore cut short.
   shutil.rmtree(workdir, ignore_errors=True)
   os.makedirs(workdir)
-  # done.json last: a restore cut short leaves no finished-looking warm start.
-  for name in sorted(KEPT, key=lambda n: n == "done.json"):
-    path = os.path.join(src, name)
-    if name == "done.json":
-      with open(os.path.join(src, DIGEST_FILE)) as f:
-        expected = json.load(f)["digest"]
-      if digest(workdir) != expected:
-        raise ValueError(f"{src}: its weights do not match {DIGEST_FILE}'s digest (an edited "
-                         "or partly committed archive); delete it to make the warm start "
-                         "again.")
-    if os.path.isdir(path):
-      shutil.copytree(path, os.path.join(workdir, name))
-    elif os.path.exists(path):
-      shutil.copy2(path, os.path.join(workdir, name))
+  marker = "done.json" if kept["finished"] else "progress.json"
+  # The marker last: a restore cut short leaves no run that looks finished or resumable.
+  _copy(src, workdir, [n for n in FINISHED + UNFINISHED if n != marker])
+  if kept["finished"] and digest(workdir) != kept["digest"]:
+    raise ValueError(f"{src}: its weights do not match {DIGEST_FILE}'s digest (an edited or "
+                     "partly committed archive); delete it to make the warm start again.")
+  shutil.copy2(os.path.join(src, marker), os.path.join(workdir, marker))
   return True
+
+
+def main(argv: list[str]) -> None:
+  args = dict(a.removeprefix("--").split("=", 1) for a in argv[1:])
+  if set(args) != {"workdir", "archive"}:
+    sys.exit(f"usage: {argv[0]} --workdir=<a warm start's workdir> --archive=<folder>")
+  weights = save(args["workdir"], args["archive"])
+  if weights is None:
+    sys.exit(f"{args['workdir']}: over {MAX_BYTES >> 20} MiB; not archived.")
+  print(f"{args['workdir']} -> {args['archive']}: "
+        + (f"finished, weights {weights[:12]}" if weights else "unfinished (resumable)"))
+
+
+if __name__ == "__main__":
+  main(sys.argv)

@@ -222,7 +222,8 @@ def test_reuse_resumes_an_unfinished_run_and_counts_its_earlier_time(load_benchm
 def test_archived_warm_start_goes_on_on_a_fresh_machine(load_benchmark, tmp_path, monkeypatch):
   """A finished warm start kept in the archive is restored into an empty workdir, where
   --reuse keeps it only when its config matches; edited weights and a workdir with its own
-  run are not restored over; one too large for the repository is not archived."""
+  run are not restored over; an unfinished one, archived by hand, resumes from its
+  checkpoint; one too large for the repository is not archived."""
   sweep, archive_lib = load_benchmark("hierarchy_sweep"), load_benchmark("sweep_archive")
   config = sweep.config_record(sft_config.get_config("task=multihop,smoke,variant=mgrpo"))
   made, archive = str(tmp_path / "old" / "sft-mgrpo"), str(tmp_path / "archive")
@@ -259,7 +260,32 @@ def test_archived_warm_start_goes_on_on_a_fresh_machine(load_benchmark, tmp_path
   with pytest.raises(ValueError, match="do not match archive.json"):
     archive_lib.restore(archive, str(tmp_path / "third" / "sft-mgrpo"))
   assert not os.path.exists(tmp_path / "third" / "sft-mgrpo" / "done.json")
-  assert not archive_lib.restore(archive, str(tmp_path / "third" / "sft-single"))  # None kept.
+  assert not archive_lib.restore(archive, str(tmp_path / "third" / "sft-shared"))  # None kept.
+  # A warm start still training when the session ends: saved by hand (the CLI), resumed.
+  unfinished = str(tmp_path / "old" / "sft-single")
+
+  class Stopped(Exception):
+    pass
+
+  def stopped():
+    os.makedirs(os.path.join(unfinished, "checkpoints", "100"))
+    with open(os.path.join(unfinished, "checkpoints", "100", "state"), "w") as f:
+      f.write("step 100")
+    raise Stopped
+
+  with pytest.raises(Stopped):
+    sweep._timed(unfinished, stopped, config, reuse=True, any_commit=False)
+  archive_lib.main(["sweep_archive.py", f"--workdir={unfinished}", f"--archive={archive}"])
+  resumed_in = str(tmp_path / "new" / "sft-single")
+  assert archive_lib.restore(archive, resumed_in)
+  assert not os.path.exists(os.path.join(resumed_in, "done.json"))
+  seen = []
+  sweep._timed(resumed_in, lambda: seen.append(os.listdir(os.path.join(resumed_in,
+                                                                       "checkpoints"))),
+               config, reuse=True, any_commit=False)
+  assert seen == [["100"]]  # Resumed from the archived checkpoint, not from scratch.
+  with pytest.raises(SystemExit, match="usage"):
+    archive_lib.main(["sweep_archive.py", f"--workdir={unfinished}"])
   monkeypatch.setattr(archive_lib, "MAX_BYTES", 100)
   assert archive_lib.save(made, str(tmp_path / "small")) is None
   assert not os.path.exists(tmp_path / "small")
