@@ -25,7 +25,11 @@ A sweep is split over sessions by `--only` and `--seed_start`/`--seeds`: each ru
 done.json keeps its config and commit, `--reuse` keeps only runs whose config and commit are
 this invocation's (and names what differs otherwise) and resumes a run that an invocation
 left unfinished (progress.json) from its checkpoints, and the JSON merges the runs of every
-invocation into `--out`, each invocation recorded in `invocations`.
+invocation into `--out`, each invocation recorded in `invocations`. A session's machine may
+be new: finished warm starts are kept in `--archive` (committed with the JSON; an unfinished
+one is archived by hand, `benchmarks/sweep_archive.py`), restored from there by `--reuse`;
+runs record the digest of the warm start they began from, and runs from a warm start made
+again are set aside (`other_warm_start_runs`).
 
 Writes `--out` (JSON): per run, the evaluations at every evaluation step (accuracy overall
 and by pages needed `hops<n>`; context overflow rate; delegations per episode), the final
@@ -237,7 +241,8 @@ def rl_run(arg: str, init: str, name: str = "") -> dict:
     if any(key in r for r in steps):
       train[key] = float(np.mean([r[key] for r in steps if key in r]))
   rec = dict(kind="rl", config=f"configs/mgrpo.py:{arg},init={init}", variant=name,
-             seed=c.seed, commit=_run_commit(workdir), init_digest=sweep_archive.digest(init), steps=c.num_steps, wall_s=round(wall, 1),
+             seed=c.seed, commit=_run_commit(workdir), init_digest=sweep_archive.digest(init),
+             steps=c.num_steps, wall_s=round(wall, 1),
              rollout_s=round(sum(r["time/rollout_s"] for r in steps), 1),
              update_s=round(sum(r["time/step_s"] - r["time/rollout_s"] for r in steps), 1),
              workdir=workdir, evals=_evals(workdir), train_means=train,
