@@ -139,13 +139,20 @@ def test_two_processes_reduce_gradients_like_one(tmp_path):
   # M-GRPO's random smoke models earn no reward, so their updates are zero: the SFT warm
   # start (same program loop and train step, NLL gradients) shows the cross-process
   # gradient reduction and optimizer update.
+  # Adam's update lr * m / (sqrt(v) + eps) turns a gradient's rounding into a whole update
+  # where the gradient nearly cancels (|g| ~ eps): with eps 1e-8, summed in another order on
+  # an AVX2 machine, one weight of 11264 moved by 2.3e-6. With eps 1e-3 the update stays
+  # about linear in such gradients, so the weights differ by what the sums' rounding does,
+  # while a reduction that missed a process's rows would move them by about lr (1e-3).
   c = sft_config.get_config("smoke")
   c.sft.batch_size = 8  # Rows split over 8 devices.
+  c.main_optim.eps = c.sub_optim.eps = 1e-3
   ref = tmp_path / "one_process"
   sft.train_sft(c, str(ref))
   pair = tmp_path / "two_processes"
   os.makedirs(pair)
   _train_pair(str(pair), _env(tmp_path / "xla_cache"), "--config.sft.batch_size=8",
+              "--config.main_optim.eps=0.001", "--config.sub_optim.eps=0.001",
               config="configs/sft.py:smoke")
   rows = _rows(pair)
   assert rows[0]["sft/main/grad_norm"] > 0.1 and rows[1]["sft/sub/nll"] < rows[0]["sft/sub/nll"]
