@@ -234,14 +234,17 @@ def rl_run(arg: str, init: str, name: str = "") -> dict:
   c.eval_split = _EVAL_SPLIT.value
   name = name or c.variant
   workdir = os.path.join(_WORKDIR.value, f"{name}_seed{c.seed}")
-  wall = _timed(workdir, lambda: colocated.train_and_evaluate(c, workdir), config_record(c))
+  # The warm start's digest is part of what --reuse compares: a run kept or resumed from an
+  # earlier invocation began from these weights, not only from this path.
+  config = dict(config_record(c), init_digest=sweep_archive.digest(init))
+  wall = _timed(workdir, lambda: colocated.train_and_evaluate(c, workdir), config)
   steps = [r for r in metrics.read_metrics(workdir) if "time/step_s" in r]
   train = {}
   for key in ("main/overflow", "single/overflow", "sub/overflow", "main/delegations"):
     if any(key in r for r in steps):
       train[key] = float(np.mean([r[key] for r in steps if key in r]))
   rec = dict(kind="rl", config=f"configs/mgrpo.py:{arg},init={init}", variant=name,
-             seed=c.seed, commit=_run_commit(workdir), init_digest=sweep_archive.digest(init),
+             seed=c.seed, commit=_run_commit(workdir), init_digest=config["init_digest"],
              steps=c.num_steps, wall_s=round(wall, 1),
              rollout_s=round(sum(r["time/rollout_s"] for r in steps), 1),
              update_s=round(sum(r["time/step_s"] - r["time/rollout_s"] for r in steps), 1),
@@ -462,9 +465,7 @@ def _write(records: list[dict], path: str, wall_s: float, power: dict) -> None:
               and made_from(merged[_key(r)]) != made_from(r)]
   merged.update({_key(r): r for r in records})
   records, aside = split_by_warm_start(list(merged.values()))
-  seen = {(_key(r), r.get("digest"), r.get("init_digest"), r.get("wall_s")) for r in aside}
-  aside += [r for r in old.get("other_warm_start_runs", []) + replaced
-            if (_key(r), r.get("digest"), r.get("init_digest"), r.get("wall_s")) not in seen]
+  aside = old.get("other_warm_start_runs", []) + replaced + aside
   invocation = dict(
       command=" ".join(["python", "benchmarks/hierarchy_sweep.py"] + sys.argv[1:]),
       commit=git_commit(), wall_s=round(wall_s, 1), eval_split=_EVAL_SPLIT.value,
@@ -482,7 +483,8 @@ def _write(records: list[dict], path: str, wall_s: float, power: dict) -> None:
       command=f"python benchmarks/hierarchy_sweep.py --size={_SIZE.value} --seeds="
               f"{power['seeds']}{split_flag} --reuse, as {len(invocations)} invocation(s) "
               f"(listed in invocations); seeds run so far per variant: {covered}",
-      # The sweep as a whole: every warm start's and run's own wall time (each counted once).
+      # The sweep as a whole: every warm start's and run's own wall time (each counted once;
+      # not those of other_warm_start_runs).
       runs_wall_s=round(sum(r.get("wall_s", 0) for r in records), 1),
       invocations=invocations, power_analysis=power,
       note=("Greedy accuracy on the test split (world.holdout: whole chains of held-out "

@@ -25,8 +25,10 @@ import os
 import shutil
 import sys
 
-FINISHED = ("done.json", "metrics.jsonl", "config.json", "hf")  # What a run or the JSON reads.
-UNFINISHED = ("progress.json", "metrics.jsonl", "config.json", "checkpoints")  # What resumes.
+# Each led by its marker (the file _timed writes): what a run or the JSON reads of a finished
+# warm start, what resumes an unfinished one.
+FINISHED = ("done.json", "metrics.jsonl", "config.json", "hf")
+UNFINISHED = ("progress.json", "metrics.jsonl", "config.json", "checkpoints")
 MARKERS = ("done.json", "progress.json")  # A run's own: _timed writes one or the other.
 DIGEST_FILE = "archive.json"
 # A warm start larger than this (the GPU size's models) belongs on a persistent disk.
@@ -64,22 +66,40 @@ def _copy(src: str, dest: str, names) -> None:
       shutil.copy2(path, os.path.join(dest, name))
 
 
+def _archived(src: str) -> dict | None:
+  """archive.json of an archived warm start, or None."""
+  path = os.path.join(src, DIGEST_FILE)
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
 def save(workdir: str, archive: str) -> str | None:
   """Copies a warm start to `archive/<basename(workdir)>`, replacing an older copy whole
   (written beside it, then renamed): a finished one's FINISHED files, an unfinished one's
   UNFINISHED files (pause its process first: a checkpoint being written is not copied
   whole). Returns the final weights' digest ("" for an unfinished one), or None when the
-  files exceed MAX_BYTES (nothing is written)."""
+  files exceed MAX_BYTES (nothing is written). Refuses to replace an archived finished
+  warm start with other weights: the runs of the sweep began from it."""
   finished = os.path.exists(os.path.join(workdir, "done.json"))
   if not finished and not os.path.exists(os.path.join(workdir, "progress.json")):
     raise FileNotFoundError(f"{workdir}: neither done.json nor progress.json; not a run of "
                             "the sweep.")
+  dest = os.path.join(archive, os.path.basename(os.path.normpath(workdir)))
+  kept = _archived(dest)
+  if kept and kept.get("finished", True):
+    weights = digest(workdir) if finished else ""
+    if weights == kept["digest"]:
+      return weights  # Already archived.
+    raise ValueError(f"{dest} holds another finished warm start (weights {kept['digest'][:12]}"
+                     f", this one's {weights[:12] or 'unfinished'}), which the sweep's runs "
+                     "began from: delete that folder first to replace it.")
   names = FINISHED if finished else UNFINISHED
   if sum(_size(os.path.join(workdir, n)) for n in names
          if os.path.exists(os.path.join(workdir, n))) > MAX_BYTES:
     return None
-  dest = os.path.join(archive, os.path.basename(os.path.normpath(workdir)))
-  tmp = dest + ".tmp"
+  tmp, old = dest + ".tmp", dest + ".old"
   shutil.rmtree(tmp, ignore_errors=True)
   os.makedirs(tmp)
   _copy(workdir, tmp, names)
@@ -87,30 +107,42 @@ def save(workdir: str, archive: str) -> str | None:
   with open(os.path.join(tmp, DIGEST_FILE), "w") as f:
     json.dump({"digest": weights, "finished": finished, "from": os.path.abspath(workdir)},
               f, indent=1)
-  shutil.rmtree(dest, ignore_errors=True)
+  # The old copy goes only once the new one is in place (restore also reads `.old`).
+  shutil.rmtree(old, ignore_errors=True)
+  if os.path.exists(dest):
+    os.replace(dest, old)
   os.replace(tmp, dest)
+  shutil.rmtree(old, ignore_errors=True)
   return weights
 
 
 def restore(archive: str, workdir: str) -> bool:
   """Copies `archive/<basename(workdir)>` into `workdir` when the workdir holds no run of its
   own (neither done.json nor progress.json); False when there was nothing to restore.
-  Raises ValueError when a finished warm start's weights are not the archived ones."""
+  Raises ValueError, before touching the workdir, when the archive lacks a file it needs,
+  and after copying, when a finished warm start's weights are not the archived ones."""
   src = os.path.join(archive, os.path.basename(os.path.normpath(workdir)))
-  if not os.path.exists(os.path.join(src, DIGEST_FILE)):
+  if _archived(src) is None and _archived(src + ".old") is not None:
+    src += ".old"  # A save cut short between its two renames.
+  kept = _archived(src)
+  if kept is None:
     return False
   if any(os.path.exists(os.path.join(workdir, n)) for n in MARKERS):
     return False
-  with open(os.path.join(src, DIGEST_FILE)) as f:
-    kept = json.load(f)
+  finished = kept.get("finished", True)  # Archives of 59581ff held finished ones only.
+  names = FINISHED if finished else UNFINISHED
+  missing = [n for n in names if not os.path.exists(os.path.join(src, n))]
+  if missing:
+    raise ValueError(f"{src}: the archive lacks {', '.join(missing)} (partly committed?); "
+                     "delete it to make the warm start again.")
   # Without a marker the workdir holds nothing a run made (one always begins with
   # progress.json), e.g. a restore cut short.
   shutil.rmtree(workdir, ignore_errors=True)
   os.makedirs(workdir)
-  marker = "done.json" if kept["finished"] else "progress.json"
+  marker = names[0]
   # The marker last: a restore cut short leaves no run that looks finished or resumable.
-  _copy(src, workdir, [n for n in FINISHED + UNFINISHED if n != marker])
-  if kept["finished"] and digest(workdir) != kept["digest"]:
+  _copy(src, workdir, names[1:])
+  if finished and digest(workdir) != kept["digest"]:
     raise ValueError(f"{src}: its weights do not match {DIGEST_FILE}'s digest (an edited or "
                      "partly committed archive); delete it to make the warm start again.")
   shutil.copy2(os.path.join(src, marker), os.path.join(workdir, marker))
@@ -118,8 +150,8 @@ def restore(archive: str, workdir: str) -> bool:
 
 
 def main(argv: list[str]) -> None:
-  args = dict(a.removeprefix("--").split("=", 1) for a in argv[1:])
-  if set(args) != {"workdir", "archive"}:
+  args = dict(a.removeprefix("--").partition("=")[::2] for a in argv[1:])
+  if set(args) != {"workdir", "archive"} or not all(args.values()):
     sys.exit(f"usage: {argv[0]} --workdir=<a warm start's workdir> --archive=<folder>")
   weights = save(args["workdir"], args["archive"])
   if weights is None:

@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import time
 
 import numpy as np
@@ -235,13 +236,15 @@ def test_archived_warm_start_goes_on_on_a_fresh_machine(load_benchmark, tmp_path
         f.write(agent.encode() * 100)
     with open(os.path.join(made, "metrics.jsonl"), "w") as f:
       f.write('{"step": 1, "eval/accuracy": 0.25}\n')
+    with open(os.path.join(made, "config.json"), "w") as f:
+      json.dump(config, f)
     os.makedirs(os.path.join(made, "checkpoints", "1"))
 
   wall = sweep._timed(made, train, config, reuse=True, any_commit=False)
   weights = archive_lib.save(made, archive)
   assert weights == archive_lib.digest(made)
   assert sorted(os.listdir(os.path.join(archive, "sft-mgrpo"))) == [
-      "archive.json", "done.json", "hf", "metrics.jsonl"]  # No checkpoints.
+      "archive.json", "config.json", "done.json", "hf", "metrics.jsonl"]  # No checkpoints.
 
   fresh = str(tmp_path / "new" / "sft-mgrpo")
   assert archive_lib.restore(archive, fresh)
@@ -253,7 +256,38 @@ def test_archived_warm_start_goes_on_on_a_fresh_machine(load_benchmark, tmp_path
   changed = dict(config, sft=dict(config["sft"], num_steps=config["sft"]["num_steps"] + 1))
   with pytest.raises(ValueError, match=r"sft\.num_steps"):
     sweep._timed(fresh, lambda: None, changed, reuse=True, any_commit=False)
-  assert not archive_lib.restore(archive, fresh)  # The workdir's own run wins.
+  assert not archive_lib.restore(archive, fresh)  # The workdir's own run wins,
+  own = str(tmp_path / "own" / "sft-mgrpo")
+  os.makedirs(own)
+  with open(os.path.join(own, "progress.json"), "w") as f:
+    f.write("{}")
+  assert not archive_lib.restore(archive, own)  # unfinished too.
+  assert os.listdir(own) == ["progress.json"]
+  assert archive_lib.save(made, archive) == weights  # The same weights: kept as they are.
+  other = str(tmp_path / "other" / "sft-mgrpo")
+  shutil.copytree(made, other)
+  with open(os.path.join(other, "hf", "main", "model.safetensors"), "ab") as f:
+    f.write(b"retrained")
+  with pytest.raises(ValueError, match="holds another finished warm start"):
+    archive_lib.save(other, archive)  # The sweep's runs began from the archived one.
+  assert archive_lib.digest(os.path.join(archive, "sft-mgrpo")) == weights
+  # A save cut short between its renames left the old copy as `.old`: restored from there.
+  os.replace(os.path.join(archive, "sft-mgrpo"), os.path.join(archive, "sft-mgrpo.old"))
+  assert archive_lib.restore(archive, str(tmp_path / "after_crash" / "sft-mgrpo"))
+  os.replace(os.path.join(archive, "sft-mgrpo.old"), os.path.join(archive, "sft-mgrpo"))
+  # A partly committed archive is refused before the workdir is touched.
+  partial = str(tmp_path / "partial")
+  shutil.copytree(archive, partial)
+  os.remove(os.path.join(partial, "sft-mgrpo", "metrics.jsonl"))
+  with pytest.raises(ValueError, match="lacks metrics.jsonl"):
+    archive_lib.restore(partial, str(tmp_path / "fourth" / "sft-mgrpo"))
+  assert not os.path.exists(tmp_path / "fourth")
+  # An RL run's config holds its warm start's digest: kept only from the same weights.
+  run = str(tmp_path / "rl")
+  sweep._timed(run, lambda: None, dict(config, init_digest="d1"), reuse=True, any_commit=False)
+  with pytest.raises(ValueError, match="init_digest: 'd1' -> 'd2'"):
+    sweep._timed(run, lambda: None, dict(config, init_digest="d2"), reuse=True,
+                 any_commit=False)
 
   with open(os.path.join(archive, "sft-mgrpo", "hf", "sub", "model.safetensors"), "ab") as f:
     f.write(b"edited")
@@ -268,6 +302,10 @@ def test_archived_warm_start_goes_on_on_a_fresh_machine(load_benchmark, tmp_path
     pass
 
   def stopped():
+    with open(os.path.join(unfinished, "config.json"), "w") as f:
+      json.dump(config, f)
+    with open(os.path.join(unfinished, "metrics.jsonl"), "w") as f:
+      f.write('{"step": 100, "sft/main/nll": 1.0}\n')
     os.makedirs(os.path.join(unfinished, "checkpoints", "100"))
     with open(os.path.join(unfinished, "checkpoints", "100", "state"), "w") as f:
       f.write("step 100")
@@ -284,8 +322,9 @@ def test_archived_warm_start_goes_on_on_a_fresh_machine(load_benchmark, tmp_path
                                                                        "checkpoints"))),
                config, reuse=True, any_commit=False)
   assert seen == [["100"]]  # Resumed from the archived checkpoint, not from scratch.
-  with pytest.raises(SystemExit, match="usage"):
-    archive_lib.main(["sweep_archive.py", f"--workdir={unfinished}"])
+  for argv in ([f"--workdir={unfinished}"], [f"--workdir={unfinished}", "--archive"]):
+    with pytest.raises(SystemExit, match="usage"):
+      archive_lib.main(["sweep_archive.py", *argv])
   monkeypatch.setattr(archive_lib, "MAX_BYTES", 100)
   assert archive_lib.save(made, str(tmp_path / "small")) is None
   assert not os.path.exists(tmp_path / "small")
@@ -330,6 +369,21 @@ def test_a_remade_warm_start_sets_the_old_runs_aside(load_benchmark, tmp_path, m
   assert aside == [("closed_book", "closed_book", None, None), ("rl", "frozen_sub", 0, 1.0),
                    ("rl", "mgrpo", 0, 1.0), ("warm_start", "mgrpo", None, 7197.0)]
   assert {(r["kind"], r.get("digest")) for r in out["runs"]} >= {("warm_start", "d1")}
+  # Seed 0 again from the new warm start joins the summary; the old seed 0 stays aside.
+  sweep._write([rl("mgrpo", 0, 0.1, "d1"), rl("frozen_sub", 0, 0.05, "d1")], path, 1.0, power)
+  with open(path) as f:
+    out = json.load(f)
+  assert out["summary"]["mgrpo"]["seeds"] == [1, 2, 0]
+  assert len(out["other_warm_start_runs"]) == 4
+  # Made a third time: the second one's warm start, closed book and runs go aside too.
+  sweep._write([dict(kind="warm_start", variant="mgrpo", digest="d2", wall_s=4000.0, evals=[]),
+                rl("mgrpo", 3, 0.2, "d2")], path, 1.0, power)
+  with open(path) as f:
+    out = json.load(f)
+  assert out["summary"]["mgrpo"]["seeds"] == [3] and "frozen_sub" not in out["summary"]
+  aside = [(r["kind"], r["variant"], r.get("seed"), r.get("digest") or r.get("init_digest"))
+           for r in out["other_warm_start_runs"]]
+  assert len(aside) == len(set(aside)) == 4 + 1 + 1 + 5  # d1: warm start, closed book, 5 runs.
 
 
 def test_power_analysis_and_verdict(load_benchmark):
