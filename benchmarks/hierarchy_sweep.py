@@ -228,22 +228,23 @@ def warm_start(variant: str, archive: str = "") -> dict:
   return rec
 
 
-def rl_run(arg: str, init: str, name: str = "") -> dict:
-  """One RL run from `init`; `name` labels a control (default: the config's variant)."""
-  c = mgrpo_config.get_config(f"{arg},init={init}")
+def rl_run(arg: str, init: dict, name: str = "") -> dict:
+  """One RL run from the warm start `init` (its record); `name` labels a control (default:
+  the config's variant)."""
+  c = mgrpo_config.get_config(f"{arg},init={init['workdir']}")
   c.eval_split = _EVAL_SPLIT.value
   name = name or c.variant
   workdir = os.path.join(_WORKDIR.value, f"{name}_seed{c.seed}")
   # The warm start's digest is part of what --reuse compares: a run kept or resumed from an
   # earlier invocation began from these weights, not only from this path.
-  config = dict(config_record(c), init_digest=sweep_archive.digest(init))
+  config = dict(config_record(c), init_digest=init["digest"])
   wall = _timed(workdir, lambda: colocated.train_and_evaluate(c, workdir), config)
   steps = [r for r in metrics.read_metrics(workdir) if "time/step_s" in r]
   train = {}
   for key in ("main/overflow", "single/overflow", "sub/overflow", "main/delegations"):
     if any(key in r for r in steps):
       train[key] = float(np.mean([r[key] for r in steps if key in r]))
-  rec = dict(kind="rl", config=f"configs/mgrpo.py:{arg},init={init}", variant=name,
+  rec = dict(kind="rl", config=f"configs/mgrpo.py:{arg},init={init['workdir']}", variant=name,
              seed=c.seed, commit=_run_commit(workdir), init_digest=config["init_digest"],
              steps=c.num_steps, wall_s=round(wall, 1),
              rollout_s=round(sum(r["time/rollout_s"] for r in steps), 1),
@@ -286,16 +287,16 @@ def question_log(c, *, closed_book: bool = False, env=None, questions=None) -> d
   return play.question_record(questions, outcome.correct[:, 0], sub_eps)
 
 
-def closed_book_run(init: str) -> dict:
+def closed_book_run(init: dict) -> dict:
   """The main + sub warm start with tools disabled: the sub-agent's search and visit (and the
   python tool) answer with an error, so the pair answers from what its weights hold."""
-  arg = f"task=multihop,{_FLAG[_SIZE.value]},variant=mgrpo,init={init}"
+  arg = f"task=multihop,{_FLAG[_SIZE.value]},variant=mgrpo,init={init['workdir']}"
   t0 = time.perf_counter()
   c = mgrpo_config.get_config(arg)
   c.eval_split = _EVAL_SPLIT.value
   log = question_log(c, closed_book=True)
   return dict(kind="closed_book", variant="closed_book", config=f"configs/mgrpo.py:{arg}, "
-              "every tool disabled", init_digest=sweep_archive.digest(init),
+              "every tool disabled", init_digest=init["digest"],
               wall_s=round(time.perf_counter() - t0, 1),
               evals=[{"step": 0, "accuracy": log["accuracy"]}], questions=log)
 
@@ -558,9 +559,9 @@ def main(argv):
     if WARM_START[variant] not in inits:
       rec = warm_start(WARM_START[variant], archive)
       records.append(rec)
-      inits[WARM_START[variant]] = rec["workdir"]
+      inits[WARM_START[variant]] = rec
       if WARM_START[variant] == "mgrpo":
-        records.append(closed_book_run(rec["workdir"]))
+        records.append(closed_book_run(rec))
     records.append(rl_run(arg, inits[WARM_START[variant]], name=variant))
     _write(records, out, time.perf_counter() - t0, power)
   _write(records, out, time.perf_counter() - t0, power)

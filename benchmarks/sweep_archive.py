@@ -88,7 +88,7 @@ def save(workdir: str, archive: str) -> str | None:
                             "the sweep.")
   dest = os.path.join(archive, os.path.basename(os.path.normpath(workdir)))
   kept = _archived(dest)
-  if kept and kept.get("finished", True):
+  if kept and kept["finished"]:
     weights = digest(workdir) if finished else ""
     if weights == kept["digest"]:
       return weights  # Already archived.
@@ -122,14 +122,14 @@ def restore(archive: str, workdir: str) -> bool:
   Raises ValueError, before touching the workdir, when the archive lacks a file it needs,
   and after copying, when a finished warm start's weights are not the archived ones."""
   src = os.path.join(archive, os.path.basename(os.path.normpath(workdir)))
-  if _archived(src) is None and _archived(src + ".old") is not None:
-    src += ".old"  # A save cut short between its two renames.
   kept = _archived(src)
+  if kept is None and (kept := _archived(src + ".old")) is not None:
+    src += ".old"  # A save cut short between its two renames.
   if kept is None:
     return False
   if any(os.path.exists(os.path.join(workdir, n)) for n in MARKERS):
     return False
-  finished = kept.get("finished", True)  # Archives of 59581ff held finished ones only.
+  finished = kept["finished"]
   names = FINISHED if finished else UNFINISHED
   missing = [n for n in names if not os.path.exists(os.path.join(src, n))]
   if missing:
