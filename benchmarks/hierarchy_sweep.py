@@ -137,6 +137,21 @@ def _write_json(path: str, record: dict) -> None:
   os.replace(path + ".tmp", path)
 
 
+class _Clock:
+  """Wall seconds between ticks, each gap capped at `max_gap_s`: a process stopped between two
+  ticks (SIGSTOP, e.g. paused for the test suite) counts at most `max_gap_s` of its pause."""
+
+  def __init__(self, max_gap_s: float, now=time.perf_counter):
+    self._max_gap_s, self._now = max_gap_s, now
+    self._last, self.seconds = now(), 0.0
+
+  def tick(self) -> float:
+    now = self._now()
+    self.seconds += min(now - self._last, self._max_gap_s)
+    self._last = now
+    return self.seconds
+
+
 def _timed(workdir: str, run, config: dict, *, reuse: bool | None = None,
            any_commit: bool | None = None, heartbeat_s: float = 30.0,
            ignore: tuple = ()) -> float:
@@ -146,7 +161,8 @@ def _timed(workdir: str, run, config: dict, *, reuse: bool | None = None,
   an unfinished one (progress.json: an invocation stopped mid-run, e.g. at a session's end)
   goes on from its last checkpoint (`run` resumes from `workdir`); both only when their config
   and commit are this invocation's. A resumed run's wall seconds add what the earlier
-  invocations spent on it, as of progress.json's last heartbeat (every `heartbeat_s`).
+  invocations spent on it, as of progress.json's last heartbeat (every `heartbeat_s`). Time
+  while the process is stopped is not counted, beyond 4 heartbeats a pause (`_Clock`).
   """
   reuse = _REUSE.value if reuse is None else reuse
   any_commit = _REUSE_ANY_COMMIT.value if any_commit is None else any_commit
@@ -168,9 +184,9 @@ def _timed(workdir: str, run, config: dict, *, reuse: bool | None = None,
   else:
     shutil.rmtree(workdir, ignore_errors=True)  # A sweep measures runs from scratch.
     os.makedirs(workdir)
-  t0 = time.perf_counter()
-  record = lambda: {"wall_s": before + time.perf_counter() - t0, "config": config,
-                    "commit": commit, "resumed_after_s": before}
+  clock = _Clock(max_gap_s=4 * heartbeat_s)
+  record = lambda: {"wall_s": before + clock.tick(), "config": config, "commit": commit,
+                    "resumed_after_s": before}
   stop = threading.Event()
 
   def heartbeat():

@@ -220,6 +220,22 @@ def test_reuse_resumes_an_unfinished_run_and_counts_its_earlier_time(load_benchm
   assert resumed == [True, False]  # From scratch.
 
 
+def test_a_stopped_sweep_does_not_count_its_pause(load_benchmark):
+  """The sweep is stopped (SIGSTOP) while the suite runs: the run's clock counts the gaps
+  between heartbeats, each capped, so an hour's pause adds at most the cap."""
+  sweep = load_benchmark("hierarchy_sweep")
+  now = [100.0]
+  clock = sweep._Clock(max_gap_s=120.0, now=lambda: now[0])
+  for gap in (30.0, 30.5, 29.5):  # Running: every heartbeat's gap counts.
+    now[0] += gap
+    clock.tick()
+  assert clock.seconds == 90.0
+  now[0] += 3600.0  # Stopped for an hour between two heartbeats.
+  assert clock.tick() == 210.0
+  now[0] += 30.0
+  assert clock.tick() == 240.0
+
+
 def test_archived_warm_start_goes_on_on_a_fresh_machine(load_benchmark, tmp_path, monkeypatch):
   """A finished warm start kept in the archive is restored into an empty workdir, where
   --reuse keeps it only when its config matches; edited weights and a workdir with its own
