@@ -33,7 +33,8 @@ class Batch:
               `Qwen3Config.routing_replay` (0 where no route was recorded)
   Packed micro-batches (`rl.packing`, [M, R, L]) also carry segment_ids (0 = padding),
   positions (restarting per sequence), seq_tokens (each token's sequence's loss-token
-  count) and the whole batch's loss denominator (a scalar).
+  count), the whole batch's loss denominator (a scalar) and num_micro (a scalar: the
+  micro-batches [0, num_micro) hold sequences, the rest of [M] is padding the step skips).
   """
 
   tokens: jax.Array
@@ -47,6 +48,7 @@ class Batch:
   positions: jax.Array | None = None
   seq_tokens: jax.Array | None = None
   denominator: jax.Array | None = None
+  num_micro: jax.Array | None = None
 
   def as_dict(self) -> dict:
     """The arrays by field name, absent (None) fields left out."""

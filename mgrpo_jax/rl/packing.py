@@ -5,7 +5,11 @@ every row long. Packing places each sequence (cut after its last loss token: lat
 change no loss) into rows of one bucketed length L, first-fit decreasing, several per row,
 with segment ids (attention never crosses sequences) and positions restarting at 0 (RoPE
 sees each sequence as it was sampled). `max_tokens_per_micro` fixes the rows per
-micro-batch R = budget // L, so a step is [M, R, L] with few distinct shapes.
+micro-batch R = budget // L, so a step is [M, R, L] with few distinct shapes: M is rounded up
+to a power of two, and `num_micro` says how many micro-batches are real (the step loops over
+those only, so the padding costs a transfer of zeros, never a forward pass). Without the
+rounding nearly every RL step had a new M and compiled the step again
+(benchmarks/results/update-compiles-cpu.json).
 
 The loss is unchanged: each sequence's first token is never a target (as position 0 of a
 padded row is not), every token carries its sequence's advantage and loss-token count
@@ -53,8 +57,9 @@ def pack(batch: dict, *, max_tokens_per_micro: int, agg: str, rows_multiple: int
   """Packs a padded train batch (see rl.train_step) into [M, R, L] micro-batches.
 
   Returns the per-token arrays of the padded batch plus `positions`, `segment_ids` (0 on
-  padding, 1.. per sequence within a row), `seq_tokens`, a per-token `adv`, and the scalar
-  `denominator` of `agg` over the whole batch. R is a multiple of `rows_multiple` (the
+  padding, 1.. per sequence within a row), `seq_tokens`, a per-token `adv`, the scalar
+  `denominator` of `agg` over the whole batch, and the scalar `num_micro`: the micro-batches
+  that hold sequences (M is the next power of two; those past `num_micro` are all padding). R is a multiple of `rows_multiple` (the
   mesh's batch axes), so every micro-batch splits evenly over devices. `max_segments` > 0
   caps the sequences per row (cuDNN's packed attention describes at most that many).
   """
@@ -72,7 +77,7 @@ def pack(batch: dict, *, max_tokens_per_micro: int, agg: str, rows_multiple: int
   per_micro = max(rows_multiple, per_micro // rows_multiple * rows_multiple)
   rows = _first_fit(lengths, row_len, max_segments)
   num_micro = max(1, -(-len(rows) // per_micro))
-  shape = (num_micro * per_micro, row_len)
+  shape = (bucket_length(num_micro, 1) * per_micro, row_len)
   adv = np.asarray(batch["adv"], np.float32)
   adv_BxT = np.broadcast_to(adv[:, None], (b, t)) if adv.ndim == 1 else adv
   out = {"tokens": np.full(shape, pad_id, np.int32), "positions": np.zeros(shape, np.int32),
@@ -101,10 +106,11 @@ def pack(batch: dict, *, max_tokens_per_micro: int, agg: str, rows_multiple: int
       # The first token of a sequence is never a target (position 0 of a padded row is not).
       out["loss_mask"][r, offset] = 0.0
       offset += n
-  out = {k: v.reshape(num_micro, per_micro, *v.shape[1:]) for k, v in out.items()}
+  out = {k: v.reshape(-1, per_micro, *v.shape[1:]) for k, v in out.items()}
   if agg == "token-mean":
     denominator = mask[:, 1:].sum()
   else:
     denominator = float((seq_tokens > 0).sum())
   out["denominator"] = np.float32(denominator)
+  out["num_micro"] = np.int32(num_micro)
   return out

@@ -216,17 +216,28 @@ def _routes_for_replay(model_config: Qwen3Config, batch: Batch) -> Batch:
 
 
 def _micro_batches(batch: Batch, num_micro: int, agg: str):
-  """(micro-batches with a leading [M] axis, batch-global loss denominator)."""
+  """(micro-batches with a leading [M] axis, batch-global loss denominator, how many of
+  the M to run: a traced scalar for a packed batch, whose M is padded, else M)."""
   if batch.segment_ids is not None:
-    # Packed (rl.packing): already [M, R, L]; the packer counted the denominator.
-    return batch.replace(denominator=None), batch.denominator
+    # Packed (rl.packing): already [M, R, L]; the packer counted the denominator and the
+    # real micro-batches (a batch built without it runs all M).
+    count = batch.tokens.shape[0] if batch.num_micro is None else batch.num_micro
+    return batch.replace(denominator=None, num_micro=None), batch.denominator, count
   b = batch.tokens.shape[0]
   if b % num_micro:
     raise ValueError(f"Batch of {b} rows does not split into {num_micro} micro-batches.")
   mask = batch.loss_mask[:, 1:]
   _, denominator = losses.aggregate_terms(jnp.zeros(mask.shape), mask, agg=agg)
   micro = jax.tree.map(lambda x: x.reshape(num_micro, b // num_micro, *x.shape[1:]), batch)
-  return micro, denominator
+  return micro, denominator, num_micro
+
+
+def _identity_sums(sums_shape: dict) -> dict:
+  """The metric sums of no micro-batch: what `accumulate_metric_sums` starts from."""
+  def first(key, x):
+    fill = -jnp.inf if key.endswith("_max") else jnp.inf if key.endswith("_min") else 0
+    return jnp.full(x.shape, fill, x.dtype)
+  return {k: first(k, v) for k, v in sums_shape.items()}
 
 
 def train_step(state: TrainState, batch: Batch, frozen=None, *,
@@ -236,7 +247,9 @@ def train_step(state: TrainState, batch: Batch, frozen=None, *,
   """One optimizer step over `batch`, accumulating gradients over micro-batches.
 
   A padded batch [B, T] is split into `num_micro` slices of rows; a packed batch
-  (rl.packing.pack) comes as [M, R, L] micro-batches already. Accumulation is exact:
+  (rl.packing.pack) comes as [M, R, L] micro-batches already, of which the first
+  `batch.num_micro` are run (a loop with a traced trip count: M is a bucket, so batches of
+  different sizes share one compiled step). Accumulation is exact:
   per-micro-batch loss numerators are differentiated and summed, then divided once by
   the batch-global denominator (token or sequence count), so the update equals the
   full-batch update for every aggregation mode, packed or not.
@@ -247,28 +260,30 @@ def train_step(state: TrainState, batch: Batch, frozen=None, *,
   `LOSS_TERMS[loss_config.terms]`). `frozen`: the base parameters of a LoRA agent, whose
   `state.params` are then only its adapters (gradients and moments exist only for those).
   """
-  micro, denominator = _micro_batches(batch, num_micro, loss_config.agg)
+  micro, denominator, count = _micro_batches(batch, num_micro, loss_config.agg)
   grad_fn = jax.grad(functools.partial(_micro_terms, model_config, loss_config, terms,
                                        logits_chunk), has_aux=True)
   pin = ((lambda tree: jax.lax.with_sharding_constraint(tree, param_sharding))
          if param_sharding is not None else (lambda tree: tree))
 
-  aux_weight = denominator / jax.tree.leaves(micro)[0].shape[0]
+  aux_weight = denominator / count
+  at = lambda i: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False),
+                              micro)
 
-  def body(grad_acc, mb):
-    grads, sums = grad_fn(state.params, frozen, mb, aux_weight)
-    return pin(jax.tree.map(jnp.add, grad_acc, pin(grads))), sums
+  def body(i, carry):
+    grad_acc, sums_acc = carry
+    grads, sums = grad_fn(state.params, frozen, at(i), aux_weight)
+    # Per-micro-batch sums combined by the one metric reducer.
+    return (pin(jax.tree.map(jnp.add, grad_acc, pin(grads))),
+            losses.accumulate_metric_sums(sums_acc, sums))
 
   zeros = jax.tree.map(jnp.zeros_like, state.params)
-  grad_sum, stacked = jax.lax.scan(body, zeros, micro)
+  _, sums_shape = jax.eval_shape(grad_fn, state.params, frozen, at(0), aux_weight)
+  grad_sum, sums = jax.lax.fori_loop(0, count, body, (zeros, _identity_sums(sums_shape)))
   scale = jnp.where(denominator > 0, 1.0 / jnp.maximum(denominator, 1e-30), 0.0)
   grads = jax.tree.map(lambda g: g * scale, grad_sum)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  # Per-micro-batch sums (leading axis M) combined by the one metric reducer.
-  num = jax.tree.leaves(stacked)[0].shape[0]
-  sums = functools.reduce(losses.accumulate_metric_sums,
-                          [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(num)])
   metrics = losses.finalize_metrics(sums, denominator)
   metrics["loss"] = metrics.pop("pg_loss") + (
       loss_config.kl_coef * metrics["kl_ref"] if "kl_ref" in metrics else 0.0) + (

@@ -76,6 +76,52 @@ def test_pack_max_segments():
   assert capped["loss_mask"].sum() == free["loss_mask"].sum()  # Every sequence is kept.
 
 
+def test_pack_rounds_micro_batches_to_a_power_of_two():
+  """M is a bucket (few step shapes over RL steps); `num_micro` counts the micro-batches
+  holding sequences, and every one past it is padding."""
+  for rows in (3, 5, 8, 9):
+    p = packing.pack(_batch(b=rows, seed=rows), max_tokens_per_micro=32, agg="token-mean",
+                     min_len=32)  # One 32-token row a micro-batch: M = the packed rows.
+    m, n = p["tokens"].shape[0], int(p["num_micro"])
+    assert m == 1 << (n - 1).bit_length() and n <= m < 2 * n
+    assert (p["segment_ids"][:n].reshape(n, -1).max(1) > 0).all()
+    assert not p["segment_ids"][n:].any() and not p["loss_mask"][n:].any()
+
+
+def test_packed_step_compiles_once_per_bucket_and_skips_the_padding():
+  """Batches packing into 5, 6, 7 and 8 micro-batches run one compiled step (M = 8), equal
+  to the padded step; the micro-batches past `num_micro` are never run (filled with a copy
+  of a real one, the update does not change). REINFORCE: no clipped token, so every
+  micro-batch moves the weights."""
+  tx = optax.sgd(1.0)
+  loss_cfg = ts.LossConfig(kind="reinforce")
+  step = ts.make_train_step(CFG, loss_cfg, tx, max_tokens_per_micro=32)
+  counts = set()
+  for rows in (5, 6, 7, 8):
+    batch = _batch(b=rows, seed=10 + rows)
+    batch["loss_mask"][:, 3:17] = 1  # Over 16 tokens: one sequence a 32-token row.
+    packed = step.prepare(Batch(**batch))
+    counts.add(int(packed.num_micro))
+    assert packed.tokens.shape[0] == 8
+    out, m = step(_state(tx), Batch(**batch))
+    ref, m_ref = ts.make_train_step(CFG, loss_cfg, tx)(_state(tx), Batch(**batch))
+    np.testing.assert_allclose(float(m["loss"]), float(m_ref["loss"]), rtol=1e-5)
+    np.testing.assert_allclose(_flat(out.params), _flat(ref.params), atol=2e-6)
+  assert counts == {5, 6, 7, 8} and step.jitted._cache_size() == 1
+  # Padding micro-batches holding a real one's tokens: skipped, so the update is the same.
+  batch = _batch(b=5, seed=15)
+  batch["loss_mask"][:, 3:17] = 1
+  packed = step.prepare(Batch(**batch))
+  n = int(packed.num_micro)
+  fill = lambda v: np.concatenate([v[:n], np.repeat(v[:1], len(v) - n, axis=0)])
+  filled = packed.replace(**{k: fill(v) for k, v in packed.as_dict().items()
+                             if np.ndim(v) == 3})
+  assert n < 8 and filled.loss_mask[n:].any()
+  out, _ = step.jitted(_state(tx), filled, None)
+  ref, _ = step.jitted(_state(tx), packed, None)
+  np.testing.assert_array_equal(_flat(out.params), _flat(ref.params))
+
+
 def _state(tx, seed=0):
   return ts.init_state(models.init_params(CFG, jax.random.key(seed)), tx, jax.random.key(1))
 
