@@ -59,8 +59,9 @@ def pack(batch: dict, *, max_tokens_per_micro: int, agg: str, rows_multiple: int
   Returns the per-token arrays of the padded batch plus `positions`, `segment_ids` (0 on
   padding, 1.. per sequence within a row), `seq_tokens`, a per-token `adv`, the scalar
   `denominator` of `agg` over the whole batch, and the scalar `num_micro`: the micro-batches
-  that hold sequences (M is the next power of two; those past `num_micro` are all padding). R is a multiple of `rows_multiple` (the
-  mesh's batch axes), so every micro-batch splits evenly over devices. `max_segments` > 0
+  that hold sequences (M is the next power of two; those past `num_micro` are all padding).
+  R is a multiple of `rows_multiple` (the mesh's batch axes), so every micro-batch splits
+  evenly over devices. `max_segments` > 0
   caps the sequences per row (cuDNN's packed attention describes at most that many).
   """
   tokens = np.asarray(batch["tokens"])
