@@ -21,7 +21,6 @@ import numpy as np
 
 from mgrpo_jax.models import config as model_config_lib
 from mgrpo_jax.rl import batch as batch_lib
-from mgrpo_jax.rl import packing
 from mgrpo_jax.rl import train_step as ts
 from mgrpo_jax.models import qwen3
 from configs import mgrpo as mgrpo_config
