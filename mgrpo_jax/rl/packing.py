@@ -16,6 +16,13 @@ padded row is not), every token carries its sequence's advantage and loss-token 
 (`seq_tokens`, for per-sequence means), and the denominator is counted here over the whole
 batch exactly as `losses.aggregate_terms` counts it on the padded batch. MoE routes
 (`experts`, [B, T, L, k]) move with their tokens and keep their integer type.
+
+Identical rows are packed once (`dedupe`): M-GRPO's trajectory alignment fills the sub-agent's
+[Q, K, D] rows by repeating the calls of rollouts with fewer than D of them (41% of the rows
+in the CPU sweep), and every copy has the same tokens, advantage and so the same gradient. The
+kept copy's loss mask is multiplied by the number of copies while its `seq_tokens` and the
+denominator count the rows as they were, so every term the loss and the metrics sum (the
+per-sequence means, token counts, clip fractions) is the batch's; only float rounding differs.
 """
 
 import numpy as np
@@ -52,8 +59,23 @@ def _first_fit(lengths: np.ndarray, row_len: int, max_segments: int = 0) -> list
   return rows
 
 
+def _copies(batch: dict, keys) -> np.ndarray:
+  """[B] how many times each row is packed: its number of identical rows (every per-row array
+  equal) for the first of them, 0 for the others."""
+  b = np.shape(batch["tokens"])[0]
+  arrays = [np.ascontiguousarray(np.asarray(batch[k])).reshape(b, -1) for k in keys
+            if batch.get(k) is not None]
+  first, copies = {}, np.zeros(b, np.int64)
+  for i in range(b):
+    key = b"".join(a[i].tobytes() for a in arrays)
+    j = first.setdefault(key, i)
+    copies[j] += 1
+  return copies
+
+
 def pack(batch: dict, *, max_tokens_per_micro: int, agg: str, rows_multiple: int = 1,
-         min_len: int = 128, pad_id: int = 0, max_segments: int = 0) -> dict:
+         min_len: int = 128, pad_id: int = 0, max_segments: int = 0,
+         dedupe: bool = True) -> dict:
   """Packs a padded train batch (see rl.train_step) into [M, R, L] micro-batches.
 
   Returns the per-token arrays of the padded batch plus `positions`, `segment_ids` (0 on
@@ -63,11 +85,15 @@ def pack(batch: dict, *, max_tokens_per_micro: int, agg: str, rows_multiple: int
   R is a multiple of `rows_multiple` (the mesh's batch axes), so every micro-batch splits
   evenly over devices. `max_segments` > 0
   caps the sequences per row (cuDNN's packed attention describes at most that many).
+  `dedupe` packs identical rows once, their loss mask weighted by their count (module doc);
+  the denominator and `seq_tokens` are those of the batch as given either way.
   """
   tokens = np.asarray(batch["tokens"])
   mask = np.asarray(batch["loss_mask"], np.float32)
   b, t = tokens.shape
-  lengths = _lengths(mask)
+  copies = (_copies(batch, ("tokens", "adv", "experts") + _TOKEN_KEYS) if dedupe
+            else np.ones(b, np.int64))
+  lengths = np.where(copies > 0, _lengths(mask), 0)
   longest = int(lengths.max(initial=1))
   if longest > max_tokens_per_micro:
     raise ValueError(f"max_tokens_per_micro={max_tokens_per_micro} is smaller than the "
@@ -102,12 +128,14 @@ def pack(batch: dict, *, max_tokens_per_micro: int, agg: str, rows_multiple: int
       out["seq_tokens"][r, span] = seq_tokens[i]
       for k in keys:
         out[k][r, span] = np.asarray(batch[k][i, :n], np.float32)
+      out["loss_mask"][r, span] *= copies[i]
       if experts is not None:
         out["experts"][r, span] = experts[i, :n]
       # The first token of a sequence is never a target (position 0 of a padded row is not).
       out["loss_mask"][r, offset] = 0.0
       offset += n
   out = {k: v.reshape(-1, per_micro, *v.shape[1:]) for k, v in out.items()}
+  # Over every row given, copies included.
   if agg == "token-mean":
     denominator = mask[:, 1:].sum()
   else:

@@ -341,7 +341,8 @@ class TrainStep:
 def make_train_step(model_config: Qwen3Config, loss_config: LossConfig,
                     tx: optax.GradientTransformation, *, num_micro: int = 1, mesh=None,
                     state_sharding=None, max_tokens_per_micro: int | None = None,
-                    logits_chunk: int = 4096, frozen=None) -> TrainStep:
+                    logits_chunk: int = 4096, frozen=None, dedupe_rows: bool = True
+                    ) -> TrainStep:
   """`train_step` with its static pieces bound, jitted once, state donated.
 
   With a mesh, the state keeps `state_sharding` (default: `state_shardings` of the
@@ -350,7 +351,9 @@ def make_train_step(model_config: Qwen3Config, loss_config: LossConfig,
 
   With `max_tokens_per_micro`, the step takes the same padded numpy batch, packs it on
   the host (`rl.packing.pack`: [M, R, L] with R * L <= the budget) and runs the packed
-  step; `num_micro` is then ignored.
+  step; `num_micro` is then ignored. Identical rows (M-GRPO's aligned sub-agent rows repeat
+  calls) are then packed once with their count as a weight (`dedupe_rows`; not with a router
+  aux loss, which is a function of the tokens each micro-batch routes): same loss, less work.
 
   With `frozen` (a LoRA agent's base parameters; the state then holds its adapters) the
   jitted step takes the base as a third argument: callers still call `step(state, batch)`.
@@ -399,13 +402,14 @@ def make_train_step(model_config: Qwen3Config, loss_config: LossConfig,
     # cuDNN's packed attention describes at most this many sequences per row.
     max_segments = (model_config.attention_max_segments
                     if model_config.attention == "cudnn_packed" else 0)
+    dedupe = dedupe_rows and not model_config.router_aux_loss_coef
 
     def prepare(batch):
       batch = _routes_for_replay(model_config, batch)
       return place(Batch(**packing.pack(batch.as_dict(),
                                         max_tokens_per_micro=max_tokens_per_micro,
                                         agg=loss_config.agg, rows_multiple=rows_multiple,
-                                        max_segments=max_segments)))
+                                        max_segments=max_segments, dedupe=dedupe)))
   return TrainStep(jitted, prepare, frozen)
 
 

@@ -60,6 +60,32 @@ def test_pack_layout():
     packing.pack(batch, max_tokens_per_micro=16, agg="token-mean")
 
 
+def _with_copies(batch, copies=(0, 0, 3, 5, 0)):
+  """`batch` with rows `copies` appended again: M-GRPO's aligned rows repeat calls."""
+  idx = np.concatenate([np.arange(len(batch["tokens"])), copies])
+  return {k: v[idx] for k, v in batch.items()}
+
+
+def test_pack_packs_identical_rows_once():
+  batch = _with_copies(_batch())  # Row 0 four times, rows 3 and 5 twice: 13 rows.
+  kw = dict(max_tokens_per_micro=64, agg="seq-mean-token-mean", min_len=8)
+  once, every = packing.pack(batch, **kw), packing.pack(batch, **kw, dedupe=False)
+  segments = lambda p: sum(len(set(r[r > 0])) for r in p["segment_ids"].reshape(
+      -1, p["segment_ids"].shape[-1]))
+  # Row 1 has no loss token: it is never packed, nor counted.
+  assert segments(every) == 12 and segments(once) == 12 - 5
+  assert once["denominator"] == every["denominator"] == 12
+  # A kept row's loss mask is weighted by its copies, its seq_tokens are one copy's: the
+  # masks sum to the batch's either way.
+  assert once["loss_mask"].max() == 4.0 and every["loss_mask"].max() == 1.0
+  for p in (once, every):
+    np.testing.assert_allclose(p["loss_mask"].sum(), batch["loss_mask"][:, 1:].sum())
+  assert set(np.unique(once["seq_tokens"])) == set(np.unique(every["seq_tokens"]))
+  # Rows that differ anywhere (here only in their advantage) are not copies.
+  batch["adv"][-1] += 1.0
+  assert segments(packing.pack(batch, **kw)) == 12 - 4
+
+
 def test_pack_rows_multiple():
   p = packing.pack(_batch(), max_tokens_per_micro=64, agg="token-mean", min_len=8,
                    rows_multiple=4)
@@ -138,7 +164,7 @@ def test_packed_step_equals_padded(kind, agg, attn):
   tx = optax.sgd(1.0)  # The update is then the gradient: equal updates <=> equal grads.
   cfg = CFG.replace(attention=attn, attention_block=8)
   loss_cfg = ts.LossConfig(kind=kind, agg=agg, temperature=0.9)
-  batch = _batch()
+  batch = _with_copies(_batch())  # Copies are packed once (weighted), padded as given.
   s_pad, m_pad = ts.make_train_step(CFG, loss_cfg, tx, logits_chunk=50)(_state(tx),
                                                                            Batch(**batch))
   # Budgets of one and of several micro-batches.
