@@ -54,9 +54,10 @@ def _batch(rng, rows: int, lo: int, hi: int, copies: float = 0.0) -> batch_lib.B
   mask = (on & (np.arange(t)[None] >= lengths[:, None] // 2)).astype(np.float32)
   tokens = np.where(on, tokens, 0).astype(np.int32)
   adv = rng.standard_normal(distinct).astype(np.float32)
-  # Every distinct row once, the copies drawn among them, in a random order.
-  idx = rng.permutation(np.concatenate([np.arange(distinct),
-                                        rng.integers(0, distinct, rows - distinct)]))
+  # Every distinct row once, the copies drawn among them, in a random order (none: the
+  # batches of `--copies=0` are those of update-compiles-cpu.json).
+  idx = np.arange(rows) if distinct == rows else rng.permutation(np.concatenate(
+      [np.arange(distinct), rng.integers(0, distinct, rows - distinct)]))
   return batch_lib.Batch(tokens=tokens[idx], loss_mask=mask[idx],
                          old_logp=np.where(mask > 0, -2.0, 0.0).astype(np.float32)[idx],
                          adv=adv[idx])
