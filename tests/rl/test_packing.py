@@ -86,6 +86,19 @@ def test_pack_packs_identical_rows_once():
   assert segments(packing.pack(batch, **kw)) == 12 - 4
 
 
+def test_packed_step_keeps_copies_with_a_router_aux_loss():
+  """The router aux loss is a function of the tokens each micro-batch routes: copies stay."""
+  moe = CFG.replace(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+  segments = lambda b: int(sum(len(set(r[r > 0])) for r in
+                               np.asarray(b.segment_ids).reshape(-1, b.segment_ids.shape[-1])))
+  batch = Batch(**_with_copies(_batch()))
+  prepare = lambda cfg, **kw: ts.make_train_step(cfg, ts.LossConfig(), optax.sgd(1.0),
+                                                 max_tokens_per_micro=64, **kw).prepare(batch)
+  assert segments(prepare(moe)) == segments(prepare(CFG)) == 12 - 5
+  assert segments(prepare(moe.replace(router_aux_loss_coef=0.01))) == 12
+  assert segments(prepare(CFG, dedupe_rows=False)) == 12
+
+
 def test_pack_rows_multiple():
   p = packing.pack(_batch(), max_tokens_per_micro=64, agg="token-mean", min_len=8,
                    rows_multiple=4)
