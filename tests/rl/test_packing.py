@@ -66,12 +66,17 @@ def _with_copies(batch, copies=(0, 0, 3, 5, 0)):
   return {k: v[idx] for k, v in batch.items()}
 
 
+def _segments(segment_ids) -> int:
+  """How many sequences packed rows hold."""
+  ids = np.asarray(segment_ids)
+  return int(sum(len(set(r[r > 0])) for r in ids.reshape(-1, ids.shape[-1])))
+
+
 def test_pack_packs_identical_rows_once():
   batch = _with_copies(_batch())  # Row 0 four times, rows 3 and 5 twice: 13 rows.
   kw = dict(max_tokens_per_micro=64, agg="seq-mean-token-mean", min_len=8)
   once, every = packing.pack(batch, **kw), packing.pack(batch, **kw, dedupe=False)
-  segments = lambda p: sum(len(set(r[r > 0])) for r in p["segment_ids"].reshape(
-      -1, p["segment_ids"].shape[-1]))
+  segments = lambda p: _segments(p["segment_ids"])
   # Row 1 has no loss token: it is never packed, nor counted.
   assert segments(every) == 12 and segments(once) == 12 - 5
   assert once["denominator"] == every["denominator"] == 12
@@ -89,8 +94,7 @@ def test_pack_packs_identical_rows_once():
 def test_packed_step_keeps_copies_with_a_router_aux_loss():
   """The router aux loss is a function of the tokens each micro-batch routes: copies stay."""
   moe = CFG.replace(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
-  segments = lambda b: int(sum(len(set(r[r > 0])) for r in
-                               np.asarray(b.segment_ids).reshape(-1, b.segment_ids.shape[-1])))
+  segments = lambda b: _segments(b.segment_ids)
   batch = Batch(**_with_copies(_batch()))
   prepare = lambda cfg, **kw: ts.make_train_step(cfg, ts.LossConfig(), optax.sgd(1.0),
                                                  max_tokens_per_micro=64, **kw).prepare(batch)
