@@ -70,12 +70,40 @@ def mcnemar(correct_a, correct_b) -> dict:
   return dict(a_only=a_only, b_only=b_only, mcnemar_p=float(f"{p:.3g}"))
 
 
-def mcnemar_records(a: dict, b: dict, what: str) -> dict:
+def sign_test_by_page(correct_a, correct_b, pages) -> dict:
+  """The question-level comparison with the page as its unit. Questions whose chains open on
+  the same page are not independent (greedy agents read a page right or wrong for all of
+  them; the test split's 286 questions open on 30 pages), so McNemar's p overstates what the
+  questions show. Per first page, `a`'s right answers minus `b`'s: how many pages favour `a`
+  (a_pages) and `b` (b_pages), and the exact two-sided sign test's p over them."""
+  net: dict[str, int] = {}
+  for x, y, page in zip(correct_a, correct_b, pages, strict=True):
+    net[page] = net.get(page, 0) + int(bool(x)) - int(bool(y))
+  a_pages, b_pages = sum(v > 0 for v in net.values()), sum(v < 0 for v in net.values())
+  p = stats.binomtest(a_pages, a_pages + b_pages).pvalue if a_pages + b_pages else 1.0
+  return dict(pages=len(net), a_pages=a_pages, b_pages=b_pages, page_sign_p=float(f"{p:.3g}"))
+
+
+def mcnemar_records(a: dict, b: dict, what: str, first_page: dict | None = None) -> dict:
   """`mcnemar` of two per-question records (`play.question_record`), which must hold the same
-  questions in the same order (`what` names the pair in the error)."""
+  questions in the same order (`what` names the pair in the error); with `first_page`
+  (question id -> the page its chain opens on), `sign_test_by_page` too."""
   if a["question_ids"] != b["question_ids"]:
     raise ValueError(f"{what} evaluated different questions; no paired comparison")
-  return mcnemar(a["correct"], b["correct"])
+  out = mcnemar(a["correct"], b["correct"])
+  if first_page is not None:
+    unknown = [q for q in a["question_ids"] if q not in first_page]
+    if unknown:
+      raise ValueError(f"{what}: {len(unknown)} questions (e.g. {unknown[0]}) are not this "
+                       "task's evaluation questions; no page to group them by")
+    out.update(sign_test_by_page(a["correct"], b["correct"],
+                                 [first_page[q] for q in a["question_ids"]]))
+  return out
+
+
+def first_pages(questions) -> dict[str, str]:
+  """Question id -> the doc id of its chain's first page (`sign_test_by_page`'s unit)."""
+  return {q.id: q.hops[0].doc_id if q.hops else q.id for q in questions}
 
 
 def paired_t_power(n: int, effect: float, sd: float, alpha: float = ALPHA) -> float:

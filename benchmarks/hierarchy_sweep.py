@@ -4,6 +4,8 @@
   python benchmarks/hierarchy_sweep.py --size=cpu --only=mgrpo,frozen_sub --seeds=4 \
       --seed_start=0 --workdir=/tmp/hier --reuse                  # one session's share
   python benchmarks/hierarchy_sweep.py --size=smoke --seeds=1 --workdir=/tmp/hs # end to end
+  python benchmarks/hierarchy_sweep.py --size=cpu --only=none --workdir=/tmp/hier --reuse
+      # runs nothing: the JSON's summary, verdict and plot made again from its runs
   python benchmarks/hierarchy_sweep.py --size=gpu --workdir=/w   # one H100/H200
 
 The protocol (docs/hierarchy-ablation.md), fixed before the runs: the task holds out whole
@@ -68,10 +70,12 @@ _SIZE = flags.DEFINE_enum("size", "cpu", ["cpu", "gpu", "smoke"], "Task size (co
 _SEEDS = flags.DEFINE_integer("seeds", 0, "Seeds per variant (0: the power analysis's number).")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/hierarchy_sweep", "Runs go to subfolders.")
 _OUT = flags.DEFINE_string("out", "", "Results JSON (default benchmarks/results/"
-                           "hierarchy-heldout-<size>.json; smoke: in --workdir).")
+                           "hierarchy-heldout-<size>.json, hierarchy-heldout-valid-<size>.json "
+                           "with --eval_split=valid; smoke: in --workdir).")
 _PLOT = flags.DEFINE_string("plot", "", "Curves PNG (default: --out with .png).")
 _ONLY = flags.DEFINE_list("only", None, "Run only these variants or controls (e.g. mgrpo,"
-                         "frozen_sub,single_full_context).")
+                         "frozen_sub,single_full_context); 'none' runs nothing and only "
+                         "summarizes --out again (and redraws its plot).")
 _REUSE = flags.DEFINE_bool("reuse", False, "Keep finished warm starts and runs in --workdir "
                            "and resume unfinished ones (refused when a run's config or the "
                            "code's commit changed).")
@@ -173,20 +177,23 @@ def _timed(workdir: str, run, config: dict, *, reuse: bool | None = None,
       done = json.load(f)
     check_reusable(done, config, commit, any_commit=any_commit, ignore=ignore)
     return done["wall_s"]
-  before = 0.0
+  before, commits = 0.0, [commit]
   if reuse and os.path.exists(progress):
     with open(progress) as f:
       started = json.load(f)
     check_reusable(started, config, commit, any_commit=any_commit, what="unfinished run",
                    ignore=ignore)
     before = started["wall_s"]
+    # Every commit the run was made at, oldest first (one per invocation that changed it).
+    commits = started.get("commits") or [started.get("commit", "unknown")]
+    commits += [commit] if commits[-1] != commit else []
     logging.info("Resuming the unfinished run in %s (%.0f s so far).", workdir, before)
   else:
     shutil.rmtree(workdir, ignore_errors=True)  # A sweep measures runs from scratch.
     os.makedirs(workdir)
   clock = _Clock(max_gap_s=4 * heartbeat_s)
   record = lambda: {"wall_s": before + clock.tick(), "config": config, "commit": commit,
-                    "resumed_after_s": before}
+                    "commits": commits, "resumed_after_s": before}
   stop = threading.Event()
 
   def heartbeat():
@@ -207,9 +214,12 @@ def _timed(workdir: str, run, config: dict, *, reuse: bool | None = None,
   return done["wall_s"]
 
 
-def _run_commit(workdir: str) -> str:
+def _run_commits(workdir: str) -> list[str]:
+  """Every commit a finished run was made at, oldest first (a run resumed by an invocation at
+  another commit has several; a done.json from before they were kept names its last only)."""
   with open(os.path.join(workdir, "done.json")) as f:
-    return json.load(f).get("commit", "unknown")
+    done = json.load(f)
+  return done.get("commits") or [done.get("commit", "unknown")]
 
 
 def _evals(workdir: str) -> list[dict]:
@@ -236,8 +246,9 @@ def warm_start(variant: str, archive: str = "") -> dict:
   if archive and sweep_archive.save(workdir, archive) is None:
     logging.warning("Warm start %s is over %d MiB: not archived; keep --workdir on a "
                     "persistent disk.", variant, sweep_archive.MAX_BYTES // 2**20)
+  commits = _run_commits(workdir)
   rec = dict(kind="warm_start", config=f"configs/sft.py:{arg}", variant=variant,
-             commit=_run_commit(workdir), digest=sweep_archive.digest(workdir),
+             commit=commits[-1], commits=commits, digest=sweep_archive.digest(workdir),
              steps=c.sft.num_steps, wall_s=round(wall, 1), workdir=workdir,
              evals=_evals(workdir))
   logging.info("Warm start %s: %.0f s.", variant, wall)
@@ -260,8 +271,9 @@ def rl_run(arg: str, init: dict, name: str = "") -> dict:
   for key in ("main/overflow", "single/overflow", "sub/overflow", "main/delegations"):
     if any(key in r for r in steps):
       train[key] = float(np.mean([r[key] for r in steps if key in r]))
+  commits = _run_commits(workdir)
   rec = dict(kind="rl", config=f"configs/mgrpo.py:{arg},init={init['workdir']}", variant=name,
-             seed=c.seed, commit=_run_commit(workdir), init_digest=config["init_digest"],
+             seed=c.seed, commit=commits[-1], commits=commits, init_digest=config["init_digest"],
              steps=c.num_steps, wall_s=round(wall, 1),
              rollout_s=round(sum(r["time/rollout_s"] for r in steps), 1),
              update_s=round(sum(r["time/step_s"] - r["time/rollout_s"] for r in steps), 1),
@@ -335,8 +347,9 @@ def _final_questions(c, workdir: str) -> dict:
     return json.load(f)
 
 
-def summarize(records: list[dict]) -> dict:
-  """Per variant: mean and 95% t-interval over seeds of every eval metric, by step and final."""
+def summarize(records: list[dict], first_page: dict | None = None) -> dict:
+  """Per variant: mean and 95% t-interval over seeds of every eval metric, by step and final.
+  `first_page` (question id -> page, `hi.first_pages`): the question-level view also by page."""
   out = {}
   for variant in dict.fromkeys(r["variant"] for r in records if r["kind"] == "rl"):
     runs = [r for r in records if r["kind"] == "rl" and r["variant"] == variant]
@@ -362,20 +375,22 @@ def summarize(records: list[dict]) -> dict:
     for variant, s in out.items():
       if variant != "mgrpo":
         s["mgrpo_minus"] = _difference_intervals(_mgrpo_minus(out["mgrpo"], s))
-        s["mgrpo_vs_by_question"] = question_tests(records, "mgrpo", variant)
+        s["mgrpo_vs_by_question"] = question_tests(records, "mgrpo", variant, first_page)
   return out
 
 
-def question_tests(records: list[dict], a: str, b: str) -> list[dict]:
+def question_tests(records: list[dict], a: str, b: str,
+                   first_page: dict | None = None) -> list[dict]:
   """The question-level view, seed by seed: of the test questions on which variants `a` and
   `b` (same seed, final weights) disagree, how many only `a` answers right (a_only) and only
-  `b` (b_only), and McNemar's exact two-sided p (binomial on the discordant questions)."""
+  `b` (b_only), and McNemar's exact two-sided p (binomial on the discordant questions); with
+  `first_page`, the same by the page a question's chain opens on (`hi.sign_test_by_page`)."""
   logs = {(r["variant"], r["seed"]): r["questions"] for r in records
           if r["kind"] == "rl" and "questions" in r}
   out = []
   for seed in sorted({s for v, s in logs if v == a} & {s for v, s in logs if v == b}):
     out.append(dict(seed=seed, **hi.mcnemar_records(logs[(a, seed)], logs[(b, seed)],
-                                                    f"seed {seed}: {a} and {b}")))
+                                                    f"seed {seed}: {a} and {b}", first_page)))
   return out
 
 
@@ -422,9 +437,19 @@ def plot(records: list[dict], out_png: str) -> str:
                                     "mean and 95% t-interval over seeds")
 
 
-def verdict(summary: dict, records: list[dict], margin: float = EFFECT) -> dict:
+# The variants the table compares (issue 32's "done when": M-GRPO against frozen_sub and
+# against the single agent, paired by seed).
+COMPARED = ("mgrpo", "frozen_sub", "single")
+
+
+def verdict(summary: dict, records: list[dict], margin: float = EFFECT,
+            seeds_needed: int | None = None) -> dict:
   """Whether the table may rank the variants: only when M-GRPO's final accuracy beats the best
-  baseline that reads nothing (the no-tool guesser, the closed-book warm start) by `margin`."""
+  baseline that reads nothing (the no-tool guesser, the closed-book warm start) by `margin`.
+
+  `seeds_needed` (the power analysis's): until every variant in COMPARED has run that many
+  seeds the verdict is `provisional`, a statement about the seeds so far.
+  """
   base = {r["kind"]: r["evals"][-1]["accuracy"] for r in records
           if r["kind"] in ("no_tool", "closed_book") and r["evals"][-1].get("accuracy") is not None}
   if "mgrpo" not in summary or not base:
@@ -432,10 +457,15 @@ def verdict(summary: dict, records: list[dict], margin: float = EFFECT) -> dict:
   best = max(base, key=base.get)
   lead = summary["mgrpo"]["final"]["accuracy"]["mean"] - base[best]
   ok = lead >= margin
-  return dict(informative=ok, baselines=base, best_baseline=best, mgrpo_lead=round(lead, 4),
-              margin=margin, reason=(f"M-GRPO leads {best} by {lead:+.3f}" + (
+  seeds = {v: len(summary.get(v, {}).get("seeds", [])) for v in COMPARED}
+  provisional = seeds_needed is not None and min(seeds.values()) < seeds_needed
+  so_far = (f" (provisional: seeds so far {', '.join(f'{v} {n}' for v, n in seeds.items())} "
+            f"of {seeds_needed})") if provisional else ""
+  return dict(informative=ok, provisional=provisional, seeds=seeds, seeds_needed=seeds_needed,
+              baselines=base, best_baseline=best, mgrpo_lead=round(lead, 4), margin=margin,
+              reason=(f"M-GRPO leads {best} by {lead:+.3f}" + (
                   "" if ok else f" < {margin}: the instrument is uninformative; the table does "
-                  "not rank the variants")))
+                  "not rank the variants") + so_far))
 
 
 def _key(r: dict) -> str:
@@ -465,9 +495,26 @@ def split_by_warm_start(records: list[dict]) -> tuple[list[dict], list[dict]]:
   return keep, other
 
 
-def _write(records: list[dict], path: str, wall_s: float, power: dict) -> None:
+def check_split(path: str, split: str) -> None:
+  """Raises ValueError when the sweep JSON at `path` holds invocations on another evaluation
+  split: validation (tuning) runs never merge into the test table, nor the reverse."""
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    old = json.load(f)
+  other = sorted({i.get("eval_split", "test") for i in old.get("invocations", [])} - {split})
+  if other:
+    raise ValueError(f"--out {path} holds runs evaluated on the {other[0]} split, this "
+                     f"invocation evaluates on {split}: give it another --out (the default "
+                     "for --eval_split=valid is hierarchy-heldout-valid-<size>.json).")
+
+
+def _write(records: list[dict], path: str, wall_s: float, power: dict,
+           first_page: dict | None = None) -> list[dict]:
   """Writes the sweep's JSON, merged with the runs and invocations an earlier invocation wrote
-  to `path` (a sweep split over sessions: --seed_start / --only with --reuse)."""
+  to `path` (a sweep split over sessions: --seed_start / --only with --reuse); returns the
+  merged records the summary is made from. `first_page`: as `summarize`'s."""
+  check_split(path, _EVAL_SPLIT.value)
   old = {}
   if os.path.exists(path):
     with open(path) as f:
@@ -492,7 +539,7 @@ def _write(records: list[dict], path: str, wall_s: float, power: dict) -> None:
                    loadavg_at_end=[round(x, 2) for x in os.getloadavg()]))
   invocations = [i for i in old.get("invocations", []) if i.get("started") !=
                  invocation["started"]] + [invocation]
-  summary = summarize(records)
+  summary = summarize(records, first_page)
   covered = {v: s["seeds"] for v, s in summary.items()}
   split = _EVAL_SPLIT.value
   split_flag = "" if split == "test" else f" --eval_split={split}"
@@ -509,11 +556,13 @@ def _write(records: list[dict], path: str, wall_s: float, power: dict) -> None:
             "Greedy accuracy on the validation split (world.holdout; for tuning choices, not "
             "for the table)") + "; intervals are mean +- t_{0.975, n-1} * sd / "
             "sqrt(n) over seeds. Wall times include compilation and evaluation.",
-      verdict=verdict(summary, records), summary=summary, runs=records,
+      verdict=verdict(summary, records, seeds_needed=power["seeds"]), summary=summary,
+      runs=records,
       other_warm_start_runs=aside)
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path, "w") as f:
     json.dump(out, f, indent=1)
+  return records
 
 
 def _table(summary: dict) -> str:
@@ -553,16 +602,26 @@ def main(argv):
       print(f"{r['kind']:10s} {r['variant']:10s} accuracy {r['evals'][0]['accuracy']}")
     return
   # hierarchy-sweep-<size>.json is the first sweep's, on the task before issue 32.
-  out = _OUT.value or os.path.join(results, f"hierarchy-heldout-{_SIZE.value}.json")
+  split = "" if _EVAL_SPLIT.value == "test" else f"{_EVAL_SPLIT.value}-"
+  out = _OUT.value or os.path.join(results, f"hierarchy-heldout-{split}{_SIZE.value}.json")
+  check_split(out, _EVAL_SPLIT.value)  # Before hours of runs, not after.
   out_png = _PLOT.value or os.path.splitext(out)[0] + ".png"
   probe = mgrpo_config.get_config(f"task=multihop,{_FLAG[_SIZE.value]}")
-  num_test = min(probe.num_eval_questions, len(tasks.build_env(probe).test))
+  probe.eval_split = _EVAL_SPLIT.value
+  env = tasks.build_env(probe)
+  num_test = min(probe.num_eval_questions, len(env.test))
+  first_page = hi.first_pages(tasks.eval_questions(probe, env))
   power = power_analysis(num_test)
   seeds = _SEEDS.value or power["seeds"]
   args = [(mgrpo_config.get_config(a).variant, a) for a in mgrpo_config.hierarchy_sweep(
       _SIZE.value, seeds, seed_start=_SEED_START.value)]
   args += list(mgrpo_config.hierarchy_controls(_SIZE.value, seeds, seed_start=_SEED_START.value))
   if _ONLY.value:
+    names = list(dict.fromkeys(name for name, _ in args))
+    unknown = sorted(set(_ONLY.value) - set(names) - {"none"})
+    if unknown:
+      raise app.UsageError(f"--only: unknown {', '.join(map(repr, unknown))}; the sweep's "
+                           f"variants and controls are {', '.join(names)} (or 'none')")
     args = [(name, a) for name, a in args if name in _ONLY.value]
   archive = _ARCHIVE.value
   if archive is None:  # The GPU size's warm starts are too large to commit.
@@ -579,10 +638,11 @@ def main(argv):
       if WARM_START[variant] == "mgrpo":
         records.append(closed_book_run(rec))
     records.append(rl_run(arg, inits[WARM_START[variant]], name=variant))
-    _write(records, out, time.perf_counter() - t0, power)
-  _write(records, out, time.perf_counter() - t0, power)
+    _write(records, out, time.perf_counter() - t0, power, first_page)
+  merged = _write(records, out, time.perf_counter() - t0, power, first_page)
+  # Every invocation's runs, not only this one's: the curves are the sweep's so far.
   print(f"Sweep ({_SIZE.value}, seeds {_SEED_START.value}..{_SEED_START.value + seeds - 1}): "
-        f"{time.perf_counter() - t0:.0f} s. {out}, {plot(records, out_png)}")
+        f"{time.perf_counter() - t0:.0f} s. {out}, {plot(merged, out_png)}")
   for r in records:
     if r["kind"] != "rl":
       print(f"{r['kind']:10s} {r['variant']:10s} accuracy "

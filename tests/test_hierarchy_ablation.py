@@ -194,6 +194,7 @@ def test_reuse_resumes_an_unfinished_run_and_counts_its_earlier_time(load_benchm
     time.sleep(0.3)
     raise Stopped
 
+  commit = sweep.git_commit()
   t0 = time.perf_counter()
   with pytest.raises(Stopped):
     sweep._timed(workdir, first, config, reuse=True, any_commit=False, heartbeat_s=0.05)
@@ -212,12 +213,39 @@ def test_reuse_resumes_an_unfinished_run_and_counts_its_earlier_time(load_benchm
   assert resumed == [True] and wall >= spent
   with open(os.path.join(workdir, "done.json")) as f:
     assert json.load(f)["resumed_after_s"] == spent
+  assert sweep._run_commits(workdir) == [commit]  # Both parts at this commit: named once.
   assert not os.path.exists(os.path.join(workdir, "progress.json"))
   kept = sweep._timed(workdir, lambda: None, config, reuse=True, any_commit=False)
   assert kept == wall  # Finished: kept.
   sweep._timed(workdir, lambda: resumed.append(os.path.exists(checkpoint)), config, reuse=False,
                any_commit=False)
   assert resumed == [True, False]  # From scratch.
+
+
+def test_a_run_resumed_at_another_commit_records_both(load_benchmark, tmp_path, monkeypatch):
+  """An unfinished run that invocations at later commits go on with (--reuse_any_commit)
+  keeps every commit it was made at, oldest first; a progress.json from before they were
+  kept gives its one commit."""
+  sweep = load_benchmark("hierarchy_sweep")
+  config = {"seed": 0}
+  workdir = str(tmp_path / "run")
+  os.makedirs(workdir)
+  with open(os.path.join(workdir, "progress.json"), "w") as f:
+    json.dump(dict(wall_s=5.0, config=config, commit="a1"), f)  # No "commits": older code.
+
+  def stopped():
+    raise KeyboardInterrupt  # The session ended mid-run.
+
+  monkeypatch.setattr(sweep, "git_commit", lambda: "b2")
+  with pytest.raises(ValueError, match="commit 'a1'"):  # Without --reuse_any_commit.
+    sweep._timed(workdir, lambda: None, config, reuse=True, any_commit=False)
+  with pytest.raises(KeyboardInterrupt):
+    sweep._timed(workdir, stopped, config, reuse=True, any_commit=True)
+  monkeypatch.setattr(sweep, "git_commit", lambda: "c3")
+  sweep._timed(workdir, lambda: None, config, reuse=True, any_commit=True)
+  assert sweep._run_commits(workdir) == ["a1", "b2", "c3"]
+  with open(os.path.join(workdir, "done.json")) as f:
+    assert json.load(f)["commit"] == "c3"
 
 
 def test_a_stopped_sweep_does_not_count_its_pause(load_benchmark):
@@ -402,6 +430,33 @@ def test_a_remade_warm_start_sets_the_old_runs_aside(load_benchmark, tmp_path, m
   assert len(aside) == len(set(aside)) == 4 + 1 + 1 + 5  # d1: warm start, closed book, 5 runs.
 
 
+def test_invocations_merge_on_one_split_only(load_benchmark, tmp_path, monkeypatch):
+  """Runs evaluated on the validation split (tuning) never merge into the test table's JSON,
+  nor the reverse; a merge returns every invocation's runs (what the plot draws)."""
+  sweep = load_benchmark("hierarchy_sweep")
+  value = lambda v: type("Flag", (), {"value": v})()
+  monkeypatch.setattr(sweep, "_EVAL_SPLIT", value("test"))
+  monkeypatch.setattr(sweep, "_SIZE", value("cpu"))
+  power = sweep.power_analysis(286)
+  path = str(tmp_path / "sweep.json")
+  rl = lambda seed, final: dict(kind="rl", variant="mgrpo", seed=seed, wall_s=1.0,
+                                train_means={}, evals=[{"step": 0, "accuracy": 0.0},
+                                                       {"step": 90, "accuracy": final}])
+  sweep.check_split(path, "valid")  # No JSON yet: any split.
+  sweep._write([rl(0, 0.1)], path, 1.0, power)
+  merged = sweep._write([rl(1, 0.2)], path, 1.0, power)
+  assert sorted(r["seed"] for r in merged) == [0, 1]
+  sweep.check_split(path, "test")
+  with pytest.raises(ValueError, match=r"sweep\.json holds runs evaluated on the test split, "
+                     r"this invocation evaluates on valid"):
+    sweep.check_split(path, "valid")
+  monkeypatch.setattr(sweep, "_EVAL_SPLIT", value("valid"))
+  with pytest.raises(ValueError, match="test split"):
+    sweep._write([rl(2, 0.3)], path, 1.0, power)
+  with open(path) as f:
+    assert [r["seed"] for r in json.load(f)["runs"]] == [0, 1]  # Untouched.
+
+
 def test_power_analysis_and_verdict(load_benchmark):
   """Seeds for 80% power at 5 points with paired sd 5.4 (normal approximation 9.15, the t-test
   needs more), and a table that refuses to rank when M-GRPO is within 5 points of guessing."""
@@ -420,6 +475,19 @@ def test_power_analysis_and_verdict(load_benchmark):
   assert "uninformative" in v["reason"]
   assert sweep.verdict(summary, base(0.20))["informative"] is True
   assert sweep.verdict({}, base(0.2))["informative"] is None
+  # Until every compared variant has the analysis's seeds, the verdict says it is provisional.
+  seeds = lambda n: {"seeds": list(range(n))}
+  partial = {"mgrpo": dict(summary["mgrpo"], **seeds(n)), "frozen_sub": seeds(n),
+             "single": seeds(n - 1)}
+  v = sweep.verdict(partial, base(0.27), seeds_needed=n)
+  assert v["provisional"] is True and v["informative"] is False
+  assert v["seeds"] == {"mgrpo": n, "frozen_sub": n, "single": n - 1}
+  assert f"single {n - 1} of {n}" in v["reason"]
+  partial["single"] = seeds(n)
+  v = sweep.verdict(partial, base(0.27), seeds_needed=n)
+  assert v["provisional"] is False and "provisional" not in v["reason"]
+  assert sweep.verdict(dict(partial, single=seeds(n + 1)), base(0.2),
+                       seeds_needed=n)["provisional"] is False
 
 
 def test_session_budget_by_hand(load_benchmark):
@@ -453,10 +521,33 @@ def test_question_level_tests_by_hand(load_benchmark):
   tests = sweep.question_tests(records, "mgrpo", "frozen_sub")
   assert tests == [dict(seed=0, a_only=3, b_only=0, mcnemar_p=0.25),
                    dict(seed=1, a_only=0, b_only=0, mcnemar_p=1.0)]
+  # By page: q1-q3 open on page A, q4 on B. Seed 0: A favours mgrpo (3 - 0), B is even.
+  pages = {"q1": "A", "q2": "A", "q3": "A", "q4": "B"}
+  by_page = sweep.question_tests(records, "mgrpo", "frozen_sub", pages)
+  assert by_page[0] == dict(seed=0, a_only=3, b_only=0, mcnemar_p=0.25, pages=2, a_pages=1,
+                            b_pages=0, page_sign_p=1.0)
+  with pytest.raises(ValueError, match="q4.*not this task's evaluation questions"):
+    sweep.question_tests(records, "mgrpo", "frozen_sub", {"q1": "A", "q2": "A", "q3": "A"})
   records.append(dict(kind="rl", variant="mgrpo", seed=2,
                       questions=dict(question_ids=["x"], correct=[True])))
   with pytest.raises(ValueError, match="different questions"):
     sweep.question_tests(records, "mgrpo", "frozen_sub")
+
+
+def test_page_sign_test_by_hand(load_benchmark):
+  """Questions that open on one page count once: 6 pages each with a's answers above b's and
+  none the other way -> p = 2 * 0.5^6 = 0.03125, where McNemar over the 14 discordant
+  questions (13 to 1) says 2 * 15 / 2^14; a page where they are even counts for neither; an
+  evaluation of another length is refused."""
+  hi = load_benchmark("hierarchy_instrument")
+  a = [True, True, False] * 6 + [True, False]
+  b = [False, False, False] * 6 + [False, True]
+  pages = [f"p{i // 3}" for i in range(18)] + ["even", "even"]
+  assert hi.sign_test_by_page(a, b, pages) == dict(pages=7, a_pages=6, b_pages=0,
+                                                   page_sign_p=0.0312)
+  assert hi.mcnemar(a, b)["mcnemar_p"] == float(f"{2 * 15 / 2 ** 14:.3g}")
+  with pytest.raises(ValueError):
+    hi.sign_test_by_page(a, b, pages[:-1])
 
 
 def _fake_run(workdir, evals: dict[int, list[bool]], ids=("q1", "q2", "q3", "q4")):
