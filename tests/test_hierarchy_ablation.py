@@ -677,3 +677,26 @@ def test_question_log_reads_any_task_and_closes_the_book(load_benchmark):
   assert log["accuracy"] == 1.0 and log["question_ids"] == [q.id for q in questions]
   closed = sweep.question_log(c, env=world, questions=questions, closed_book=True)
   assert closed["accuracy"] == 0.0 and world.tools == tools
+
+
+def test_split_view_counts_by_length_call_and_page(load_benchmark):
+  """benchmarks/split_pages.py: a split's record by chain length, by call index, and by the
+  page a chain opens on (a page counts as read when any of its first calls is right)."""
+  from mgrpo_jax.envs.world import Hop, Question
+  pages = load_benchmark("split_pages")
+  hop = lambda doc, attr: Hop(entity=doc, attribute=attr, answer="x", doc_id=doc, question="?")
+  qs = [Question(id="a", text="", answer="", hops=(hop("d1", "founder"),)),
+        Question(id="b", text="", answer="", hops=(hop("d1", "founder"), hop("d2", "year"))),
+        Question(id="c", text="", answer="", hops=(hop("d3", "founder"), hop("d2", "year")))]
+  record = dict(question_ids=["a", "b", "c"], correct=[True, False, False], accuracy=1 / 3,
+                sub_calls=[dict(q=0, call=0, correct=True), dict(q=1, call=0, correct=False),
+                           dict(q=1, call=1, correct=False), dict(q=2, call=0, correct=False)])
+  v = pages.split_view(qs, record)
+  assert v["first_pages"] == 2
+  assert v["by_hops"] == {1: dict(n=1, right=1, rate=1.0), 2: dict(n=2, right=0, rate=0.0)}
+  assert v["sub_calls_by_index"] == {0: dict(n=3, right=1, rate=0.3333),
+                                     1: dict(n=1, right=0, rate=0.0)}
+  assert v["first_call_by_attribute"] == {"founder": dict(
+      calls=dict(n=3, right=1, rate=0.3333), pages=dict(n=2, right=1, rate=0.5))}
+  with pytest.raises(ValueError, match="other questions"):
+    pages.split_view(qs[:2], record)
