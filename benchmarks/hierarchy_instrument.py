@@ -72,9 +72,9 @@ def mcnemar(correct_a, correct_b) -> dict:
 
 def sign_test_by_page(correct_a, correct_b, pages) -> dict:
   """The question-level comparison with the page as its unit. Questions whose chains open on
-  the same page are not independent (greedy agents read a page right or wrong for all of
-  them; the test split's 286 questions open on 30 pages), so McNemar's p overstates what the
-  questions show. Per first page, `a`'s right answers minus `b`'s: how many pages favour `a`
+  the same page are not independent (the test split's 286 questions open on 30 pages, and on
+  24 of them the warm start's first sub-agent calls are all right or all wrong:
+  benchmarks/split_pages.py), so McNemar's p overstates what the questions show. Per first page, `a`'s right answers minus `b`'s: how many pages favour `a`
   (a_pages) and `b` (b_pages), and the exact two-sided sign test's p over them."""
   net: dict[str, int] = {}
   for x, y, page in zip(correct_a, correct_b, pages, strict=True):

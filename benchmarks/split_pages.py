@@ -3,8 +3,8 @@
 The same agents' greedy evaluation on both held-out splits (each a per-question record,
 `play.question_record`): accuracy by chain length, the accuracy test would have at
 validation's per-length rates, the sub-agent's calls right by call index, and by the page a
-question's chain opens on (its first hop's page) and that hop's attribute. Greedy agents read
-a page right or wrong for every question that opens on it, so a split's unit is the page.
+question's chain opens on (its first hop's page) and that hop's attribute. The questions that
+open on one page largely share its outcome, so a split's unit is the page, not the question.
 
   python benchmarks/split_pages.py --warm_start=/work/sweep/sft-mgrpo \
       --test_record=/work/sweep/mgrpo_seed0/eval_questions/step_0.json \
@@ -53,12 +53,15 @@ def split_view(questions, record: dict) -> dict:
     if call["call"] == 0:
       hop = questions[call["q"]].hops[0]
       pages[(hop.doc_id, hop.attribute)].append(call["correct"])
-  by_attribute = collections.defaultdict(list)
-  for (_, attribute), rights in pages.items():
+  by_attribute, by_page = collections.defaultdict(list), collections.defaultdict(list)
+  for (page, attribute), rights in pages.items():
     by_attribute[attribute].append(any(rights))
+    by_page[page] += rights
   return dict(
       questions=len(questions), accuracy=record["accuracy"],
       first_pages=len({q.hops[0].doc_id for q in questions}),
+      # First pages whose first calls are all right or all wrong: they share one outcome.
+      first_pages_all_or_none=sum(all(v) or not any(v) for v in by_page.values()),
       by_hops={h: _rate(v) for h, v in sorted(by_hops.items())},
       sub_calls_by_index={i: _rate(v) for i, v in sorted(calls.items())},
       # Per first hop's attribute: its first calls, and its pages with any first call right.

@@ -692,7 +692,7 @@ def test_split_view_counts_by_length_call_and_page(load_benchmark):
                 sub_calls=[dict(q=0, call=0, correct=True), dict(q=1, call=0, correct=False),
                            dict(q=1, call=1, correct=False), dict(q=2, call=0, correct=False)])
   v = pages.split_view(qs, record)
-  assert v["first_pages"] == 2
+  assert v["first_pages"] == 2 and v["first_pages_all_or_none"] == 1  # d1: one of two right.
   assert v["by_hops"] == {1: dict(n=1, right=1, rate=1.0), 2: dict(n=2, right=0, rate=0.0)}
   assert v["sub_calls_by_index"] == {0: dict(n=3, right=1, rate=0.3333),
                                      1: dict(n=1, right=0, rate=0.0)}
