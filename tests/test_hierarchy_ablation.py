@@ -374,35 +374,42 @@ def test_archived_warm_start_goes_on_on_a_fresh_machine(load_benchmark, tmp_path
   assert not os.path.exists(tmp_path / "small")
 
 
-def test_a_remade_warm_start_sets_the_old_runs_aside(load_benchmark, tmp_path, monkeypatch):
-  """When the JSON's warm start is made again (a new machine lost it), the runs from the old
-  one (by init_digest; none before digests) leave the summary for other_warm_start_runs, once
-  each, with the old warm start itself; the new one's runs make the summary."""
+def _sweep_on_test_split(load_benchmark, monkeypatch):
+  """hierarchy_sweep with its flags set as a CPU test-split invocation's, and its power."""
   sweep = load_benchmark("hierarchy_sweep")
   value = lambda v: type("Flag", (), {"value": v})()
   monkeypatch.setattr(sweep, "_EVAL_SPLIT", value("test"))
   monkeypatch.setattr(sweep, "_SIZE", value("cpu"))
-  power = sweep.power_analysis(286)
-  path = str(tmp_path / "sweep.json")
+  return sweep, sweep.power_analysis(286)
 
-  def rl(variant, seed, final, init=None):
-    return dict(kind="rl", variant=variant, seed=seed, wall_s=1.0, train_means={},
-                evals=[{"step": 0, "accuracy": 0.0}, {"step": 90, "accuracy": final}],
-                **({"init_digest": init} if init else {}))
+
+def _rl(variant, seed, final, init=None):
+  """An RL run's record: evaluated at steps 0 and 90, `final` at 90."""
+  return dict(kind="rl", variant=variant, seed=seed, wall_s=1.0, train_means={},
+              evals=[{"step": 0, "accuracy": 0.0}, {"step": 90, "accuracy": final}],
+              **({"init_digest": init} if init else {}))
+
+
+def test_a_remade_warm_start_sets_the_old_runs_aside(load_benchmark, tmp_path, monkeypatch):
+  """When the JSON's warm start is made again (a new machine lost it), the runs from the old
+  one (by init_digest; none before digests) leave the summary for other_warm_start_runs, once
+  each, with the old warm start itself; the new one's runs make the summary."""
+  sweep, power = _sweep_on_test_split(load_benchmark, monkeypatch)
+  path = str(tmp_path / "sweep.json")
 
   no_tool = dict(kind="no_tool", variant="no_tool", evals=[{"step": 0, "accuracy": 0.0}])
   old = [no_tool, dict(kind="warm_start", variant="mgrpo", wall_s=7197.0, evals=[]),
          dict(kind="closed_book", variant="closed_book", evals=[{"step": 0, "accuracy": 0}]),
-         rl("mgrpo", 0, 0.05), rl("frozen_sub", 0, 0.03)]
+         _rl("mgrpo", 0, 0.05), _rl("frozen_sub", 0, 0.03)]
   sweep._write(old, path, 1.0, power)
   with open(path) as f:
     assert json.load(f)["summary"]["mgrpo"]["seeds"] == [0]  # No digest yet: one warm start.
   new = [dict(kind="warm_start", variant="mgrpo", digest="d1", wall_s=5000.0, evals=[]),
          dict(kind="closed_book", variant="closed_book", init_digest="d1",
               evals=[{"step": 0, "accuracy": 0}]),
-         rl("mgrpo", 1, 0.2, "d1"), rl("frozen_sub", 1, 0.1, "d1")]
+         _rl("mgrpo", 1, 0.2, "d1"), _rl("frozen_sub", 1, 0.1, "d1")]
   sweep._write(new, path, 1.0, power)
-  sweep._write([rl("mgrpo", 2, 0.3, "d1")], path, 1.0, power)
+  sweep._write([_rl("mgrpo", 2, 0.3, "d1")], path, 1.0, power)
   with open(path) as f:
     out = json.load(f)
   assert out["summary"]["mgrpo"]["seeds"] == [1, 2]
@@ -414,14 +421,14 @@ def test_a_remade_warm_start_sets_the_old_runs_aside(load_benchmark, tmp_path, m
                    ("rl", "mgrpo", 0, 1.0), ("warm_start", "mgrpo", None, 7197.0)]
   assert {(r["kind"], r.get("digest")) for r in out["runs"]} >= {("warm_start", "d1")}
   # Seed 0 again from the new warm start joins the summary; the old seed 0 stays aside.
-  sweep._write([rl("mgrpo", 0, 0.1, "d1"), rl("frozen_sub", 0, 0.05, "d1")], path, 1.0, power)
+  sweep._write([_rl("mgrpo", 0, 0.1, "d1"), _rl("frozen_sub", 0, 0.05, "d1")], path, 1.0, power)
   with open(path) as f:
     out = json.load(f)
   assert out["summary"]["mgrpo"]["seeds"] == [1, 2, 0]
   assert len(out["other_warm_start_runs"]) == 4
   # Made a third time: the second one's warm start, closed book and runs go aside too.
   sweep._write([dict(kind="warm_start", variant="mgrpo", digest="d2", wall_s=4000.0, evals=[]),
-                rl("mgrpo", 3, 0.2, "d2")], path, 1.0, power)
+                _rl("mgrpo", 3, 0.2, "d2")], path, 1.0, power)
   with open(path) as f:
     out = json.load(f)
   assert out["summary"]["mgrpo"]["seeds"] == [3] and "frozen_sub" not in out["summary"]
@@ -433,15 +440,9 @@ def test_a_remade_warm_start_sets_the_old_runs_aside(load_benchmark, tmp_path, m
 def test_invocations_merge_on_one_split_only(load_benchmark, tmp_path, monkeypatch):
   """Runs evaluated on the validation split (tuning) never merge into the test table's JSON,
   nor the reverse; a merge returns every invocation's runs (what the plot draws)."""
-  sweep = load_benchmark("hierarchy_sweep")
-  value = lambda v: type("Flag", (), {"value": v})()
-  monkeypatch.setattr(sweep, "_EVAL_SPLIT", value("test"))
-  monkeypatch.setattr(sweep, "_SIZE", value("cpu"))
-  power = sweep.power_analysis(286)
+  sweep, power = _sweep_on_test_split(load_benchmark, monkeypatch)
   path = str(tmp_path / "sweep.json")
-  rl = lambda seed, final: dict(kind="rl", variant="mgrpo", seed=seed, wall_s=1.0,
-                                train_means={}, evals=[{"step": 0, "accuracy": 0.0},
-                                                       {"step": 90, "accuracy": final}])
+  rl = lambda seed, final: _rl("mgrpo", seed, final)
   sweep.check_split(path, "valid")  # No JSON yet: any split.
   sweep._write([rl(0, 0.1)], path, 1.0, power)
   merged = sweep._write([rl(1, 0.2)], path, 1.0, power)
@@ -450,7 +451,7 @@ def test_invocations_merge_on_one_split_only(load_benchmark, tmp_path, monkeypat
   with pytest.raises(ValueError, match=r"sweep\.json holds runs evaluated on the test split, "
                      r"this invocation evaluates on valid"):
     sweep.check_split(path, "valid")
-  monkeypatch.setattr(sweep, "_EVAL_SPLIT", value("valid"))
+  monkeypatch.setattr(sweep, "_EVAL_SPLIT", type("Flag", (), {"value": "valid"})())
   with pytest.raises(ValueError, match="test split"):
     sweep._write([rl(2, 0.3)], path, 1.0, power)
   with open(path) as f:
