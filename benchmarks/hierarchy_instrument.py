@@ -192,8 +192,10 @@ def session_budget(sweep_json: dict, session_s: float = SESSION_S) -> dict:
   if not rl:
     raise ValueError("the timing JSON holds no RL run")
   per_run = float(np.mean(rl))
-  inv = sweep_json["invocations"][-1]
-  return dict(source=inv["command"], loadavg_at_end=inv["machine"]["loadavg_at_end"],
+  # The runs come from every invocation (a sweep split over sessions), not only the last.
+  invocations = sweep_json["invocations"]
+  return dict(source=sweep_json.get("command", invocations[-1]["command"]),
+              loadavg_at_end=[i["machine"]["loadavg_at_end"] for i in invocations],
               warm_start_and_closed_book_s=round(warm, 1), rl_run_s=round(per_run, 1),
               rl_runs=[dict(variant=r["variant"], seed=r["seed"], wall_s=r["wall_s"],
                             rollout_s=r["rollout_s"], update_s=r["update_s"]) for r in runs

@@ -501,6 +501,11 @@ def test_session_budget_by_hand(load_benchmark):
                runs=[dict(kind="warm_start", wall_s=800.0), dict(kind="closed_book", wall_s=100.0),
                      rl(0, 250.0), rl(1, 350.0), dict(kind="expert", wall_s=5.0)])
   b = sweep.session_budget(timed)
+  assert b["source"] == "x" and b["loadavg_at_end"] == [[1.0]]
+  timed["invocations"].append(dict(command="y", machine=dict(loadavg_at_end=[2.0])))
+  timed["command"] = "the sweep, as 2 invocations"
+  b = sweep.session_budget(timed)
+  assert b["source"] == timed["command"] and b["loadavg_at_end"] == [[1.0], [2.0]]
   assert b["warm_start_and_closed_book_s"] == 900.0 and b["rl_run_s"] == 300.0
   assert b["runs_per_session_with_warm_start"] == 17
   assert b["runs_per_session_warm_start_reused"] == 20 and b["warm_start_fits_session"]
