@@ -74,8 +74,9 @@ def sign_test_by_page(correct_a, correct_b, pages) -> dict:
   """The question-level comparison with the page as its unit. Questions whose chains open on
   the same page are not independent (the test split's 286 questions open on 30 pages, and on
   24 of them the warm start's first sub-agent calls are all right or all wrong:
-  benchmarks/split_pages.py), so McNemar's p overstates what the questions show. Per first page, `a`'s right answers minus `b`'s: how many pages favour `a`
-  (a_pages) and `b` (b_pages), and the exact two-sided sign test's p over them."""
+  benchmarks/split_pages.py), so McNemar's p overstates what the questions show. Per first
+  page, `a`'s right answers minus `b`'s: how many pages favour `a` (a_pages) and `b`
+  (b_pages), and the exact two-sided sign test's p over them."""
   net: dict[str, int] = {}
   for x, y, page in zip(correct_a, correct_b, pages, strict=True):
     net[page] = net.get(page, 0) + int(bool(x)) - int(bool(y))

@@ -501,7 +501,10 @@ def check_split(path: str, split: str) -> None:
   if not os.path.exists(path):
     return
   with open(path) as f:
-    old = json.load(f)
+    _check_split(json.load(f), path, split)
+
+
+def _check_split(old: dict, path: str, split: str) -> None:
   other = sorted({i.get("eval_split", "test") for i in old.get("invocations", [])} - {split})
   if other:
     raise ValueError(f"--out {path} holds runs evaluated on the {other[0]} split, this "
@@ -514,11 +517,11 @@ def _write(records: list[dict], path: str, wall_s: float, power: dict,
   """Writes the sweep's JSON, merged with the runs and invocations an earlier invocation wrote
   to `path` (a sweep split over sessions: --seed_start / --only with --reuse); returns the
   merged records the summary is made from. `first_page`: as `summarize`'s."""
-  check_split(path, _EVAL_SPLIT.value)
   old = {}
   if os.path.exists(path):
     with open(path) as f:
       old = json.load(f)
+  _check_split(old, path, _EVAL_SPLIT.value)
   # Runs of a JSON from before this protocol (no invocations recorded) are not merged.
   merged = {_key(r): r for r in old.get("runs", [])} if "invocations" in old else {}
   # A warm start made again, and a record (closed_book) of the new one, replace the old ones'
