@@ -275,6 +275,38 @@ QWEN3_CHAT_TEMPLATE = """\
 # ---------------------------------------------------------------------------- ByteTokenizer
 
 
+def words_pattern(words: Sequence[str]) -> re.Pattern:
+  """Finds `words` in text, longest first; a word that begins (ends) with a letter or digit
+  only where it does not continue one before (after) it.
+
+  One alternation of every word, longest first, means the same, but `re` tries each word at
+  each position of the text: 5 ms a page for the CPU demo's 287 words. Here the words share
+  their prefixes (a trie), so a position costs one character test unless a word starts there
+  (0.04 ms a page; `tests/test_tokenizer.py` checks that both find the same matches). At a
+  trie node the longer continuations come before the word that ends there, so backtracking
+  gives the longest word whose boundary holds, as the longest-first alternation does.
+  """
+  trie: dict = {}
+  for w in words:
+    node = trie
+    for ch in w:
+      node = node.setdefault(ch, {})
+    node[""] = w  # The word that ends here.
+
+  def pattern(node: dict, first: bool) -> str:
+    alternatives = []
+    for ch in sorted(k for k in node if k):
+      head = re.escape(ch)
+      if first and ch.isalnum():  # Not after a letter or digit ([^\W_]: \w less "_").
+        head += f"(?<![^\\W_]{re.escape(ch)})"
+      alternatives.append(head + pattern(node[ch], False))
+    if "" in node:  # Not before a letter or digit.
+      alternatives.append("(?![^\\W_])" if node[""][-1].isalnum() else "")
+    return alternatives[0] if len(alternatives) == 1 else f"(?:{'|'.join(alternatives)})"
+
+  return re.compile(pattern(trie, True))
+
+
 class ByteTokenizer(Tokenizer):
   """A tokenizer that needs no files: ids 0..255 are UTF-8 bytes, then the special strings.
 
@@ -310,15 +342,7 @@ class ByteTokenizer(Tokenizer):
     # gives longest-match when one special string is a prefix of another.
     by_length = sorted(specials, key=len, reverse=True)
     self._special_re = re.compile("|".join(re.escape(s) for s in by_length))
-    self._word_re = None
-    if words:
-      # A word that begins (ends) with a letter or digit must not continue one before (after).
-      alnum = lambda ch: ch.isalnum()
-      alternatives = "|".join(
-          ("(?<![^\\W_])" if alnum(w[0]) else "") + re.escape(w) +
-          ("(?![^\\W_])" if alnum(w[-1]) else "")
-          for w in sorted(words, key=len, reverse=True))
-      self._word_re = re.compile(alternatives)
+    self._word_re = words_pattern(words) if words else None
 
   @property
   def vocab_size(self) -> int:

@@ -1,5 +1,6 @@
 """Tests for mgrpo_jax.tokenizer: byte tokenizer, HF tokenizer directories, Qwen3 chat format."""
 
+import re
 import unicodedata
 
 import hypothesis
@@ -342,6 +343,27 @@ def test_words_are_one_id_between_non_alphanumerics():
   assert tok.encode("Where is Avel lie?") == [word_id["Where is "], word_id["Avel"],
                                               word_id[" lie?"]]
   assert tok.encode("xWhere is Avel") == list(b"xWhere is ") + [word_id["Avel"]]
+
+
+# Prefixes of each other, with and without boundaries: where the trie must backtrack.
+TRIE_WORDS = WORDS + ("Ave", "Avel-", "Aveland Pictures", "doc0", "é", "is A", "  ")
+
+
+def _alternation(words):
+  """The reference: one alternation of every word, longest first, each with its boundaries."""
+  edge = lambda ch: "[^\\W_]" if ch.isalnum() else None
+  return re.compile("|".join(
+      (f"(?<!{edge(w[0])})" if edge(w[0]) else "") + re.escape(w) +
+      (f"(?!{edge(w[-1])})" if edge(w[-1]) else "")
+      for w in sorted(words, key=len, reverse=True)))
+
+
+@hypothesis.given(text=st.lists(st.one_of(
+    mixed_text, st.sampled_from(TRIE_WORDS + (" ", "x", "s", "1", "-", "_"))), max_size=12).map(
+        "".join))
+def test_words_pattern_finds_what_the_longest_first_alternation_finds(text):
+  spans = lambda pattern: [(m.start(), m.group()) for m in pattern.finditer(text)]
+  assert spans(tk.words_pattern(TRIE_WORDS)) == spans(_alternation(TRIE_WORDS))
 
 
 def test_words_are_text_not_specials():

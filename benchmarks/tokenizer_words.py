@@ -1,0 +1,90 @@
+"""How long the byte tokenizer takes to find a world's words: a trie against one alternation.
+
+The CPU multihop task's tokenizer ("byte+phrases+ids") gives the world's phrases and doc ids
+one id each. Encoding a page used to run one regex alternation of every word, longest first;
+the warm start's traces (every tool reply is encoded) spent about 80% of their time there
+(py-spy, session 19). `tk.words_pattern` builds the same matches from a trie of the words.
+This encodes every page of the world with both, checks that the ids are the same, and times
+them. The alternation is rebuilt here as the reference.
+
+  python benchmarks/tokenizer_words.py --repeats=10 \
+      --out=benchmarks/results/tokenizer-words-cpu.json
+"""
+
+import json
+import os
+import re
+import time
+
+from absl import app, flags
+
+from configs import mgrpo as mgrpo_config
+from mgrpo_jax import tokenizer as tk
+from mgrpo_jax.envs import world
+from mgrpo_jax.mgrpo import tasks
+
+_CONFIG = flags.DEFINE_string("config", "task=multihop,runlocal", "configs/mgrpo.py argument "
+                              "whose world and tokenizer to use.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Passes over the pages; the fastest is kept.")
+_OUT = flags.DEFINE_string("out", "", "Results JSON (default: print only).")
+_NOTE = flags.DEFINE_string("note", "", "What else ran on the machine, for the JSON.")
+
+
+def alternation(words) -> re.Pattern:
+  """The old pattern: every word in one alternation, longest first, with its boundaries."""
+  edge = lambda ch: "(?<![^\\W_])" if ch.isalnum() else ""
+  after = lambda ch: "(?![^\\W_])" if ch.isalnum() else ""
+  return re.compile("|".join(edge(w[0]) + re.escape(w) + after(w[-1])
+                             for w in sorted(words, key=len, reverse=True)))
+
+
+def encode_with(pattern: re.Pattern, tok: tk.ByteTokenizer, text: str) -> list[int]:
+  """`tok.encode(text)` with `pattern` finding the words."""
+  saved, tok._word_re = tok._word_re, pattern  # pylint: disable=protected-access
+  try:
+    return tok.encode(text)
+  finally:
+    tok._word_re = saved  # pylint: disable=protected-access
+
+
+def fastest(fn, repeats: int) -> float:
+  best = float("inf")
+  for _ in range(repeats):
+    start = time.perf_counter()
+    fn()
+    best = min(best, time.perf_counter() - start)
+  return best
+
+
+def main(argv):
+  del argv
+  c = mgrpo_config.get_config(_CONFIG.value)
+  the_world = world.generate_world(tasks.world_config(c))
+  words = tasks.tokenizer_words(c.tokenizer, the_world)
+  tok = tk.ByteTokenizer(words=words)
+  pages = [f"[{d.doc_id}] {d.title}\n{d.text}" for d in the_world.documents]
+  patterns = {"alternation": alternation(words), "trie": tk.words_pattern(words)}
+  ids = {name: [encode_with(p, tok, page) for page in pages] for name, p in patterns.items()}
+  if ids["alternation"] != ids["trie"]:
+    bad = sum(a != b for a, b in zip(ids["alternation"], ids["trie"]))
+    raise AssertionError(f"the trie encodes {bad} of {len(pages)} pages differently")
+  seconds = {name: fastest(lambda p=p: [encode_with(p, tok, page) for page in pages],
+                           _REPEATS.value) for name, p in patterns.items()}
+  out = dict(
+      config=_CONFIG.value, tokenizer=c.tokenizer, words=len(words), pages=len(pages),
+      mean_page_chars=round(sum(map(len, pages)) / len(pages), 1),
+      mean_page_ids=round(sum(map(len, ids["trie"])) / len(pages), 1), same_ids=True,
+      ms_per_page={k: round(1e3 * v / len(pages), 4) for k, v in seconds.items()},
+      speedup=round(seconds["alternation"] / seconds["trie"], 1),
+      cpu=os.cpu_count(), note=_NOTE.value,
+      command="python benchmarks/tokenizer_words.py --repeats=10 --out=benchmarks/results/"
+              "tokenizer-words-cpu.json")
+  print(json.dumps(out, indent=1))
+  if _OUT.value:
+    with open(_OUT.value, "w") as f:
+      json.dump(out, f, indent=1)
+      f.write("\n")
+
+
+if __name__ == "__main__":
+  app.run(main)
