@@ -5,12 +5,15 @@ one id each. Encoding a page used to run one regex alternation of every word, lo
 the warm start's traces (every tool reply is encoded) spent about 80% of their time there
 (py-spy, session 19). `tk.words_pattern` builds the same matches from a trie of the words.
 This encodes every page of the world with both, checks that the ids are the same, and times
-them. The alternation is rebuilt here as the reference.
+them; then it times the single agent's warm-start traces on `--trace_questions` questions
+(the training split and two other worlds) with each. The alternation is rebuilt here as the
+reference.
 
   python benchmarks/tokenizer_words.py --repeats=10 \
       --out=benchmarks/results/tokenizer-words-cpu.json
 """
 
+import contextlib
 import json
 import os
 import re
@@ -19,13 +22,18 @@ import time
 from absl import app, flags
 
 from configs import mgrpo as mgrpo_config
+from configs import sft as sft_config
 from mgrpo_jax import tokenizer as tk
 from mgrpo_jax.envs import world
-from mgrpo_jax.mgrpo import tasks
+from mgrpo_jax.mgrpo import setup, sft, tasks
+
+import hierarchy_instrument as hi  # benchmarks/hierarchy_instrument.py
 
 _CONFIG = flags.DEFINE_string("config", "task=multihop,runlocal", "configs/mgrpo.py argument "
                               "whose world and tokenizer to use.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Passes over the pages; the fastest is kept.")
+_TRACE_QUESTIONS = flags.DEFINE_integer("trace_questions", 1200, "Questions of the timed "
+                                        "warm-start traces (0: none).")
 _OUT = flags.DEFINE_string("out", "", "Results JSON (default: print only).")
 _NOTE = flags.DEFINE_string("note", "", "What else ran on the machine, for the JSON.")
 
@@ -45,6 +53,38 @@ def encode_with(pattern: re.Pattern, tok: tk.ByteTokenizer, text: str) -> list[i
     return tok.encode(text)
   finally:
     tok._word_re = saved  # pylint: disable=protected-access
+
+
+@contextlib.contextmanager
+def patterns_from(make):
+  """Tokenizers made inside use `make(words)` to find their words."""
+  saved, tk.words_pattern = tk.words_pattern, make
+  try:
+    yield
+  finally:
+    tk.words_pattern = saved
+
+
+def trace_seconds(num_questions: int) -> dict:
+  """Seconds of the single agent's warm-start traces (the sweep's config, two other worlds)
+  with each pattern, and what they hold (the same with both)."""
+  c = sft_config.get_config(f"task=multihop,{hi.SIZE_FLAG['cpu']},{hi.EXTRA['single']}")
+  c.sft.update(other_worlds=2, trace_worlds=-1, num_questions=num_questions)
+  w = setup.resolve_wiring(c, training=False)
+  out = {}
+  for name, make in (("alternation", alternation), ("trie", tk.words_pattern)):
+    with patterns_from(make):
+      env = tasks.build_env(c)
+      others = sft.other_world_envs(c)
+      start = time.perf_counter()
+      data = sft.expert_episodes(c, w, env, seed=c.seed, others=others)
+      out[name] = time.perf_counter() - start
+    out[f"{name}_tokens"] = sum(len(e.tokens) for eps in data.values() for e in eps)
+  if out["alternation_tokens"] != out["trie_tokens"]:
+    raise AssertionError(f"the traces differ: {out}")
+  return dict(questions=num_questions, tokens=out["trie_tokens"],
+              seconds={k: round(out[k], 1) for k in ("alternation", "trie")},
+              speedup=round(out["alternation"] / out["trie"], 1))
 
 
 def fastest(fn, repeats: int) -> float:
@@ -76,6 +116,7 @@ def main(argv):
       mean_page_ids=round(sum(map(len, ids["trie"])) / len(pages), 1), same_ids=True,
       ms_per_page={k: round(1e3 * v / len(pages), 4) for k, v in seconds.items()},
       speedup=round(seconds["alternation"] / seconds["trie"], 1),
+      warm_start_traces=trace_seconds(_TRACE_QUESTIONS.value) if _TRACE_QUESTIONS.value else None,
       cpu=os.cpu_count(), note=_NOTE.value,
       command="python benchmarks/tokenizer_words.py --repeats=10 --out=benchmarks/results/"
               "tokenizer-words-cpu.json")
