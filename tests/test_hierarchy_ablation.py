@@ -437,6 +437,33 @@ def test_a_remade_warm_start_sets_the_old_runs_aside(load_benchmark, tmp_path, m
   assert len(aside) == len(set(aside)) == 4 + 1 + 1 + 5  # d1: warm start, closed book, 5 runs.
 
 
+def test_closed_book_is_kept_only_for_the_same_warm_start_config_and_commit(
+    load_benchmark, monkeypatch):
+  """--reuse keeps an earlier invocation's closed-book record of the same warm start, config
+  and commit (any commit with --reuse_any_commit); otherwise it evaluates again."""
+  sweep, _ = _sweep_on_test_split(load_benchmark, monkeypatch)
+  value = lambda v: type("Flag", (), {"value": v})()
+  evaluated = []
+  monkeypatch.setattr(sweep, "question_log",
+                      lambda c, closed_book: evaluated.append(c.init) or {"accuracy": 0.01})
+  monkeypatch.setattr(sweep, "git_commit", lambda: "c2")
+  init = dict(workdir="/w/sft-mgrpo", digest="d1")
+  made = lambda reuse, any_commit, earlier: (
+      monkeypatch.setattr(sweep, "_REUSE", value(reuse)),
+      monkeypatch.setattr(sweep, "_REUSE_ANY_COMMIT", value(any_commit)),
+      sweep.closed_book_run(init, earlier))[-1]
+
+  fresh = made(False, False, [])
+  assert evaluated == ["/w/sft-mgrpo"] and fresh["commit"] == "c2"
+  assert made(True, False, [fresh]) is fresh and len(evaluated) == 1
+  at_c1 = dict(fresh, commit="c1", evals=[{"step": 0, "accuracy": 0.5}])
+  assert made(True, True, [at_c1]) is at_c1 and len(evaluated) == 1
+  others = [dict(fresh, init_digest="d0"), dict(fresh, config=fresh["config"] + " x"), at_c1]
+  for earlier, reuse in ((others, True), ([fresh], False)):
+    assert made(reuse, False, earlier)["evals"] == fresh["evals"]
+  assert len(evaluated) == 3
+
+
 def test_invocations_merge_on_one_split_only(load_benchmark, tmp_path, monkeypatch):
   """Runs evaluated on the validation split (tuning) never merge into the test table's JSON,
   nor the reverse; a merge returns every invocation's runs (what the plot draws)."""
