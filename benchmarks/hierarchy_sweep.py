@@ -31,7 +31,11 @@ invocation into `--out`, each invocation recorded in `invocations`. A session's 
 be new: finished warm starts are kept in `--archive` (committed with the JSON; an unfinished
 one is archived by hand, `benchmarks/sweep_archive.py`), restored from there by `--reuse`;
 runs record the digest of the warm start they began from, and runs from a warm start made
-again are set aside (`other_warm_start_runs`).
+again are set aside (`other_warm_start_runs`). Greedy evaluations of the same weights are
+made once: a run copies the step-0 evaluation of another seed or variant of its warm start
+and config, made at the same commit (any with --reuse_any_commit; `evaluated_start`,
+recorded as `start_evaluation_from`), and with --reuse an invocation keeps the closed-book
+record an earlier one made (`closed_book_run`).
 
 Writes `--out` (JSON): per run, the evaluations at every evaluation step (accuracy overall
 and by pages needed `hops<n>`; context overflow rate; delegations per episode), the final
@@ -44,6 +48,7 @@ ranks nothing. And `--plot` (PNG): accuracy by step, mean and 95% t-interval per
 """
 
 import dataclasses
+import glob
 import json
 import os
 import platform
@@ -256,6 +261,38 @@ def warm_start(variant: str, archive: str = "") -> dict:
   return rec
 
 
+# A run that copied another's evaluation of its starting weights says which, here.
+START_EVALUATION = "start_evaluation.json"
+
+
+def evaluated_start(config: dict, workdir: str) -> str:
+  """Another run in --workdir whose evaluation of step 0 a run (`config`, in `workdir`) may
+  copy instead of making it again, or "": one of the same warm start (digest) and config but
+  for its seed and variant, evaluated greedily, at this commit (any with --reuse_any_commit),
+  that has written that evaluation. Every seed of M-GRPO and frozen_sub gave the same step-0
+  metrics and per-question record (sessions 16-19): greedy answers of the same weights to the
+  same questions; it took about 4 minutes of each run.
+  """
+  if config["eval_sampling"]["temperature"] != 0:
+    return ""
+  same = lambda other: not {k for k in workdir_lib.differences(other, config)
+                            if k not in ("seed", "variant")}
+  commit = git_commit()
+  for marker in sorted(glob.glob(os.path.join(_WORKDIR.value, "*", "*.json"))):
+    source = os.path.dirname(marker)
+    if (os.path.basename(marker) not in ("done.json", "progress.json")
+        or os.path.abspath(source) == os.path.abspath(workdir)):
+      continue
+    with open(marker) as f:
+      run = json.load(f)
+    first_commit = (run.get("commits") or [run.get("commit")])[0]
+    if (same(run.get("config", {})) and (_REUSE_ANY_COMMIT.value or first_commit == commit)
+        and os.path.exists(play.questions_path(source, 0))
+        and any(r["step"] == 0 and "eval/accuracy" in r for r in metrics.read_metrics(source))):
+      return source
+  return ""
+
+
 def rl_run(arg: str, init: dict, name: str = "") -> dict:
   """One RL run from the warm start `init` (its record); `name` labels a control (default:
   the config's variant)."""
@@ -266,15 +303,27 @@ def rl_run(arg: str, init: dict, name: str = "") -> dict:
   # The warm start's digest is part of what --reuse compares: a run kept or resumed from an
   # earlier invocation began from these weights, not only from this path.
   config = dict(config_record(c), init_digest=init["digest"])
-  wall = _timed(workdir, lambda: colocated.train_and_evaluate(c, workdir), config)
+
+  def run():
+    source = evaluated_start(config, workdir)
+    if source and not os.path.exists(os.path.join(workdir, "checkpoints")):
+      _write_json(os.path.join(workdir, START_EVALUATION), dict(copied_from=source))
+    colocated.train_and_evaluate(c, workdir, start_evaluation_from=source)
+
+  wall = _timed(workdir, run, config)
   steps = [r for r in metrics.read_metrics(workdir) if "time/step_s" in r]
   train = {}
   for key in ("main/overflow", "single/overflow", "sub/overflow", "main/delegations"):
     if any(key in r for r in steps):
       train[key] = float(np.mean([r[key] for r in steps if key in r]))
   commits = _run_commits(workdir)
+  start_from = None
+  if os.path.exists(os.path.join(workdir, START_EVALUATION)):
+    with open(os.path.join(workdir, START_EVALUATION)) as f:
+      start_from = json.load(f)["copied_from"]
   rec = dict(kind="rl", config=f"configs/mgrpo.py:{arg},init={init['workdir']}", variant=name,
              seed=c.seed, commit=commits[-1], commits=commits, init_digest=config["init_digest"],
+             start_evaluation_from=start_from,
              steps=c.num_steps, wall_s=round(wall, 1),
              rollout_s=round(sum(r["time/rollout_s"] for r in steps), 1),
              update_s=round(sum(r["time/step_s"] - r["time/rollout_s"] for r in steps), 1),

@@ -464,6 +464,46 @@ def test_closed_book_is_kept_only_for_the_same_warm_start_config_and_commit(
   assert len(evaluated) == 3
 
 
+def test_a_run_copies_the_start_evaluation_of_its_own_warm_start_only(
+    load_benchmark, tmp_path, monkeypatch):
+  """evaluated_start: a finished or unfinished run of the same warm start and config but for
+  seed and variant, greedy, at this commit (any with --reuse_any_commit), with its step-0
+  evaluation written; never the run itself."""
+  sweep, _ = _sweep_on_test_split(load_benchmark, monkeypatch)
+  value = lambda v: type("Flag", (), {"value": v})()
+  monkeypatch.setattr(sweep, "_WORKDIR", value(str(tmp_path)))
+  monkeypatch.setattr(sweep, "_REUSE_ANY_COMMIT", value(False))
+  monkeypatch.setattr(sweep, "git_commit", lambda: "c2")
+  config = dict(seed=3, variant="mgrpo", init_digest="d1", eval_sampling=dict(temperature=0.0))
+
+  def run(name, marker="done.json", evaluated=True, **fields):
+    workdir = tmp_path / name
+    (workdir / "eval_questions").mkdir(parents=True)
+    record = {"commits": ["c2"], **fields, "config": dict(config, **fields.get("config", {}))}
+    (workdir / marker).write_text(json.dumps(record))
+    if evaluated:
+      (workdir / "eval_questions" / "step_0.json").write_text("{}")
+      (workdir / "metrics.jsonl").write_text(json.dumps(
+          {"step": 0, "eval/accuracy": 0.04, "main/loss": 1.0}) + "\n")
+    return str(workdir)
+
+  me = run("mgrpo_seed3", marker="progress.json")
+  assert sweep.evaluated_start(config, me) == ""  # Itself only.
+  run("a_other_warm_start", config=dict(init_digest="d0"))
+  run("b_not_evaluated_yet", marker="progress.json", evaluated=False)
+  run("c_other_commit", commits=["c1", "c2"])
+  assert sweep.evaluated_start(config, me) == ""
+  monkeypatch.setattr(sweep, "_REUSE_ANY_COMMIT", value(True))
+  assert sweep.evaluated_start(config, me) == str(tmp_path / "c_other_commit")
+  monkeypatch.setattr(sweep, "_REUSE_ANY_COMMIT", value(False))
+  frozen = run("frozen_sub_seed0", marker="progress.json",
+               config=dict(seed=0, variant="frozen_sub"))
+  assert sweep.evaluated_start(config, me) == frozen
+  sampled = dict(config, eval_sampling=dict(temperature=1.0))
+  run("d_sampled", config=dict(seed=1, eval_sampling=sampled["eval_sampling"]))
+  assert sweep.evaluated_start(sampled, me) == ""  # Seeds sample differently.
+
+
 def test_invocations_merge_on_one_split_only(load_benchmark, tmp_path, monkeypatch):
   """Runs evaluated on the validation split (tuning) never merge into the test table's JSON,
   nor the reverse; a merge returns every invocation's runs (what the plot draws)."""

@@ -206,6 +206,21 @@ def test_resume_is_bit_identical(tmp_path):
       np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def test_a_copied_start_evaluation_changes_nothing(tmp_path):
+  """start_evaluation_from: a run that copies the step-0 evaluation of another run from the
+  same weights (frozen_sub, same seed: the same initial weights; greedy) writes the lines and
+  per-question record of the run that evaluated itself; a source without one is refused."""
+  frozen, copied, own = (str(tmp_path / n) for n in ("frozen", "copied", "own"))
+  colocated.train_and_evaluate(_config("smoke,variant=frozen_sub", num_steps=1), frozen)
+  colocated.train_and_evaluate(_config(num_steps=2), copied, start_evaluation_from=frozen)
+  colocated.train_and_evaluate(_config(num_steps=2), own)
+  assert _lines(copied) == _lines(own) and "eval/accuracy" in _lines(own)[0]
+  read = lambda run: Path(play.questions_path(run, 0)).read_text()
+  assert read(copied) == read(own)
+  with pytest.raises(FileNotFoundError, match="no evaluation of step 0"):
+    play.copy_evaluation(str(tmp_path / "nothing"), str(tmp_path / "x"), 0)
+
+
 @pytest.mark.slow
 @pytest.mark.devices(8)
 def test_moe_step_on_an_expert_mesh_replays_the_samplers_routes(tmp_path):

@@ -21,8 +21,15 @@ from mgrpo_jax.mgrpo import play, setup, tasks
 from mgrpo_jax.mgrpo import step as mgrpo_step
 
 
-def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict:
-  """Trains `c.variant` for `c.num_steps`, resuming from `workdir` if it holds a checkpoint."""
+def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, *,
+                       start_evaluation_from: str = "") -> dict:
+  """Trains `c.variant` for `c.num_steps`, resuming from `workdir` if it holds a checkpoint.
+
+  `start_evaluation_from`: another run's workdir whose evaluation of step 0 this run copies
+  instead of evaluating again (`play.copy_evaluation`): the caller vouches that both start
+  from the same weights and evaluate the same questions greedily (a sweep's seeds of one warm
+  start: benchmarks/hierarchy_sweep.py).
+  """
   w = setup.resolve_wiring(c)
   os.makedirs(workdir, exist_ok=True)
   mesh = sharding.make_mesh(dict(c.mesh))
@@ -57,7 +64,10 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict:
   schedule = loop.Schedule(c.num_steps, c.eval_every, c.checkpoint_every, c.log_every)
   return loop.train_loop(
       workdir, agents, ckpt, schedule, start=start, update=update,
-      evaluate=lambda step: play.evaluate(c, w, env, agents, step=step,
-                                          questions_file=play.questions_path(workdir, step)),
+      evaluate=lambda step: (
+          play.copy_evaluation(start_evaluation_from, workdir, step)
+          if step == 0 and start_evaluation_from else
+          play.evaluate(c, w, env, agents, step=step,
+                        questions_file=play.questions_path(workdir, step))),
       tokenizer=env.tokenizer, desc=c.variant,
       show=("main/reward", "single/reward", "eval/accuracy"))

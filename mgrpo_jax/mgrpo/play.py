@@ -7,11 +7,13 @@ Who serves the delegations is the caller's: the colocated program passes the in-
 
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
 
 from mgrpo_jax import keys
+from mgrpo_jax import metrics as metrics_lib
 from mgrpo_jax.agents import experts, qa_experts, rollout
 from mgrpo_jax.config_checks import ConfigValueError
 from mgrpo_jax.envs import qa
@@ -134,6 +136,22 @@ def evaluate(c, w: Wiring, env: Env, agents: dict, *, step: int, questions=None,
     m["eval/sub_format"] = float(np.mean([e.format_ok for e in sub_eps]))
     m["eval/sub_overflow"] = float(np.mean([overflowed(e) for e in sub_eps]))
   return m
+
+
+def copy_evaluation(source: str, workdir: str, step: int) -> dict:
+  """The evaluation at `step` of the run in `source`, as `evaluate` returns it, its
+  per-question record copied into `workdir`: for a run whose evaluation at `step` is known
+  to be the same (greedy, same weights and questions; the caller's judgement)."""
+  lines, record = os.path.join(source, metrics_lib.METRICS_FILE), questions_path(source, step)
+  found = [r for r in metrics_lib.read_metrics(lines) if r["step"] == step and
+           "eval/accuracy" in r] if os.path.exists(lines) else []
+  if not found or not os.path.exists(record):
+    raise FileNotFoundError(f"{source} holds no evaluation of step {step} (its "
+                            f"{metrics_lib.METRICS_FILE} and {record}) to copy")
+  if jax.process_index() == 0:
+    os.makedirs(os.path.dirname(questions_path(workdir, step)), exist_ok=True)
+    shutil.copyfile(record, questions_path(workdir, step))
+  return {k: v for k, v in found[-1].items() if k.startswith("eval/")}
 
 
 def questions_path(workdir: str, step: int) -> str:
