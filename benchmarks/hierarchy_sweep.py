@@ -261,22 +261,27 @@ def warm_start(variant: str, archive: str = "") -> dict:
   return rec
 
 
-# A run that copied another's evaluation of its starting weights says which, here.
-START_EVALUATION = "start_evaluation.json"
+def _same_start(other: dict, config: dict) -> bool:
+  """Whether two runs' configs differ at most in seed and in a variant that shares the warm
+  start (the same agents in the same roles; what the variants change is training)."""
+  differ = set(workdir_lib.differences(other, config)) - {"seed", "variant"}
+  return not differ and WARM_START.get(other.get("variant")) == WARM_START.get(
+      config.get("variant"))
 
 
 def evaluated_start(config: dict, workdir: str) -> str:
   """Another run in --workdir whose evaluation of step 0 a run (`config`, in `workdir`) may
   copy instead of making it again, or "": one of the same warm start (digest) and config but
-  for its seed and variant, evaluated greedily, at this commit (any with --reuse_any_commit),
-  that has written that evaluation. Every seed of M-GRPO and frozen_sub gave the same step-0
-  metrics and per-question record (sessions 16-19): greedy answers of the same weights to the
-  same questions; it took about 4 minutes of each run.
+  for its seed and variant (`_same_start`), evaluated greedily on CPU, begun at this commit
+  (any with --reuse_any_commit), that made that evaluation itself and wrote it.
+
+  Every seed of M-GRPO and frozen_sub gave the same step-0 metrics and per-question record
+  on CPU (7 runs, sessions 16-19): greedy answers of the same weights to the same questions.
+  It took about 4 minutes of each run. On a GPU, autotuning may differ between processes, so
+  every run evaluates its own start there.
   """
-  if config["eval_sampling"]["temperature"] != 0:
+  if config["eval_sampling"]["temperature"] > 0 or jax.default_backend() != "cpu":
     return ""
-  same = lambda other: not {k for k in workdir_lib.differences(other, config)
-                            if k not in ("seed", "variant")}
   commit = git_commit()
   for marker in sorted(glob.glob(os.path.join(_WORKDIR.value, "*", "*.json"))):
     source = os.path.dirname(marker)
@@ -286,8 +291,9 @@ def evaluated_start(config: dict, workdir: str) -> str:
     with open(marker) as f:
       run = json.load(f)
     first_commit = (run.get("commits") or [run.get("commit")])[0]
-    if (same(run.get("config", {})) and (_REUSE_ANY_COMMIT.value or first_commit == commit)
-        and os.path.exists(play.questions_path(source, 0))
+    if (_same_start(run.get("config", {}), config)
+        and (_REUSE_ANY_COMMIT.value or first_commit == commit)
+        and os.path.exists(play.questions_path(source, 0)) and not play.copied_from(source, 0)
         and any(r["step"] == 0 and "eval/accuracy" in r for r in metrics.read_metrics(source))):
       return source
   return ""
@@ -304,26 +310,17 @@ def rl_run(arg: str, init: dict, name: str = "") -> dict:
   # earlier invocation began from these weights, not only from this path.
   config = dict(config_record(c), init_digest=init["digest"])
 
-  def run():
-    source = evaluated_start(config, workdir)
-    if source and not os.path.exists(os.path.join(workdir, "checkpoints")):
-      _write_json(os.path.join(workdir, START_EVALUATION), dict(copied_from=source))
-    colocated.train_and_evaluate(c, workdir, start_evaluation_from=source)
-
-  wall = _timed(workdir, run, config)
+  wall = _timed(workdir, lambda: colocated.train_and_evaluate(
+      c, workdir, start_evaluation_from=evaluated_start(config, workdir)), config)
   steps = [r for r in metrics.read_metrics(workdir) if "time/step_s" in r]
   train = {}
   for key in ("main/overflow", "single/overflow", "sub/overflow", "main/delegations"):
     if any(key in r for r in steps):
       train[key] = float(np.mean([r[key] for r in steps if key in r]))
   commits = _run_commits(workdir)
-  start_from = None
-  if os.path.exists(os.path.join(workdir, START_EVALUATION)):
-    with open(os.path.join(workdir, START_EVALUATION)) as f:
-      start_from = json.load(f)["copied_from"]
   rec = dict(kind="rl", config=f"configs/mgrpo.py:{arg},init={init['workdir']}", variant=name,
              seed=c.seed, commit=commits[-1], commits=commits, init_digest=config["init_digest"],
-             start_evaluation_from=start_from,
+             start_evaluation_from=play.copied_from(workdir, 0),
              steps=c.num_steps, wall_s=round(wall, 1),
              rollout_s=round(sum(r["time/rollout_s"] for r in steps), 1),
              update_s=round(sum(r["time/step_s"] - r["time/rollout_s"] for r in steps), 1),
@@ -631,7 +628,10 @@ def _write(records: list[dict], path: str, wall_s: float, power: dict,
             "entities, used for nothing else)" if split == "test" else
             "Greedy accuracy on the validation split (world.holdout; for tuning choices, not "
             "for the table)") + "; intervals are mean +- t_{0.975, n-1} * sd / "
-            "sqrt(n) over seeds. Wall times include compilation and evaluation.",
+            "sqrt(n) over seeds. Wall times include compilation and evaluation, but for a "
+            "run's step-0 evaluation when it copied that (start_evaluation_from: about 4 "
+            "minutes less) and for a closed-book record kept from an earlier invocation "
+            "(its wall_s is that invocation's).",
       verdict=verdict(summary, records, seeds_needed=power["seeds"]), summary=summary,
       runs=records,
       other_warm_start_runs=aside)

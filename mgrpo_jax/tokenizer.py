@@ -280,11 +280,13 @@ def words_pattern(words: Sequence[str]) -> re.Pattern:
   only where it does not continue one before (after) it.
 
   One alternation of every word, longest first, means the same, but `re` tries each word at
-  each position of the text: 5 ms a page for the CPU demo's 287 words. Here the words share
-  their prefixes (a trie), so a position costs one character test unless a word starts there
-  (0.04 ms a page; `tests/test_tokenizer.py` checks that both find the same matches). At a
+  each position of the text: about 5 ms a page for the CPU demo's 287 words, against under
+  0.1 ms here (benchmarks/results/tokenizer-words-cpu.json). Here the words share their
+  prefixes (a trie), so a position costs one character test unless a word starts there. At a
   trie node the longer continuations come before the word that ends there, so backtracking
-  gives the longest word whose boundary holds, as the longest-first alternation does.
+  gives the longest word whose boundary holds, as the alternation does
+  (`tests/test_tokenizer.py` checks that both find the same matches). A run of characters
+  without a branch is one literal, so the pattern nests once per branch, not per character.
   """
   trie: dict = {}
   for w in words:
@@ -299,7 +301,11 @@ def words_pattern(words: Sequence[str]) -> re.Pattern:
       head = re.escape(ch)
       if first and ch.isalnum():  # Not after a letter or digit ([^\W_]: \w less "_").
         head += f"(?<![^\\W_]{re.escape(ch)})"
-      alternatives.append(head + pattern(node[ch], False))
+      child = node[ch]
+      while len(child) == 1 and "" not in child:  # No branch and no word ends: a literal.
+        (ch, child), = child.items()
+        head += re.escape(ch)
+      alternatives.append(head + pattern(child, False))
     if "" in node:  # Not before a letter or digit.
       alternatives.append("(?![^\\W_])" if node[""][-1].isalnum() else "")
     return alternatives[0] if len(alternatives) == 1 else f"(?:{'|'.join(alternatives)})"

@@ -467,8 +467,9 @@ def test_closed_book_is_kept_only_for_the_same_warm_start_config_and_commit(
 def test_a_run_copies_the_start_evaluation_of_its_own_warm_start_only(
     load_benchmark, tmp_path, monkeypatch):
   """evaluated_start: a finished or unfinished run of the same warm start and config but for
-  seed and variant, greedy, at this commit (any with --reuse_any_commit), with its step-0
-  evaluation written; never the run itself."""
+  seed and a variant of the same agents, greedy, begun at this commit (any with
+  --reuse_any_commit), with its own step-0 evaluation written (not a copy); never the run
+  itself."""
   sweep, _ = _sweep_on_test_split(load_benchmark, monkeypatch)
   value = lambda v: type("Flag", (), {"value": v})()
   monkeypatch.setattr(sweep, "_WORKDIR", value(str(tmp_path)))
@@ -496,11 +497,16 @@ def test_a_run_copies_the_start_evaluation_of_its_own_warm_start_only(
   monkeypatch.setattr(sweep, "_REUSE_ANY_COMMIT", value(True))
   assert sweep.evaluated_start(config, me) == str(tmp_path / "c_other_commit")
   monkeypatch.setattr(sweep, "_REUSE_ANY_COMMIT", value(False))
+  run("d_shared_agents", config=dict(variant="shared"))  # Another wiring of the same weights.
+  copy = run("e_a_copy")
+  (tmp_path / "e_a_copy" / "eval_questions" / "step_0.json.copied_from").write_text("/x")
+  assert sweep.evaluated_start(config, me) == ""
   frozen = run("frozen_sub_seed0", marker="progress.json",
                config=dict(seed=0, variant="frozen_sub"))
   assert sweep.evaluated_start(config, me) == frozen
+  assert sweep.play.copied_from(copy, 0) == "/x" and sweep.play.copied_from(frozen, 0) is None
   sampled = dict(config, eval_sampling=dict(temperature=1.0))
-  run("d_sampled", config=dict(seed=1, eval_sampling=sampled["eval_sampling"]))
+  run("f_sampled", config=dict(seed=1, eval_sampling=sampled["eval_sampling"]))
   assert sweep.evaluated_start(sampled, me) == ""  # Seeds sample differently.
 
 

@@ -366,6 +366,20 @@ def test_words_pattern_finds_what_the_longest_first_alternation_finds(text):
   assert spans(tk.words_pattern(TRIE_WORDS)) == spans(_alternation(TRIE_WORDS))
 
 
+@hypothesis.given(
+    words=st.lists(st.text(st.sampled_from("Aa1é_-. (*\u0301"), min_size=1, max_size=5),
+                   min_size=1, max_size=8, unique=True),
+    text=st.text(st.sampled_from("Aa1é_-. (*\u0301"), max_size=30))
+def test_words_pattern_matches_the_alternation_for_any_words(words, text):
+  spans = lambda pattern: [(m.start(), m.group()) for m in pattern.finditer(text)]
+  assert spans(tk.words_pattern(words)) == spans(_alternation(words))
+
+
+def test_words_pattern_takes_long_words():
+  long = "Pesti Pictures of the River " * 100
+  assert tk.words_pattern([long, long[:-1] + "x"]).fullmatch(long)
+
+
 def test_words_are_text_not_specials():
   tok = tk.ByteTokenizer(words=WORDS)
   assert not set(WORDS) & set(tok.special_ids)

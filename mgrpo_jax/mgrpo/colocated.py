@@ -12,6 +12,7 @@ import time
 
 import jax
 import ml_collections
+from absl import logging
 
 from mgrpo_jax import checkpoint as ckpt_lib
 from mgrpo_jax import config_checks as checks
@@ -26,9 +27,10 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, *,
   """Trains `c.variant` for `c.num_steps`, resuming from `workdir` if it holds a checkpoint.
 
   `start_evaluation_from`: another run's workdir whose evaluation of step 0 this run copies
-  instead of evaluating again (`play.copy_evaluation`): the caller vouches that both start
-  from the same weights and evaluate the same questions greedily (a sweep's seeds of one warm
-  start: benchmarks/hierarchy_sweep.py).
+  instead of evaluating again (`play.copy_evaluation`; evaluated after all, with a warning,
+  when it holds none): the caller vouches that both start from the same weights and evaluate
+  the same questions greedily (a sweep's seeds of one warm start:
+  benchmarks/hierarchy_sweep.py).
   """
   w = setup.resolve_wiring(c)
   os.makedirs(workdir, exist_ok=True)
@@ -61,13 +63,17 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, *,
     m.update({"time/rollout_s": t_roll, "tokens_per_s": gen / t_roll})
     return m
 
+  def evaluate(step: int) -> dict:
+    if step == 0 and start_evaluation_from:
+      try:
+        return play.copy_evaluation(start_evaluation_from, workdir, step)
+      except (FileNotFoundError, ValueError) as e:  # E.g. the source was started again.
+        logging.warning("%s; evaluating step 0 instead.", e)
+    return play.evaluate(c, w, env, agents, step=step,
+                         questions_file=play.questions_path(workdir, step))
+
   schedule = loop.Schedule(c.num_steps, c.eval_every, c.checkpoint_every, c.log_every)
   return loop.train_loop(
-      workdir, agents, ckpt, schedule, start=start, update=update,
-      evaluate=lambda step: (
-          play.copy_evaluation(start_evaluation_from, workdir, step)
-          if step == 0 and start_evaluation_from else
-          play.evaluate(c, w, env, agents, step=step,
-                        questions_file=play.questions_path(workdir, step))),
+      workdir, agents, ckpt, schedule, start=start, update=update, evaluate=evaluate,
       tokenizer=env.tokenizer, desc=c.variant,
       show=("main/reward", "single/reward", "eval/accuracy"))
