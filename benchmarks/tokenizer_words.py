@@ -16,7 +16,9 @@ reference.
 import contextlib
 import json
 import os
+import pathlib
 import re
+import sys
 import time
 
 from absl import app, flags
@@ -117,14 +119,11 @@ def main(argv):
       ms_per_page={k: round(1e3 * v / len(pages), 4) for k, v in seconds.items()},
       speedup=round(seconds["alternation"] / seconds["trie"], 1),
       warm_start_traces=trace_seconds(_TRACE_QUESTIONS.value) if _TRACE_QUESTIONS.value else None,
-      cpu=os.cpu_count(), note=_NOTE.value,
-      command="python benchmarks/tokenizer_words.py --repeats=10 --out=benchmarks/results/"
-              "tokenizer-words-cpu.json")
-  print(json.dumps(out, indent=1))
+      cpu=os.cpu_count(), note=_NOTE.value, command=" ".join(["python"] + sys.argv))
+  text = json.dumps(out, indent=1) + "\n"
+  print(text, end="")
   if _OUT.value:
-    with open(_OUT.value, "w") as f:
-      json.dump(out, f, indent=1)
-      f.write("\n")
+    pathlib.Path(_OUT.value).write_text(text)
 
 
 if __name__ == "__main__":
