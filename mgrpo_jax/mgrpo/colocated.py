@@ -66,7 +66,9 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, *,
   def evaluate(step: int) -> dict:
     if step == 0 and start_evaluation_from:
       try:
-        return play.copy_evaluation(start_evaluation_from, workdir, step)
+        m = play.copy_evaluation(start_evaluation_from, workdir, step)
+        logging.info("Step 0's evaluation copied from %s.", start_evaluation_from)
+        return m
       except (FileNotFoundError, ValueError) as e:  # E.g. the source was started again.
         logging.warning("%s; evaluating step 0 instead.", e)
     return play.evaluate(c, w, env, agents, step=step,
