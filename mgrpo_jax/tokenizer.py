@@ -280,13 +280,14 @@ def words_pattern(words: Sequence[str]) -> re.Pattern:
   only where it does not continue one before (after) it.
 
   One alternation of every word, longest first, means the same, but `re` tries each word at
-  each position of the text: about 5 ms a page for the CPU demo's 287 words, against under
-  0.1 ms here (benchmarks/results/tokenizer-words-cpu.json). Here the words share their
-  prefixes (a trie), so a position costs one character test unless a word starts there. At a
-  trie node the longer continuations come before the word that ends there, so backtracking
-  gives the longest word whose boundary holds, as the alternation does
-  (`tests/test_tokenizer.py` checks that both find the same matches). A run of characters
-  without a branch is one literal, so the pattern nests once per branch, not per character.
+  each position of the text: 3.7 ms a page for the CPU demo's 287 words, against 0.04 ms
+  here (benchmarks/results/tokenizer-words-cpu.json, a loaded 2-core machine). The words
+  share their prefixes (a trie), so a position costs one character test unless a word
+  starts there. At a trie node the longer continuations come before the word that ends
+  there, so backtracking gives the longest word whose boundary holds, as the alternation
+  does (`tests/test_tokenizer.py` checks that both find the same matches). A run of
+  characters without a branch is one literal: the pattern nests once per branch, not per
+  character.
   """
   trie: dict = {}
   for w in words:
