@@ -38,10 +38,11 @@ if (os.environ["JAX_PLATFORMS"] == "cpu"
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# A compilation cache per test worker, never reused across sessions (CI starts clean): tests
-# that build the same tiny programs again (resume tests, end-to-end runs, the programs they
-# start as subprocesses) load them instead of recompiling, about half the CPU time of those
-# tests (measured on tests/magrpo/test_train.py). A max size turns on JAX's file lock, so
+# One compilation cache per test run, never reused across runs (CI starts clean); the
+# pytest-xdist workers inherit this process's environment, so they share it. Tests that
+# build the same tiny programs again (resume tests, end-to-end runs, the programs they start
+# as subprocesses) load them instead of recompiling, about half the CPU time of those tests
+# (measured on tests/magrpo/test_train.py). A max size turns on JAX's file lock, so
 # concurrent processes never read a half-written entry.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="mgrpo_jax_xla_cache_")
