@@ -4,6 +4,8 @@ import glob
 import json
 import math
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +52,26 @@ def test_tensorboard_events_written(tmp_path):
   assert events and os.path.getsize(events[0]) > 0
   with open(events[0], "rb") as f:
     assert b"main/reward" in f.read()
+
+
+def test_tensorboard_events_need_no_torch(tmp_path):
+  # tensorboardX imports torch when it is installed: 2.6 s in every program that writes
+  # metrics. The writer imports it without torch, and torch still imports afterwards.
+  code = f"""
+import importlib.util, sys
+from mgrpo_jax import metrics
+with metrics.MetricsWriter({str(tmp_path)!r}) as w:
+  w.write(0, {{"main/reward": 0.5}})
+assert "tensorboardX" in sys.modules and "torch" not in sys.modules, sorted(sys.modules)
+if importlib.util.find_spec("torch") is not None:
+  import torch
+  assert torch.zeros(2).sum().item() == 0.0
+"""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+  r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert glob.glob(os.path.join(tmp_path, "tb", "events.out.tfevents.*"))
 
 
 def test_truncate_after_resume(tmp_path):
