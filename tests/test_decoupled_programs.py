@@ -30,6 +30,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/mgrpo.py:smoke"  # num_steps=2: steps 0 and 1 train, 0..2 evaluate.
 STEPS = [0, 1, 2]
 TIMEOUT_S = 150  # Per program; --timeout_s (waiting for the peer) is below it.
+# One pytest-xdist worker runs the whole module (.ci/run's --dist loadgroup), so the
+# `colocated` reference (about a minute) runs once: spread over two workers, both ran it.
+pytestmark = pytest.mark.xdist_group("decoupled_programs")
 
 
 @pytest.fixture(scope="module")
