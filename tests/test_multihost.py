@@ -34,6 +34,10 @@ EXPERT = "--config.mesh.expert=2"
 # one train step for both agents instead of two (about a third of a launch's compile time).
 ALIGN = "--config.align_d=1"
 TIMEOUT_S = 400
+# A group (.ci/run's --dist loadgroup): groups of several tests are handed out first, so the
+# two longest tests of the suite (about 2 and 4 minutes on 2 cores) start at its beginning
+# instead of leaving one pytest-xdist worker running alone at its end.
+pytestmark = pytest.mark.xdist_group("multihost")
 
 
 def _free_port() -> int:
