@@ -583,10 +583,15 @@ def _check_split(old: dict, path: str, split: str) -> None:
 
 
 def _write(records: list[dict], path: str, wall_s: float, power: dict,
-           first_page: dict | None = None) -> list[dict]:
+           first_page: dict | None = None, *, started: float | None = None) -> list[dict]:
   """Writes the sweep's JSON, merged with the runs and invocations an earlier invocation wrote
   to `path` (a sweep split over sessions: --seed_start / --only with --reuse); returns the
-  merged records the summary is made from. `first_page`: as `summarize`'s."""
+  merged records the summary is made from. `first_page`: as `summarize`'s.
+
+  `started` (time.time() when this invocation began; default: now - `wall_s`) names this
+  invocation's entry in `invocations` with its command and process id: a later write of
+  the same invocation replaces it, and two invocations started in the same second beside
+  each other are both kept."""
   old = {}
   if os.path.exists(path):
     with open(path) as f:
@@ -606,12 +611,15 @@ def _write(records: list[dict], path: str, wall_s: float, power: dict,
   invocation = dict(
       command=" ".join(["python", "benchmarks/hierarchy_sweep.py"] + sys.argv[1:]),
       commit=git_commit(), wall_s=round(wall_s, 1), eval_split=_EVAL_SPLIT.value,
-      started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - wall_s)),
+      started=time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                            time.gmtime(time.time() - wall_s if started is None else started)),
+      pid=os.getpid(),
       machine=dict(cpus=os.cpu_count(), platform=platform.platform(), jax=jax.__version__,
                    devices=str(jax.devices()),
                    loadavg_at_end=[round(x, 2) for x in os.getloadavg()]))
-  invocations = [i for i in old.get("invocations", []) if i.get("started") !=
-                 invocation["started"]] + [invocation]
+  ident = lambda i: (i.get("started"), i.get("command"), i.get("pid"))
+  invocations = [i for i in old.get("invocations", [])
+                 if ident(i) != ident(invocation)] + [invocation]
   summary = summarize(records, first_page)
   covered = {v: s["seeds"] for v, s in summary.items()}
   split = _EVAL_SPLIT.value
@@ -703,7 +711,7 @@ def main(argv):
   if archive is None:  # The GPU size's warm starts are too large to commit.
     archive = "" if _SIZE.value == "gpu" else os.path.splitext(out)[0] + "-warm-starts"
   archive = "" if archive == "none" else archive
-  t0 = time.perf_counter()
+  t0, started = time.perf_counter(), time.time()
   records = hi.baselines(_SIZE.value, _EVAL_SPLIT.value, _WORKDIR.value)
   inits = {}
   for variant, arg in args:
@@ -714,8 +722,8 @@ def main(argv):
       if WARM_START[variant] == "mgrpo":
         records.append(closed_book_run(rec, _earlier_runs(out)))
     records.append(rl_run(arg, inits[WARM_START[variant]], name=variant))
-    _write(records, out, time.perf_counter() - t0, power, first_page)
-  merged = _write(records, out, time.perf_counter() - t0, power, first_page)
+    _write(records, out, time.perf_counter() - t0, power, first_page, started=started)
+  merged = _write(records, out, time.perf_counter() - t0, power, first_page, started=started)
   # Every invocation's runs, not only this one's: the curves are the sweep's so far.
   print(f"Sweep ({_SIZE.value}, seeds {_SEED_START.value}..{_SEED_START.value + seeds - 1}): "
         f"{time.perf_counter() - t0:.0f} s. {out}, {plot(merged, out_png)}")

@@ -4,6 +4,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import time
 
 import numpy as np
@@ -529,6 +530,24 @@ def test_invocations_merge_on_one_split_only(load_benchmark, tmp_path, monkeypat
     sweep._write([rl(2, 0.3)], path, 1.0, power)
   with open(path) as f:
     assert [r["seed"] for r in json.load(f)["runs"]] == [0, 1]  # Untouched.
+
+
+def test_each_invocation_is_listed_once(load_benchmark, tmp_path, monkeypatch):
+  """An invocation that writes after each run is listed once, with its last wall time; two
+  started in the same second beside each other (or by one command) are both listed."""
+  sweep, power = _sweep_on_test_split(load_benchmark, monkeypatch)
+  path, t = str(tmp_path / "sweep.json"), 1.8e9 + 0.2
+  write = lambda only, seeds, wall_s, started: (
+      monkeypatch.setattr(sys, "argv", ["hierarchy_sweep.py", f"--only={only}"]),
+      sweep._write([_rl(only, s, 0.1) for s in seeds], path, wall_s, power, started=started))
+  write("mgrpo", [0], 1.0, t)
+  write("mgrpo", [0, 1], 2.0, t)  # The same invocation, after its second run.
+  write("single", [0], 1.5, t + 0.5)  # Another, started in the same second.
+  monkeypatch.setattr(sweep.os, "getpid", lambda: 1)  # Another process, the same command.
+  write("single", [1], 3.0, t)
+  with open(path) as f:
+    got = [(i["command"].split()[-1], i["wall_s"]) for i in json.load(f)["invocations"]]
+  assert got == [("--only=mgrpo", 2.0), ("--only=single", 1.5), ("--only=single", 3.0)]
 
 
 def test_power_analysis_and_verdict(load_benchmark):
