@@ -32,6 +32,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if (os.environ["JAX_PLATFORMS"] == "cpu"
     and "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]):
   os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+# XLA:CPU aborts the process when one fake device reaches a collective 40 s after the first
+# (its default); on 2 oversubscribed cores (two workers, the programs they start, XLA's own
+# threads) a late thread is load, not a deadlock. A real deadlock still aborts, later.
+if "--xla_cpu_collective_call_terminate_timeout_seconds" not in os.environ["XLA_FLAGS"]:
+  os.environ["XLA_FLAGS"] += " --xla_cpu_collective_call_terminate_timeout_seconds=300"
 # Every numeric test compares float32 results with a float32 reference (transformers, NumPy,
 # the padded batch); on GPU XLA's default f32 matmul is TF32 (relative error ~3e-3), so the
 # suite pins full precision. bf16/fp16 kernels (cuDNN attention) are unaffected.
@@ -49,6 +54,15 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
   os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(4 << 30)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+  """`--dist loadgroup` (.ci/run's) that survives a crashed worker (tests/xdist_scheduling.py)."""
+  if config.getvalue("dist") == "loadgroup":
+    import xdist_scheduling  # tests/ is on sys.path (rootdir conftest).
+    return xdist_scheduling.RecoveringLoadGroupScheduling(config, log)
+  return None
 
 
 def pytest_collection_modifyitems(config, items):
