@@ -26,8 +26,8 @@ class RecoveringLoadGroupScheduling(LoadGroupScheduling):
                for nodeid, done in unit.items() if not done]
     if not pending:
       return None
-    _, crashed = pending[0]  # A worker runs its tests in the order they were sent.
-    workload[self._split_scope(crashed)][crashed] = True  # Reported failed, not run again.
+    scope, crashed = pending[0]  # A worker runs its tests in the order they were sent.
+    workload[scope][crashed] = True  # xdist reports it failed; it does not run again.
     for scope in reversed(list(workload)):
       if not all(workload[scope].values()):
         self.workqueue[scope] = workload[scope]
