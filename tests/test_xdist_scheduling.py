@@ -15,12 +15,20 @@ spec = importlib.util.spec_from_file_location("suite_conftest", path)
 suite_conftest = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(suite_conftest)
 pytest_xdist_make_scheduler = suite_conftest.pytest_xdist_make_scheduler
+
+def pytest_collection_modifyitems(items):
+  import os, time
+  if os.environ.get("PYTEST_XDIST_WORKER") not in ("gw0", "gw1"):
+    time.sleep(3)  # A replacement collects slowly (the suite's conftest imports JAX).
 """
 
 # Two workers; each crash takes its worker down mid-queue, after finished work (which xdist
-# 3.8.0 requeued as empty units), with more tests behind it in its unit and the queue.
+# 3.8.0 requeued as empty units), with more tests behind it in its unit and the queue. The
+# group goes first, so its worker dies at once; the other dies a second later, while the
+# first one's replacement is still collecting.
 TESTS_FILE = """
 import os
+import time
 import pytest
 
 @pytest.mark.parametrize("i", range(6))
@@ -28,6 +36,7 @@ def test_before(i):
   pass
 
 def test_abort():
+  time.sleep(1)
   os.abort()
 
 @pytest.mark.parametrize("i", range(6))

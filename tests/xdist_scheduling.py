@@ -11,7 +11,8 @@ suite whose interpreter aborted in one test ran into CI's time limit with no sum
   has already reported it failed.
 The fixes are on xdist's main branch, unreleased. Here the dead worker's unfinished tests,
 less the one it died on, go back to the front of the queue, and a worker always holds two
-tests or its shutdown.
+tests or its shutdown. A replacement gets work only once it has collected: a second crash
+while it collects would otherwise book tests to it that it never receives.
 """
 
 from xdist.scheduler import LoadGroupScheduling
@@ -37,6 +38,8 @@ class RecoveringLoadGroupScheduling(LoadGroupScheduling):
     return crashed
 
   def _reschedule(self, node):
+    if node not in self.registered_collections:
+      return  # A replacement still collecting: `schedule()` gives it work once it has.
     super()._reschedule(node)
     if node.shutting_down:
       return
