@@ -231,11 +231,12 @@ def _load_benchmark(name: str):
   """benchmarks/<name>.py as a module, loaded once per process.
 
   Benchmarks define absl flags at import, and two of them may share a name (`--out`): a
-  benchmark's flags replace earlier same-named ones, which only its own `main` reads. It is
-  also registered under its own name, for the benchmarks that import it.
+  benchmark's flags, and those of the sibling benchmarks it imports for the first time
+  (split_pages imports hierarchy_sweep), replace earlier same-named ones, which only their
+  own `main` reads. It is also registered under its own name, for the benchmarks that
+  import it.
   """
   import importlib.util
-  import re
   import sys
 
   from absl import flags
@@ -249,7 +250,7 @@ def _load_benchmark(name: str):
     return imported
   if str(path.parent) not in sys.path:  # As when run: a script imports its siblings.
     sys.path.append(str(path.parent))
-  for flag in re.findall(r'flags\.DEFINE_\w+\(\s*"(\w+)"', path.read_text()):
+  for flag in _flags_defined_on_import(path, set()):
     if flag in flags.FLAGS:
       delattr(flags.FLAGS, flag)
   spec = importlib.util.spec_from_file_location(key, path)
@@ -260,6 +261,21 @@ def _load_benchmark(name: str):
   # a second copy whose flags would be defined twice.
   sys.modules.setdefault(name, module)
   return module
+
+
+def _flags_defined_on_import(path: pathlib.Path, seen: set) -> list[str]:
+  """The absl flags that importing benchmark `path` defines: its own, and those of the sibling
+  benchmarks (`import hierarchy_sweep`) it imports that no module has imported yet."""
+  import re
+  import sys
+  seen.add(path)
+  text = path.read_text()
+  names = re.findall(r'flags\.DEFINE_\w+\(\s*"(\w+)"', text)
+  for sibling in re.findall(r"^(?:import|from) (\w+)", text, re.MULTILINE):
+    sibling_path = path.parent / f"{sibling}.py"
+    if sibling_path.exists() and sibling not in sys.modules and sibling_path not in seen:
+      names += _flags_defined_on_import(sibling_path, seen)
+  return names
 
 
 @pytest.fixture(scope="session")
