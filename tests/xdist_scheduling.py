@@ -19,7 +19,7 @@ from xdist.scheduler import LoadGroupScheduling
 
 
 class RecoveringLoadGroupScheduling(LoadGroupScheduling):
-  """`LoadGroupScheduling` with the three fixes above; its scheduling is otherwise xdist's."""
+  """`LoadGroupScheduling` with the fixes above; its scheduling is otherwise xdist's."""
 
   def remove_node(self, node):
     workload = self.assigned_work.pop(node)
