@@ -17,7 +17,7 @@ path = {os.path.join(TESTS, "conftest.py")!r}
 spec = importlib.util.spec_from_file_location("suite_conftest", path)
 conftest = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(conftest)
-drill = conftest._load_benchmark("sub_skill_drill")
+conftest._load_benchmark("sub_skill_drill")
 pages = conftest._load_benchmark("split_pages")
 assert pages.sweep.COMPARED == ("mgrpo", "frozen_sub", "single")
 """
