@@ -108,6 +108,9 @@ _FLAG, EXTRA = hi.SIZE_FLAG, hi.EXTRA
 WARM_START = {"mgrpo": "mgrpo", "frozen_sub": "mgrpo", "unaligned": "mgrpo",
               "shared": "shared", "single": "single",
               "single_full_context": "single_full_context"}
+# A control and the variant it controls for: the summary pairs them by seed, as it does
+# M-GRPO and each other variant (Deliver 3: does the single agent's short context cost it?).
+CONTROLS = {"single_full_context": "single"}
 # Re-exported: the sweep's JSON and tests read them here.
 git_commit, power_analysis, paired_t_power = hi.git_commit, hi.power_analysis, hi.paired_t_power
 session_budget, EFFECT = hi.session_budget, hi.EFFECT
@@ -436,8 +439,14 @@ def summarize(records: list[dict], first_page: dict | None = None) -> dict:
   if "mgrpo" in out:
     for variant, s in out.items():
       if variant != "mgrpo":
-        s["mgrpo_minus"] = _difference_intervals(_mgrpo_minus(out["mgrpo"], s))
+        s["mgrpo_minus"] = _difference_intervals(_minus(out["mgrpo"], s))
         s["mgrpo_vs_by_question"] = question_tests(records, "mgrpo", variant, first_page)
+  # A control against the variant it controls for, the same way round (control minus it).
+  for control, base in CONTROLS.items():
+    if control in out and base in out:
+      out[control][f"minus_{base}"] = _difference_intervals(_minus(out[control], out[base]))
+      out[control][f"vs_{base}_by_question"] = question_tests(records, control, base,
+                                                              first_page)
   return out
 
 
@@ -460,13 +469,14 @@ def _accuracy_keys(curves: dict) -> list[str]:
   return [k for k in curves if k == "accuracy" or k.startswith("accuracy_hops")]
 
 
-def _mgrpo_minus(mgrpo: dict, other: dict) -> dict[str, list[float]]:
-  """M-GRPO's final accuracy minus `other`'s, per key, over the seeds both ran."""
+def _minus(one: dict, other: dict) -> dict[str, list[float]]:
+  """`one`'s final accuracy minus `other`'s (two variants' summaries), per key, over the seeds
+  both ran."""
   out = {}
   for key in _accuracy_keys(other["curves"]):
-    if key in mgrpo["curves"]:
+    if key in one["curves"]:
       mine, theirs = ({seed: s[-1] for seed, s in zip(v["seeds"], v["curves"][key]["seeds"])}
-                      for v in (mgrpo, other))
+                      for v in (one, other))
       out[key] = [mine[k] - theirs[k] for k in sorted(mine.keys() & theirs.keys())]
   return out
 
@@ -658,7 +668,7 @@ def _table(summary: dict) -> str:
     hops = "  ".join(f"h{k[-1]} {cell(k)}" for k in sorted(f) if k.startswith("accuracy_hops"))
     lines.append(f"{variant:10s} step {s['steps'][-1]}: accuracy {cell('accuracy')}  {hops}  "
                  f"overflow {cell('overflow')}  delegations {cell('delegations')}")
-    for name in ("gain", "mgrpo_minus"):
+    for name in ("gain", "mgrpo_minus", *(f"minus_{b}" for b in CONTROLS.values())):
       if "accuracy" in s.get(name, {}):
         d = s[name]["accuracy"]
         half = f" +- {d['ci95']:.3f}" if d["ci95"] is not None else ""

@@ -140,6 +140,32 @@ def test_sweep_paired_differences_by_hand(load_benchmark):
   minus = s["frozen_sub"]["mgrpo_minus"]["accuracy"]
   assert minus["seeds"] == [0.2, 0.1] and abs(minus["mean"] - 0.15) < 1e-9
   assert "mgrpo_minus" not in s["mgrpo"]
+  assert not any(k.startswith(("minus_", "vs_")) for v in s.values() for k in v)
+
+
+def test_control_minus_the_agent_it_controls_by_hand(load_benchmark):
+  """The full-context control is paired by seed with the single agent (control minus single,
+  by seed and by question), besides M-GRPO minus the control; without `single`, neither."""
+  sweep = load_benchmark("hierarchy_sweep")
+  ids = ["q1", "q2", "q3"]
+  run = lambda variant, seed, final, correct: dict(
+      kind="rl", variant=variant, seed=seed, train_means={},
+      evals=[{"step": 0, "accuracy": 0.1}, {"step": 10, "accuracy": final}],
+      questions=dict(question_ids=ids, correct=correct))
+  records = [run("mgrpo", 0, 0.2, [True, False, False]),
+             run("single", 0, 0.3, [False, True, False]),
+             run("single", 1, 0.25, [False, False, False]),
+             run("single_full_context", 0, 0.5, [True, True, True]),
+             run("single_full_context", 1, 0.45, [True, False, False])]
+  s = sweep.summarize(records)["single_full_context"]
+  minus = s["minus_single"]["accuracy"]
+  assert minus["seeds"] == [0.2, 0.2] and abs(minus["mean"] - 0.2) < 1e-9
+  assert s["mgrpo_minus"]["accuracy"]["seeds"] == [-0.3]  # seed 0 only: 0.2 - 0.5
+  # Seed 0: the control alone answers q1 and q3 (p = 2 * 0.5^2); seed 1: q1 (p = 1).
+  assert s["vs_single_by_question"] == [dict(seed=0, a_only=2, b_only=0, mcnemar_p=0.5),
+                                        dict(seed=1, a_only=1, b_only=0, mcnemar_p=1.0)]
+  without = sweep.summarize([r for r in records if r["variant"] != "single"])
+  assert "minus_single" not in without["single_full_context"]
 
 
 def test_reuse_refuses_a_changed_config_or_commit(load_benchmark):
