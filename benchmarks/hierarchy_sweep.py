@@ -417,7 +417,9 @@ def summarize(records: list[dict], first_page: dict | None = None) -> dict:
   `first_page` (question id -> page, `hi.first_pages`): the question-level view also by page."""
   out = {}
   for variant in dict.fromkeys(r["variant"] for r in records if r["kind"] == "rl"):
-    runs = [r for r in records if r["kind"] == "rl" and r["variant"] == variant]
+    # By seed, whichever finished first: every per-seed list below is in this order.
+    runs = sorted((r for r in records if r["kind"] == "rl" and r["variant"] == variant),
+                  key=lambda r: r["seed"])
     steps = sorted(set.intersection(*({e["step"] for e in r["evals"]} for r in runs)))
     keys = sorted(set.intersection(*({k for e in r["evals"] for k in e} for r in runs))
                   - {"step"})

@@ -112,7 +112,7 @@ def test_sweep_summary_intervals_by_hand(load_benchmark):
   run = lambda seed, accs: dict(kind="rl", variant="mgrpo", seed=seed, train_means={},
                                 evals=[{"step": s, "accuracy": a, "accuracy_hops2": a / 2}
                                        for s, a in zip((0, 10), accs)])
-  records = [run(0, (0.1, 0.4)), run(1, (0.2, 0.5)), run(2, (0.3, 0.9)),
+  records = [run(0, (0.1, 0.4)), run(2, (0.3, 0.9)), run(1, (0.2, 0.5)),
              dict(kind="expert", variant="mgrpo", evals=[{"step": 0, "accuracy": 1.0}])]
   s = sweep.summarize(records)["mgrpo"]
   assert s["steps"] == [0, 10] and s["seeds"] == [0, 1, 2]
@@ -120,6 +120,7 @@ def test_sweep_summary_intervals_by_hand(load_benchmark):
   assert abs(s["final"]["accuracy"]["mean"] - 0.6) < 1e-9
   assert abs(s["final"]["accuracy"]["ci95"] - 4.302653 * 0.264575 / 3 ** 0.5) < 1e-3
   assert s["curves"]["accuracy_hops2"]["mean"] == [0.1, 0.3]
+  assert s["final"]["accuracy"]["seeds"] == [0.4, 0.5, 0.9]  # in seed order, as `seeds`
 
 
 def test_sweep_paired_differences_by_hand(load_benchmark):
