@@ -282,3 +282,15 @@ def _flags_defined_on_import(path: pathlib.Path, seen: set) -> list[str]:
 def load_benchmark():
   """`load_benchmark("memory")`: a benchmark script's functions, for tests."""
   return _load_benchmark
+
+
+@pytest.fixture(scope="session")
+def suite_conftest_import():
+  """Python source that imports this file as `suite_conftest`, for the tests that give a
+  fresh interpreter (a subprocess, a conftest of their own) the suite's hooks and loaders."""
+  return "\n".join([
+      "import importlib.util",
+      f"_spec = importlib.util.spec_from_file_location('suite_conftest', {__file__!r})",
+      "suite_conftest = importlib.util.module_from_spec(_spec)",
+      "_spec.loader.exec_module(suite_conftest)",
+      ""])

@@ -7,18 +7,13 @@ import sys
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
-def test_a_benchmark_whose_sibling_shares_a_flag_loads_after_another():
+def test_a_benchmark_whose_sibling_shares_a_flag_loads_after_another(suite_conftest_import):
   # sub_skill_drill defines --size; split_pages imports hierarchy_sweep, which defines --size
   # too. In a pytest-xdist worker that had loaded sub_skill_drill first, split_pages failed
   # with DuplicateFlagError (a clean-clone CI, session 22). A fresh process fixes the order.
-  code = f"""
-import importlib.util
-path = {os.path.join(TESTS, "conftest.py")!r}
-spec = importlib.util.spec_from_file_location("suite_conftest", path)
-conftest = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(conftest)
-conftest._load_benchmark("sub_skill_drill")
-pages = conftest._load_benchmark("split_pages")
+  code = suite_conftest_import + """
+suite_conftest._load_benchmark("sub_skill_drill")
+pages = suite_conftest._load_benchmark("split_pages")
 assert pages.sweep.COMPARED == ("mgrpo", "frozen_sub", "single")
 """
   root = os.path.dirname(TESTS)

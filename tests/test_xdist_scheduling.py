@@ -7,13 +7,9 @@ import sys
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
-# The suite's own hook, from tests/conftest.py (which .ci/run's pytest loads).
-CONFTEST = f"""
-import importlib.util
-path = {os.path.join(TESTS, "conftest.py")!r}
-spec = importlib.util.spec_from_file_location("suite_conftest", path)
-suite_conftest = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(suite_conftest)
+# The suite's own hook, from tests/conftest.py (which .ci/run's pytest loads), after the
+# `suite_conftest_import` fixture's lines.
+CONFTEST = """
 pytest_xdist_make_scheduler = suite_conftest.pytest_xdist_make_scheduler
 
 def pytest_collection_modifyitems(items):
@@ -54,8 +50,8 @@ def test_group_after_exit(i):
 """
 
 
-def test_crashed_workers_fail_their_test_and_the_rest_runs(tmp_path):
-  (tmp_path / "conftest.py").write_text(CONFTEST)
+def test_crashed_workers_fail_their_test_and_the_rest_runs(tmp_path, suite_conftest_import):
+  (tmp_path / "conftest.py").write_text(suite_conftest_import + CONFTEST)
   (tmp_path / "test_crashes.py").write_text(TESTS_FILE)
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
   # xdist 3.8.0's own scheduler hangs here: the timeout fails the test instead.
