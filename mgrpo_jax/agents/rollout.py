@@ -28,6 +28,9 @@ import numpy as np
 from mgrpo_jax import distributed, sampling
 from mgrpo_jax import tokenizer as tk
 from mgrpo_jax.agents import protocol
+from mgrpo_jax.agents.continuation import continuation_ids
+from mgrpo_jax.agents.prompts import main_messages, single_messages, sub_messages
+from mgrpo_jax.agents.validator import EpisodeValidator
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +61,7 @@ class Episode:
   tokens: list[int]
   loss_mask: list[int]
   logprobs: list[float]
-  validator: protocol.EpisodeValidator
+  validator: EpisodeValidator
   policy_version: int = 0
   # MoE policies: [len(tokens), sparse layers, k] experts the sampler chose per token (uint8
   # ids; filled by `LLMPolicy`, which routed them); None for dense or scripted policies.
@@ -100,7 +103,7 @@ def new_episode(tokenizer: tk.Tokenizer, role: str, messages, *, q: int, k: int,
   prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
   return Episode(role=role, q=q, k=k, call=call, task=task, tokens=list(prompt),
                  loss_mask=[0] * len(prompt), logprobs=[0.0] * len(prompt),
-                 validator=protocol.EpisodeValidator(role, max_turns),
+                 validator=EpisodeValidator(role, max_turns),
                  policy_version=policy_version)
 
 
@@ -314,7 +317,7 @@ def run_episodes(policy: TurnPolicy, episodes: list[Episode], tool_fn: ToolFn, *
     appended = {}
     for i, (ep, _), reply in zip(pending_rows, pending, replies):
       ep.tool_seconds += tool_s
-      ids = ([] if ep.tokens[-1] == eos else [eos]) + protocol.continuation_ids(tokenizer, reply)
+      ids = ([] if ep.tokens[-1] == eos else [eos]) + continuation_ids(tokenizer, reply)
       if len(ep.tokens) + len(ids) + limits.max_new_tokens > limits.max_len:
         ep.validator.abort(f"context: {len(ep.tokens) + len(ids)} tokens + a turn of "
                            f"{limits.max_new_tokens} would exceed max_len={limits.max_len}")
@@ -375,7 +378,7 @@ class ColocatedSubAgent:
   def delegate(self, requests):
     skip = 0 if self.system_prompt else 1
     episodes = [new_episode(self.tokenizer, "sub",
-                            protocol.sub_messages(r.subtask, r.context)[skip:], q=r.q, k=r.k,
+                            sub_messages(r.subtask, r.context)[skip:], q=r.q, k=r.k,
                             call=r.call, task=r, max_turns=self.limits.max_turns,
                             policy_version=self.policy.version) for r in requests]
     self._calls += 1
@@ -430,7 +433,7 @@ def rollout_main(policy: TurnPolicy, service: SubAgentService, questions: Sequen
   from SFT, and the prompt costs context).
   """
   skip = 0 if system_prompt else 1
-  episodes = [new_episode(tokenizer, "main", protocol.main_messages(question.text)[skip:],
+  episodes = [new_episode(tokenizer, "main", main_messages(question.text)[skip:],
                           q=q, k=k,
                           call=-1, task=question, max_turns=limits.max_turns,
                           policy_version=policy.version)
@@ -453,7 +456,7 @@ def rollout_single(policy: TurnPolicy, questions: Sequence[Any], *, num_rollouts
   del step
   episodes = []
   for q, question in enumerate(questions):
-    messages = protocol.single_messages(question.text)[0 if system_prompt else 1:]
+    messages = single_messages(question.text)[0 if system_prompt else 1:]
     episodes += [new_episode(tokenizer, "single", messages, q=q, k=k, call=-1, task=question,
                              max_turns=limits.max_turns, policy_version=policy.version)
                  for k in range(num_rollouts)]

@@ -6,14 +6,13 @@ import jax
 import numpy as np
 import pytest
 
-from mgrpo_jax import models, sampling
-from mgrpo_jax import tokenizer as tk
+from mgrpo_jax import byte_tokenizer, models, sampling
 from mgrpo_jax.agents import experts, protocol, rollout
 from mgrpo_jax.envs import retrieval, search, world
 from mgrpo_jax.rl import batch as batch_lib
 from mgrpo_jax.rl import rewards
 
-TOK = tk.ByteTokenizer()
+TOK = byte_tokenizer.ByteTokenizer()
 LIMITS = rollout.Limits(max_turns=6, max_new_tokens=160, max_len=2048, max_delegations=4)
 
 
