@@ -41,7 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 import memory  # noqa: E402  (benchmarks/memory.py: the case builders)
-from mgrpo_jax import hlo_stats, models, sampling, sharding  # noqa: E402
+from mgrpo_jax import hlo_stats, kv_cache_plan, models, sampling, sharding  # noqa: E402
 from mgrpo_jax.models import decode as decode_layout  # noqa: E402
 from mgrpo_jax.models import qwen3  # noqa: E402
 
@@ -174,7 +174,7 @@ def prefill(target: str, preset: str, rows: int, length: int,
   cfg = models.get_preset(preset, param_dtype="bfloat16", compute_dtype="bfloat16",
                           **(model_overrides or {}))
   mesh, _ = _mesh(dict(data=1, fsdp=1, tensor=1), devices)
-  capacity = sampling.cache_len(length + 1, 32768)
+  capacity = kv_cache_plan.cache_len(length + 1, 32768)
   stacked = qwen3.abstract_params(cfg)
   params = jax.eval_shape(functools.partial(sampling.decode_params, cfg), stacked)
   params = _abstract(params, decode_layout.shardings(cfg, sharding.param_shardings(stacked, mesh)))
