@@ -1,6 +1,7 @@
 """What a compiled XLA program does, read from its optimized HLO text (`compiled.as_text()`).
 
-Used on programs compiled for a GPU target on a CPU-only machine (benchmarks/gpu_compile.py,
+A library for the benchmarks and tests, not a script (benchmark scripts `import hlo_stats`,
+tests `from benchmarks import hlo_stats`). Used on programs compiled for a GPU target on a CPU-only machine (benchmarks/gpu_compile.py,
 tests/test_gpu_compile.py): the kernels a loop body launches, the bytes they write, the
 custom calls (cuBLAS, cuDNN attention) and the collectives with the bytes each device
 receives. Definitions (docs/gpu-compile.md):
