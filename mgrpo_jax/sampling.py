@@ -198,6 +198,8 @@ def _decode_chunk(config, params, state: _LoopState, sp: _SamplingParams, steps,
   no row passes the cache's capacity, and a window that covers every position reached.
   """
   capacity, max_len = state.seqs.capacity, state.seqs.max_len
+  # A stream per row id, not per batch slot: a row's samples do not depend on which rows
+  # share its batch, so a seed reproduces episodes whatever the slot order or wave.
   row_keys_B = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, state.row_ids_B)
 
   def cond(carry):
