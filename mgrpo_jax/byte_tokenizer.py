@@ -18,11 +18,7 @@ def words_pattern(words: Sequence[str]) -> re.Pattern:
   each position of the text: 3.7 ms a page for the CPU demo's 287 words, against 0.04 ms
   here (benchmarks/results/tokenizer-words-cpu.json, a loaded 2-core machine). The words
   share their prefixes (a trie), so a position costs one character test unless a word
-  starts there. At a trie node the longer continuations come before the word that ends
-  there, so backtracking gives the longest word whose boundary holds, as the alternation
-  does (`tests/test_tokenizer.py` checks that both find the same matches). A run of
-  characters without a branch is one literal: the pattern nests once per branch, not per
-  character.
+  starts there; both find the same matches (`tests/test_tokenizer.py`).
   """
   trie: dict = {}
   for w in words:
@@ -38,11 +34,15 @@ def words_pattern(words: Sequence[str]) -> re.Pattern:
       if first and ch.isalnum():  # Not after a letter or digit ([^\W_]: \w less "_").
         head += f"(?<![^\\W_]{re.escape(ch)})"
       child = node[ch]
-      while len(child) == 1 and "" not in child:  # No branch and no word ends: a literal.
+      # No branch and no word ends: one literal, so the pattern nests once per branch, not
+      # once per character.
+      while len(child) == 1 and "" not in child:
         (ch, child), = child.items()
         head += re.escape(ch)
       alternatives.append(head + pattern(child, False))
-    if "" in node:  # Not before a letter or digit.
+    # The word that ends here comes after its longer continuations, so backtracking gives the
+    # longest word whose boundary holds, as the alternation does. Not before a letter or digit.
+    if "" in node:
       alternatives.append("(?![^\\W_])" if node[""][-1].isalnum() else "")
     return alternatives[0] if len(alternatives) == 1 else f"(?:{'|'.join(alternatives)})"
 

@@ -25,7 +25,7 @@ from typing import Any, Callable, Protocol, Sequence
 import jax
 import numpy as np
 
-from mgrpo_jax import distributed, sampling
+from mgrpo_jax import distributed, kv_cache_plan, sampling
 from mgrpo_jax import tokenizer as tk
 from mgrpo_jax.agents import protocol
 from mgrpo_jax.agents.continuation import continuation_ids
@@ -187,8 +187,8 @@ class LLMPolicy:
     lim = self.limits
     need = max([len(e.tokens) for e in self._episodes]
                + [len(self._episodes[r].tokens) + lim.max_new_tokens for r in rows])
-    return sampling.kv_cache_peak_bytes(self.config, len(self._episodes), min(need, lim.max_len),
-                                        lim.max_len) <= self.budget
+    return kv_cache_plan.kv_cache_peak_bytes(self.config, len(self._episodes),
+                                             min(need, lim.max_len), lim.max_len) <= self.budget
 
   def act(self, rows, key):
     kw = dict(max_new_tokens=self.limits.max_new_tokens, stop_token_ids=self.stop_ids,
