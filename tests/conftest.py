@@ -234,14 +234,16 @@ def _load_benchmark(name: str):
   import sys
 
   path = pathlib.Path(__file__).parent.parent / "benchmarks" / f"{name}.py"
-  module = sys.modules.get(name)
-  if module is not None and pathlib.Path(getattr(module, "__file__", "")) == path:
-    return module
+  for key in (name, f"_benchmark_{name}"):
+    module = sys.modules.get(key)
+    if module is not None and pathlib.Path(getattr(module, "__file__", "")) == path:
+      return module
   if str(path.parent) not in sys.path:  # As when run: a script's folder is on the path.
     sys.path.append(str(path.parent))
-  spec = importlib.util.spec_from_file_location(name, path)
+  key = f"_benchmark_{name}" if name in sys.modules else name  # Another module keeps its name.
+  spec = importlib.util.spec_from_file_location(key, path)
   module = importlib.util.module_from_spec(spec)
-  sys.modules[name] = module
+  sys.modules[key] = module
   spec.loader.exec_module(module)
   return module
 
