@@ -43,26 +43,6 @@ from mgrpo_jax.rl import packing
 from mgrpo_jax.rl import train_step as ts
 from mgrpo_jax.rl.batch import Batch
 
-_CASES = flags.DEFINE_list("cases", ["decode", "prefill", "update"], "Kinds of case to run.")
-_MODELS = flags.DEFINE_list("models", ["qwen3_0p6b", "qwen3_1p7b"], "Decode/prefill presets.")
-_BATCHES = flags.DEFINE_list("batches", ["1", "16", "64", "256"], "Decode/prefill rows.")
-_VARIANT_BATCHES = flags.DEFINE_list("variant_batches", ["1", "64"],
-                                     "Rows of the decode variants (first model only).")
-_DECODE_SPLITS = flags.DEFINE_integer("decode_splits", 8, "Chunks of the flash-decoding variant.")
-_PROMPT = flags.DEFINE_integer("prompt_len", 512, "Prompt tokens per row.")
-_NEW = flags.DEFINE_integer("new_tokens", 512, "Generated tokens per row.")
-_UPDATE_MODELS = flags.DEFINE_list("update_models", ["qwen3_0p6b", "qwen3_1p7b", "qwen3_8b"],
-                                   "Update-step presets.")
-_UPDATE_TOKENS = flags.DEFINE_list("update_tokens", ["16384", "65536"], "Tokens per update.")
-_UPDATE_SEQ = flags.DEFINE_integer("update_seq", 4096, "Tokens per row of the update batch.")
-_POLICIES = flags.DEFINE_list("remat_policies", ["nothing", "save_dots"],
-                              "Remat policies of the update cases (Qwen3Config.remat_policy).")
-_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per case after the compiling one.")
-_BUDGET = flags.DEFINE_float("budget_s", 450.0, "Start no case after this many seconds.")
-_TINY = flags.DEFINE_bool("tiny", False, "Tiny shapes on any backend (tests the code paths).")
-_OUT = flags.DEFINE_string("out", "", "JSON path (default benchmarks/results/gpu-<device>.json; "
-                           "--tiny: print only).")
-
 # Per device kind: HBM bytes/s and dense bf16 FLOP/s (vendor datasheets; SXM parts).
 SPECS = {"H100": (3.35e12, 989e12), "H200": (4.8e12, 989e12), "A100": (2.039e12, 312e12)}
 
@@ -315,4 +295,24 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  # Flags only when run: gpu_check.py (same names) and the tests import this module too.
+  _CASES = flags.DEFINE_list("cases", ["decode", "prefill", "update"], "Kinds of case to run.")
+  _MODELS = flags.DEFINE_list("models", ["qwen3_0p6b", "qwen3_1p7b"], "Decode/prefill presets.")
+  _BATCHES = flags.DEFINE_list("batches", ["1", "16", "64", "256"], "Decode/prefill rows.")
+  _VARIANT_BATCHES = flags.DEFINE_list("variant_batches", ["1", "64"],
+                                       "Rows of the decode variants (first model only).")
+  _DECODE_SPLITS = flags.DEFINE_integer("decode_splits", 8, "Chunks of the flash-decoding variant.")
+  _PROMPT = flags.DEFINE_integer("prompt_len", 512, "Prompt tokens per row.")
+  _NEW = flags.DEFINE_integer("new_tokens", 512, "Generated tokens per row.")
+  _UPDATE_MODELS = flags.DEFINE_list("update_models", ["qwen3_0p6b", "qwen3_1p7b", "qwen3_8b"],
+                                     "Update-step presets.")
+  _UPDATE_TOKENS = flags.DEFINE_list("update_tokens", ["16384", "65536"], "Tokens per update.")
+  _UPDATE_SEQ = flags.DEFINE_integer("update_seq", 4096, "Tokens per row of the update batch.")
+  _POLICIES = flags.DEFINE_list("remat_policies", ["nothing", "save_dots"],
+                                "Remat policies of the update cases (Qwen3Config.remat_policy).")
+  _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per case after the compiling one.")
+  _BUDGET = flags.DEFINE_float("budget_s", 450.0, "Start no case after this many seconds.")
+  _TINY = flags.DEFINE_bool("tiny", False, "Tiny shapes on any backend (tests the code paths).")
+  _OUT = flags.DEFINE_string("out", "", "JSON path (default benchmarks/results/gpu-<device>.json; "
+                             "--tiny: print only).")
   app.run(main)

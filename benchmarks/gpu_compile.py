@@ -56,12 +56,6 @@ LINKS = {"h100_sxm": {"nvlink": 900e9, "infiniband": 50e9},
          "h200": {"nvlink": 900e9, "infiniband": 50e9}}
 GB = 1e9
 
-_TARGET = flags.DEFINE_enum("target", "h100_sxm", TARGETS, "GPU to compile for.")
-# --out, --cases and --list are memory.py's flags (imported with its case builders), with
-# this benchmark's defaults.
-flags.FLAGS.set_default("out", "")  # benchmarks/results/gpu-compile-<target>.json
-flags.FLAGS.set_default("cases", ["update", "decode", "prefill"])
-_OUT, _CASES, _LIST = memory._OUT, memory._CASES, memory._LIST
 # memory.py's helpers: a mesh over given devices, abstract (sharded) inputs, memory stats.
 _mesh, _abstract, _stats = memory._mesh, memory._abstract, memory._stats
 
@@ -261,4 +255,11 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  # Flags only when run, as memory.py's (whose case builders this imports).
+  _TARGET = flags.DEFINE_enum("target", "h100_sxm", TARGETS, "GPU to compile for.")
+  _CASES = flags.DEFINE_list("cases", ["update", "decode", "prefill"],
+                             "Case name prefixes to run (update, decode, prefill, or full names).")
+  _OUT = flags.DEFINE_string("out", "", "Where to write JSON (default "
+                             "benchmarks/results/gpu-compile-<target>.json).")
+  _LIST = flags.DEFINE_bool("list", False, "List the cases and exit.")
   app.run(main)

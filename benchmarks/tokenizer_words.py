@@ -3,8 +3,7 @@
 The CPU multihop task's tokenizer ("byte+phrases+ids") gives the world's phrases and doc ids
 one id each. Encoding a page used to run one regex alternation of every word, longest first;
 the warm start's traces (every tool reply is encoded) spent about 80% of their time there
-(py-spy, session 19). `byte_tokenizer.words_pattern` builds the same matches from a trie of the
-words.
+(py-spy). `byte_tokenizer.words_pattern` builds the same matches from a trie of the words.
 This encodes every page of the world with both, checks that the ids are the same, and times
 them; then it times the single agent's warm-start traces on `--trace_questions` questions
 (the training split and two other worlds) with each. The alternation is rebuilt here as the
@@ -29,8 +28,6 @@ from configs import sft as sft_config
 from mgrpo_jax import byte_tokenizer
 from mgrpo_jax.envs import world
 from mgrpo_jax.mgrpo import setup, sft, tasks
-
-import hierarchy_instrument as hi  # benchmarks/hierarchy_instrument.py
 
 _CONFIG = flags.DEFINE_string("config", "task=multihop,runlocal", "configs/mgrpo.py argument "
                               "whose world and tokenizer to use.")
@@ -71,7 +68,7 @@ def patterns_from(make):
 def trace_seconds(num_questions: int) -> dict:
   """Seconds of the single agent's warm-start traces (the sweep's config, two other worlds)
   with each pattern, and what they hold (the same with both)."""
-  c = sft_config.get_config(f"task=multihop,{hi.SIZE_FLAG['cpu']},{hi.EXTRA['single']}")
+  c = sft_config.get_config("task=multihop,runlocal,variant=single")
   c.sft.update(other_worlds=2, trace_worlds=-1, num_questions=num_questions)
   w = setup.resolve_wiring(c, training=False)
   out = {}

@@ -2,8 +2,8 @@
 
   python benchmarks/update_compiles.py --out=benchmarks/results/update-compiles-cpu.json
 
-The sweep's M-GRPO runs spent 2612 s of 3957 updating (benchmarks/results/hierarchy-heldout-
-cpu.json, seed 0), the frozen_sub runs 90 s: the sub-agent's batch (Q*K*D rows of aligned
+The sweep's M-GRPO runs spent 2612 s of 3957 updating (experiments/hierarchy_ablation/results/
+hierarchy-heldout-cpu.json, seed 0), the frozen_sub runs 90 s: the sub-agent's batch (Q*K*D rows of aligned
 episodes) packs into a different number of micro-batches M almost every step, and each new
 [M, R, L] shape compiles the step again. This runs the step of the sweep's model (the cpu
 size's `tiny_wide`, packed under `max_tokens_per_micro`) on `--steps` batches of `--rows`

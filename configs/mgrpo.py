@@ -6,7 +6,7 @@
   python launch/demo.py --workdir=/tmp/demo # the CPU demo: warm start, then M-GRPO
   python benchmarks/mgrpo_demo.py --sweep   # its ablation: warm starts, then sweep() below
   python launch/train.py --config=configs/mgrpo.py:gpu,hf_path=/ckpt/Qwen3-0.6B --workdir=/w
-  python benchmarks/hierarchy_sweep.py --size=cpu   # the hierarchy ablation, hierarchy_sweep()
+  python -m experiments.hierarchy_ablation.sweep --size=cpu   # the hierarchy ablation
 
 Arguments (comma-separated): variant=mgrpo|frozen_sub|single|shared|unaligned,
 model=<preset> (default tiny; tiny_wide with runlocal), hf_path=<dir>, init=<sft workdir>,
@@ -197,17 +197,17 @@ def _demo(c):
 
 
 # task=multihop,full_context: a context that holds every page a question needs (the single
-# agent's control, issue 32): the smallest max_len (cpu: of 1536, 1792, 2048, 2304; gpu: of
-# 16384, 20480, 24576) at which the noise-free single expert finishes every question without
-# an overflow (cpu: all 2000, where 2048 leaves 1.9% overflowing; gpu: the first 2000 of 8000,
-# where 16384 leaves 6.7%; docs/hierarchy-ablation.md).
+# agent's control in the hierarchy ablation): the smallest max_len (cpu: of 1536, 1792, 2048,
+# 2304; gpu: of 16384, 20480, 24576) at which the noise-free single expert finishes every
+# question without an overflow (cpu: all 2000, where 2048 leaves 1.9% overflowing; gpu: the
+# first 2000 of 8000, where 16384 leaves 6.7%; experiments/hierarchy_ablation/).
 FULL_CONTEXT_LEN = {"cpu": 2304, "smoke": 2304, "gpu": 20_480}
 
 
 def _multihop(c, size: str, full_context: bool = False):
   """Multi-hop research over long pages (envs.multihop), where the hierarchy can matter.
 
-  Bridge chains of 1-4 links over long pages (comparisons removed, issue 32):
+  Bridge chains of 1-4 links over long pages (no comparisons: a guesser's coin flip):
   `limits.max_len` holds a search and one page (the sub-agent's episode, or a single agent's
   on a one-page question) but not two pages, while the main agent's plan and short results
   take a fraction of it; so a single agent that visits pages overflows at its second one.
@@ -215,7 +215,7 @@ def _multihop(c, size: str, full_context: bool = False):
   episode); tests/envs/test_multihop.py checks both sides of the budget with the experts.
   Sizes: "gpu" (pages of 2.7-4.1k tokens of the byte+phrases+ids tokenizer, max_len 5120; one
   H100/H200, Qwen3-0.6B preset), "cpu" (the same shape at about 1/12: pages of 148-367
-  tokens, max_len 672, tiny_wide; benchmarks/hierarchy_sweep.py), "smoke" (cpu's task, 2
+  tokens, max_len 672, tiny_wide; experiments/hierarchy_ablation), "smoke" (cpu's task, 2
   steps). Each max_len is the smallest tried (cpu: 576, 640, 672; gpu: 4096, 5120) at
   which the noise-free experts answer every question (all 2000 cpu, 8000 gpu) with no
   overflow while the single agent overflows on every question of two pages or more (cpu 640:
@@ -224,23 +224,23 @@ def _multihop(c, size: str, full_context: bool = False):
   # Held-out chains name entities that no training question or warm-start row shows. A
   # tokenizer with one id per name (byte+world) gives those names ids that training never
   # touched, which the model cannot write: the main + sub warm start scored 0 of 265
-  # validation questions with it (issue 32). byte+phrases+ids spells names and values in
+  # validation questions with it. byte+phrases+ids spells names and values in
   # bytes, as a tokenizer that never saw them splits them into pieces, so copying a held-out
   # name is the skill that training names teach. Doc ids, the tools' opaque handles, keep
   # one id each: every world of a size has the same ids, and the warm start's other worlds
   # (configs/sft.py) train them all, and pages are a little shorter. (Neither spelled in
   # bytes nor with one id each has the tiny CPU sub-agent learnt to copy the right hit's id
-  # yet: docs/hierarchy-ablation.md, "What has run".) A real checkpoint reads its
+  # yet: experiments/hierarchy_ablation/README.md.) A real checkpoint reads its
   # own tokenizer's ids (pages then count its tokens: check the budget with policy=expert,
   # as tests/envs/test_multihop.py does).
   c.tokenizer = c.main_model.hf_path or "byte+phrases+ids"
-  # Issue 32: reading must be required. Binary comparisons (a coin flip for a guesser) are
+  # Reading must be required. Binary comparisons (a coin flip for a guesser) are
   # removed; answers have at least 20 possible values (24 countries and rivers; no settlement
   # sizes, media or occupations); held-out questions are whole chains of held-out entities
   # (validation and test parts, 15% each); look-alike names among search hits shown in an order
   # drawn from the query (search_k >= 2), so choosing the hit is the sub-agent's job. The
   # guesser (envs.multihop.no_tool_guesser) scores at most 10% on the test split
-  # (benchmarks/results/hierarchy-instrument-cpu.json).
+  # (experiments/hierarchy_ablation/results/hierarchy-instrument-cpu.json).
   c.world.update(kind="multihop", compare_fraction=0.0, hop_weights=(1.0, 2.0, 2.0, 2.0),
                  distractors_per_doc=2, visit_chars=100_000,  # Pages are shown whole.
                  num_countries=24, num_rivers=24, min_answer_space=20, holdout=(0.15, 0.15),
@@ -260,8 +260,8 @@ def _multihop(c, size: str, full_context: bool = False):
   c.limits.update(max_turns=10, max_new_tokens=32, max_len=672, max_delegations=6)
   # Packed updates in micro-batches of 1024 tokens: on 2 CPU cores a warm-start step took
   # 0.59 s instead of 1.47 s as one padded batch (2048: 0.72 s, 8192: 1.28 s; the same losses;
-  # benchmarks/results/hierarchy-probe-cpu.json, measured with max_len 320). A micro-batch
-  # holds at least one row of max_len (the full-context control's).
+  # experiments/hierarchy_ablation/results/hierarchy-probe-cpu.json, measured with max_len
+  # 320). A micro-batch holds at least one row of max_len (the full-context control's).
   for mc in (c.main_model, c.sub_model):
     mc.max_tokens_per_micro = max(1024, FULL_CONTEXT_LEN[size] if full_context else 0)
   # D = 3: the experts delegate 2.75 times per question on average (1-4 pages).
@@ -269,7 +269,7 @@ def _multihop(c, size: str, full_context: bool = False):
   c.main_optim.learning_rate = c.sub_optim.learning_rate = 2e-4
   # RL on generated worlds no warm start read, asking one- and two-page questions; the
   # evaluation asks every chain length of the task's held-out split. Chosen on the
-  # validation split (docs/hierarchy-ablation.md, "What has run"): RL on the training split
+  # validation split (experiments/hierarchy_ablation/README.md): RL on the training split
   # learnt its own questions and nothing else; on unread worlds of every chain length the
   # rollouts found too few right answers (1-3%); on their short chains (8-11% right) M-GRPO
   # went from 9.1% to 18.5%, 14.3% and 15.1% of the validation questions in three seeds
@@ -328,29 +328,3 @@ def sweep():
   for variant in ("mgrpo", "frozen_sub", "single"):
     for seed in range(3):
       yield f"runlocal,variant={variant},seed={seed}"
-
-
-HIERARCHY_VARIANTS = ("mgrpo", "frozen_sub", "shared", "single", "unaligned")
-# Controls beside the variants: (name, the config arguments that make it).
-HIERARCHY_CONTROLS = (("single_full_context", "variant=single,full_context"),)
-
-
-def hierarchy_sweep(size: str = "cpu", seeds: int = 5, seed_start: int = 0):
-  """The hierarchy ablation on multi-hop research (benchmarks/hierarchy_sweep.py).
-
-  Every variant on the same task, limits and number of updates, seeds
-  [seed_start, seed_start + seeds) each (the sweep's power analysis chooses how many).
-  """
-  flag = {"cpu": "runlocal", "gpu": "gpu", "smoke": "smoke"}[size]
-  for variant in HIERARCHY_VARIANTS:
-    for seed in range(seed_start, seed_start + seeds):
-      yield f"task=multihop,{flag},variant={variant},seed={seed}"
-
-
-def hierarchy_controls(size: str = "cpu", seeds: int = 5, seed_start: int = 0):
-  """The controls of the hierarchy ablation: (name, config argument) per seed; the single
-  agent with a context that holds every page a question needs."""
-  flag = {"cpu": "runlocal", "gpu": "gpu", "smoke": "smoke"}[size]
-  for name, extra in HIERARCHY_CONTROLS:
-    for seed in range(seed_start, seed_start + seeds):
-      yield name, f"task=multihop,{flag},{extra},seed={seed}"

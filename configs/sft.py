@@ -75,8 +75,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
 
 # The single agent's warm start keeps only correct demonstrations, and its teacher sees this
-# many times more questions, so it keeps about as many episodes as the pair's main agent
-# (issue 32): at expert_noise 0.1 the single expert is right on 148 of the 1449 CPU
+# many times more questions, so it keeps about as many episodes as the pair's main agent:
+# at expert_noise 0.1 the single expert is right on 148 of the 1449 CPU
 # training questions (10.2%; the pair's main expert ends format-valid on all of them). The
 # extra questions come from this many times the worlds (sft.trace_worlds): a CPU world holds
 # 1800-2900 questions at the task's chain lengths, not 4000 (120000 over 30 worlds).
@@ -90,24 +90,24 @@ def _multihop(c, size: str, variant: str = "mgrpo"):
   split's questions; an episode that ends in a context overflow is not format-valid and is
   not trained on. The single agent keeps only correct demonstrations, from
   SINGLE_QUESTIONS_FACTOR times as many questions, so that it learns from about as many
-  episodes as the pair's main agent (before issue 32 it kept ~900 format-valid, mostly wrong
-  ones), from as many times the worlds: each world, the training split too, asks it as many
+  episodes as the pair's main agent (keeping every format-valid one gave it ~900, mostly
+  wrong), from as many times the worlds: each world, the training split too, asks it as many
   questions as it asks the pair, and its corpus rows are the pair's (the same pages);
   `shared` gets batch_size rows of each role per step (mgrpo_jax/sft.py), as the pair.
   The experts slip 10% of the time per decision (the teacher): slips compound over a
-  question's pages. The recipe (1200 steps, 10% slips, lr 2e-3) was chosen on the task
-  before issue 32, on its test questions (see the issue); on this task, any change to it is
-  to be chosen on the validation split (config eval_split="valid").
+  question's pages. The recipe (1200 steps, 10% slips, lr 2e-3) was chosen on an
+  earlier version of the task (with comparison questions), on its test questions; on this
+  task, any change to it is to be chosen on the validation split (config eval_split="valid").
   """
   # other_worlds: a model trained from random weights on the 140 CPU training entities
-  # alone recalled a training name instead of copying a held-out one (0% on validation,
-  # session 7); 29 other worlds make ~5,800 names, each in a few traces, and train every doc
+  # alone recalled a training name instead of copying a held-out one (0% on validation);
+  # 29 other worlds make ~5,800 names, each in a few traces, and train every doc
   # id's token (the tokenizer byte+phrases+ids, configs/mgrpo.py).
   # visit_drill_weight: the sub-agent's choice of hit is one token of a ~500-token trace;
-  # with the traces alone it stayed at chance for 1100 steps (docs/hierarchy-ablation.md).
+  # with the traces alone it stayed at chance for 1100 steps (experiments/hierarchy_ablation).
   # report_weight: so is copying the value from the page it then visits.
   # num_questions: from 3000 traces M-GRPO's RL gained 4.5 points on validation (7.2 ->
-  # 11.7%), from 12000 5.2-9.4 (9.1 -> 14.3-18.5%, three seeds; docs/hierarchy-ablation.md).
+  # 11.7%), from 12000 5.2-9.4 (9.1 -> 14.3-18.5%, three seeds; experiments/hierarchy_ablation).
   c.sft.update(num_questions=12000, expert_noise=0.1, num_steps=1200, batch_size=32,
                learning_rate=2e-3, corpus_weight=1.0, eval_every=300, checkpoint_every=100,
                other_worlds=29, visit_drill_weight=50.0, report_weight=10.0)

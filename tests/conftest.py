@@ -228,54 +228,24 @@ def s3_endpoint():
 
 
 def _load_benchmark(name: str):
-  """benchmarks/<name>.py as a module, loaded once per process.
-
-  Benchmarks define absl flags at import, and two of them may share a name (`--out`): a
-  benchmark's flags, and those of the sibling benchmarks it imports for the first time
-  (split_pages imports hierarchy_sweep), replace earlier same-named ones, which only their
-  own `main` reads. It is also registered under its own name, for the benchmarks that
-  import it.
-  """
+  """benchmarks/<name>.py as a module, loaded once per process and registered under its own
+  name (gpu_compile imports memory's case builders as `import memory`, as when run)."""
   import importlib.util
   import sys
 
-  from absl import flags
-  key = f"_benchmark_{name}"
-  if key in sys.modules:
-    return sys.modules[key]
   path = pathlib.Path(__file__).parent.parent / "benchmarks" / f"{name}.py"
-  imported = sys.modules.get(name)  # Already imported by a sibling benchmark (`import memory`).
-  if imported is not None and pathlib.Path(getattr(imported, "__file__", "")) == path:
-    sys.modules[key] = imported
-    return imported
-  if str(path.parent) not in sys.path:  # As when run: a script imports its siblings.
+  for key in (name, f"_benchmark_{name}"):
+    module = sys.modules.get(key)
+    if module is not None and pathlib.Path(getattr(module, "__file__", "")) == path:
+      return module
+  if str(path.parent) not in sys.path:  # As when run: a script's folder is on the path.
     sys.path.append(str(path.parent))
-  for flag in _flags_defined_on_import(path, set()):
-    if flag in flags.FLAGS:
-      delattr(flags.FLAGS, flag)
+  key = f"_benchmark_{name}" if name in sys.modules else name  # Another module keeps its name.
   spec = importlib.util.spec_from_file_location(key, path)
   module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
   sys.modules[key] = module
-  # A sibling benchmark's `import <name>` (gpu_compile imports memory) gets this module, not
-  # a second copy whose flags would be defined twice.
-  sys.modules.setdefault(name, module)
+  spec.loader.exec_module(module)
   return module
-
-
-def _flags_defined_on_import(path: pathlib.Path, seen: set) -> list[str]:
-  """The absl flags that importing benchmark `path` defines: its own, and those of the sibling
-  benchmarks (`import hierarchy_sweep`) it imports that no module has imported yet."""
-  import re
-  import sys
-  seen.add(path)
-  text = path.read_text()
-  names = re.findall(r'flags\.DEFINE_\w+\(\s*"(\w+)"', text)
-  for sibling in re.findall(r"^(?:import|from) (\w+)", text, re.MULTILINE):
-    sibling_path = path.parent / f"{sibling}.py"
-    if sibling_path.exists() and sibling not in sys.modules and sibling_path not in seen:
-      names += _flags_defined_on_import(sibling_path, seen)
-  return names
 
 
 @pytest.fixture(scope="session")

@@ -2,8 +2,9 @@
 
 At most 300 lines of at most 100 characters; every relative link (inline or reference-style)
 names a file of the repository; every figure of the results table (a number with a unit or
-a percent sign) has, on its row, a link to a docs/ page and one to the data it comes from
-(benchmarks/results/*.json, or the test that measures it).
+a percent sign) has, on its row, a link to a docs/ page (or an experiment's README) and one to
+the data it comes from (benchmarks/results/*.json, experiments/<name>/results/*.json, or the
+test that measures it).
 """
 
 import os
@@ -17,6 +18,9 @@ REFERENCE_USE = re.compile(r"\[[^\]]*\]\[([^\]]+)\]")
 REFERENCE_DEF = re.compile(r"^\[([^\]]+)\]:\s*(\S+)", re.M)
 FIGURE = re.compile(r"\d(?:[\d.,]*\d)?\s*(?:%|k?\s?tok/s|queries/s|[KMG]B\b|ms\b|s\b|min\b|pt\b"
                     r"|points\b|x\b)")
+# An experiment's page and data: its folder's README and results (experiments/<name>/).
+EXPERIMENT_DOC = re.compile(r"experiments/\w+/README\.md$")
+EXPERIMENT_DATA = re.compile(r"experiments/\w+/results/")
 # The decoupled example must exchange records: tests/test_decoupled_programs.py runs this config.
 DECOUPLED_CONFIG = "--config=configs/mgrpo.py:smoke,policy=expert"
 
@@ -61,8 +65,9 @@ def _untraced(text: str) -> list[str]:
     if not FIGURE.search(row.split("|")[2]):
       continue
     targets = list(_targets(row, defs).values())
-    has_doc = any(t.startswith("docs/") for t in targets)
-    has_data = any(t.startswith("benchmarks/results/") or t.startswith("tests/") for t in targets)
+    has_doc = any(t.startswith("docs/") or EXPERIMENT_DOC.match(t) for t in targets)
+    has_data = any(t.startswith(("benchmarks/results/", "tests/")) or EXPERIMENT_DATA.match(t)
+                   for t in targets)
     if not (has_doc and has_data):
       bad.append(row)
   return bad
@@ -121,8 +126,10 @@ def test_the_link_check_fails_on_a_dead_link(case, expect):
 def test_the_results_check_fails_on_an_untraced_figure():
   table = ("\n## Results\n\n| What | Figure | Source |\n|---|---|---|\n"
            "| traced | 12.5% | [doc][d] [json][j] |\n| no data | 3 GB | [doc][d] |\n"
-           "| no figure | fast | |\n\n[d]: docs/x.md\n[j]: benchmarks/results/x.json\n")
-  assert _untraced(table) == ["| no data | 3 GB | [doc][d] |"]
+           "| no figure | fast | |\n| experiment | 5.1% | [doc][e] [json][ej] |\n"
+           "| its page only | 7% | [doc][e] |\n\n[d]: docs/x.md\n[j]: benchmarks/results/x.json\n"
+           "[e]: experiments/x/README.md\n[ej]: experiments/x/results/x.json\n")
+  assert _untraced(table) == ["| no data | 3 GB | [doc][d] |", "| its page only | 7% | [doc][e] |"]
 
 
 def test_the_docs_links_name_files():

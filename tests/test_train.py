@@ -15,6 +15,7 @@ from flax import nnx
 
 import loopback
 from configs import mgrpo, sft as sft_config
+from experiments.hierarchy_ablation import rl_run_record
 from mgrpo_jax import checkpoint as ckpt_lib
 from mgrpo_jax import models
 from mgrpo_jax.models import lora
@@ -57,8 +58,7 @@ def test_two_steps_of_each_variant(variant, tmp_path):
   assert os.listdir(tmp_path / "tb")
 
 
-def test_rl_worlds_train_on_other_worlds_with_their_tools(tmp_path, monkeypatch,
-                                                          load_benchmark):
+def test_rl_worlds_train_on_other_worlds_with_their_tools(tmp_path, monkeypatch):
   """config.rl_worlds: the colocated program's rollouts ask each step's world with that
   world's tools (the noise-free experts answer them), and evaluate the task's questions."""
   c = _config("smoke,policy=expert", rl_worlds=2)
@@ -82,8 +82,8 @@ def test_rl_worlds_train_on_other_worlds_with_their_tools(tmp_path, monkeypatch,
   assert [m["main/accuracy"] for m in lines if "main/accuracy" in m] == [1.0, 1.0]
   # Every sub-agent call answered a hop of its own question, in its own step's world.
   assert [m["sub/call_accuracy"] for m in lines if "main/accuracy" in m] == [1.0, 1.0]
-  # benchmarks/rl_run_record.py reads the run from its workdir alone.
-  rec = load_benchmark("rl_run_record").record(str(tmp_path), block=1)
+  # The hierarchy ablation's rl_run_record reads the run from its workdir alone.
+  rec = rl_run_record.record(str(tmp_path), block=1)
   evals = [m for m in lines if "eval/accuracy" in m]
   assert [e["step"] for e in rec["evaluations"]] == [m["step"] for m in evals]
   for e, m in zip(rec["evaluations"], evals):

@@ -57,7 +57,7 @@ CUDNN_MAX_HEAD_DIM = 128
 # queries go through in chunks (`query_chunked`). An evaluation of 265 multihop questions
 # (hundreds of rows at once) peaked at 9.9 GB resident with the whole [B, K, G, T, S]
 # tensor, at 3.6 GB with this budget in 83 s instead of 71 (64 MiB: 3.4 GB in 100 s;
-# benchmarks/eval_memory.py, benchmarks/results/eval-memory-cpu.json).
+# experiments/hierarchy_ablation/eval_memory.py and results/eval-memory-cpu.json).
 REFERENCE_MAX_SCORE_BYTES = 256 << 20
 # A large finite negative instead of -inf: a row with no visible key softmaxes to a uniform
 # garbage row instead of NaN (reference only; the blockwise kernel returns zeros there).

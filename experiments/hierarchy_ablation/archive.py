@@ -1,17 +1,17 @@
-"""A sweep's warm starts, kept in the repository so that a new machine goes on.
+"""A sweep's warm starts, kept in a folder the user names so that a new machine goes on.
 
-  python benchmarks/sweep_archive.py --workdir=/work/sweep/sft-single \
-      --archive=benchmarks/results/hierarchy-heldout-cpu-warm-starts   # before a session ends
+  python -m experiments.hierarchy_ablation.archive --workdir=/work/sweep/sft-single \
+      --archive=/data/hierarchy-warm-starts   # an unfinished warm start, by hand
 
-A session may begin on a fresh machine: only what is committed survives it (session 15 found
-`/work/sweep` gone, and with it the main + sub warm start, about two hours on 2 cores). What a
-run reads of a finished warm start is small: its final weights (`hf/<agent>`, about 1 MB per
-agent at the CPU size), and what the sweep reports of it, its `done.json` (config, commit,
-wall time) and `metrics.jsonl` (its evaluations). The sweep `save`s those once a warm start
-has finished. A warm start still training when a session must end (it takes longer than
-most sessions have left) is saved by hand with the command above, with the sweep paused
-(`kill -STOP`): its `progress.json`, config, metrics and checkpoint (weights and optimizer
-state, each step checked against its digests on restore), about 3 times the weights.
+What a run reads of a finished warm start is small: its final weights (`hf/<agent>`, about
+1 MB per agent at the CPU size), and what the sweep reports of it, its `done.json` (config,
+commit, wall time) and `metrics.jsonl` (its evaluations). The sweep `save`s those once a warm
+start has finished (`--archive`). One still training when its machine must stop (a warm start
+took about two hours on 2 cores) is saved by hand with the command above, with the sweep
+paused (`kill -STOP`): its `progress.json`, config, metrics and checkpoint (weights and
+optimizer state, each step checked against its digests on restore), about 3 times the weights.
+Weights are never committed: the archive lives on a persistent disk, or is copied from the
+machine that made it.
 
 `restore` puts an archived warm start back into a workdir that holds none of its own, where
 `--reuse` then checks its config and commit as for any finished run, or resumes the
@@ -31,7 +31,8 @@ FINISHED = ("done.json", "metrics.jsonl", "config.json", "hf")
 UNFINISHED = ("progress.json", "metrics.jsonl", "config.json", "checkpoints")
 MARKERS = ("done.json", "progress.json")  # A run's own: _timed writes one or the other.
 DIGEST_FILE = "archive.json"
-# A warm start larger than this (the GPU size's models) belongs on a persistent disk.
+# A warm start larger than this (the GPU size's models) stays in its workdir: the archive is
+# for what a fresh machine copies in minutes.
 MAX_BYTES = 64 * 2**20
 
 

@@ -1,4 +1,4 @@
-"""Issue 32: does what RL learns on its own training questions reach chains it never saw?
+"""Does what RL learns on its own training questions reach chains it never saw?
 
 Greedy accuracy of warm-started and RL'd agents (main + sub, CPU multihop task) on five
 question sets: the training-split questions an RL run drew (open and closed book: the tools
@@ -8,10 +8,10 @@ one- and two-page questions (the chains the RL recipe trains on), and the valida
 split's first `--num`. A gain on the first set that the others do not share is recall of
 the worlds the agents trained on, not reading.
 
-  python benchmarks/world_recall.py --runs=warm_start=/work/hier5/sft-mgrpo,\
+  python -m experiments.hierarchy_ablation.world_recall --runs=warm_start=/work/hier5/sft-mgrpo,\
 rl_train_split=/work/hier5/rl-q8,rl_worlds=/work/hier5/rl-fresh \
       --rl_run=/work/hier5/rl-q8 --warm_start=/work/hier5/sft-mgrpo \
-      --recall_out=benchmarks/results/world-recall-cpu.json
+      --recall_out=experiments/hierarchy_ablation/results/world-recall-cpu.json
 """
 
 import dataclasses
@@ -26,17 +26,7 @@ from mgrpo_jax import keys
 from mgrpo_jax import workdir as workdir_lib
 from mgrpo_jax.mgrpo import sft, tasks
 
-import hierarchy_sweep as sweep  # benchmarks/hierarchy_sweep.py
-
-_RUNS = flags.DEFINE_list("runs", None, "label=workdir of each set of agents (a warm start's "
-                          "or an RL run's; its final weights, hf/).", required=True)
-_RL_RUN = flags.DEFINE_string("rl_run", None, "The RL workdir on the training split whose "
-                              "drawn questions are the first set.", required=True)
-_WARM_START = flags.DEFINE_string("warm_start", None, "The warm start's workdir: its own "
-                                  "config (sft.num_questions, sft.other_worlds) gives the other "
-                                  "world it read.", required=True)
-_NUM = flags.DEFINE_integer("num", 96, "Questions per set.")
-_RECALL_OUT = flags.DEFINE_string("recall_out", "", "Results JSON (default: print only).")
+from experiments.hierarchy_ablation import runs
 
 ARG = "task=multihop,runlocal,variant=mgrpo"
 UNREAD_WORLD = 9_999  # An RL world index no run here reached (rl_worlds <= num_steps <= 90).
@@ -85,7 +75,7 @@ def main(argv):
       for closed in (False, True) if name == "rl_training_questions" else (False,):
         t0 = time.perf_counter()
         c = mgrpo_config.get_config(f"{ARG},init={workdir}")
-        log = sweep.question_log(c, closed_book=closed, env=env, questions=questions)
+        log = runs.question_log(c, closed_book=closed, env=env, questions=questions)
         row = dict(agents=label, workdir=workdir, questions=name,
                    book="closed" if closed else "open", accuracy=log["accuracy"],
                    sub_call_accuracy=log["sub_call_accuracy"],
@@ -99,4 +89,14 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  # Flags only when run: tests and other modules import this one's functions.
+  _RUNS = flags.DEFINE_list("runs", None, "label=workdir of each set of agents (a warm start's "
+                            "or an RL run's; its final weights, hf/).", required=True)
+  _RL_RUN = flags.DEFINE_string("rl_run", None, "The RL workdir on the training split whose "
+                                "drawn questions are the first set.", required=True)
+  _WARM_START = flags.DEFINE_string("warm_start", None, "The warm start's workdir: its own "
+                                    "config (sft.num_questions, sft.other_worlds) gives the other "
+                                    "world it read.", required=True)
+  _NUM = flags.DEFINE_integer("num", 96, "Questions per set.")
+  _RECALL_OUT = flags.DEFINE_string("recall_out", "", "Results JSON (default: print only).")
   app.run(main)

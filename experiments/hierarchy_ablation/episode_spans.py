@@ -1,5 +1,5 @@
-"""Where a sub-agent episode's turns lie in its tokens, for the issue-32 probes and drills
-(benchmarks/warm_start_probe.py, benchmarks/sub_skill_drill.py). No flags: scripts import it."""
+"""Where a sub-agent episode's turns lie in its tokens, for the probes and drills
+(warm_start_probe.py, sub_skill_drill.py)."""
 
 
 def result_span(tokens, tok):

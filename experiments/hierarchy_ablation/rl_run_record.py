@@ -1,6 +1,6 @@
 """An RL run's record for a results JSON, read from its workdir alone.
 
-Issue 32's RL runs (`benchmarks/results/hierarchy-rl-valid-cpu.json`, `runs`) are judged by
+The ablation's RL runs (`results/hierarchy-rl-valid-cpu.json`, `runs`) are judged by
 their evaluations (accuracy overall and by pages needed, delegations per question, the
 sub-agent's per-call accuracy) and by what their own training batches held, in blocks of
 steps (the main agent's accuracy, batches with no right answer or an exactly-zero main
@@ -9,14 +9,14 @@ logged it, time). Everything comes from the workdir: `config.json` (the settings
 matter for RL), `metrics.jsonl`, `eval_questions/step_<n>.json` and `config_changes.jsonl`
 (a resume that moved `num_steps`).
 
-  python benchmarks/rl_run_record.py --workdir=/work/hier5/rl-short \
+  python -m experiments.hierarchy_ablation.rl_run_record --workdir=/work/hier5/rl-short \
       --command="python launch/train.py ..." --commit=843e746 --note="..." \
-      --add_to=benchmarks/results/hierarchy-rl-valid-cpu.json
+      --add_to=experiments/hierarchy_ablation/results/hierarchy-rl-valid-cpu.json
 
 Without `--add_to` the record is printed. With it, the record replaces the run of the same
 `name` (default: the workdir's last part) in the JSON's `runs`, or is appended.
 
-Paired views, question by question (McNemar's exact test, `hierarchy_instrument.mcnemar`):
+Paired views, question by question (McNemar's exact test, `instrument.mcnemar`):
 each evaluation against the run's step-0 evaluation (`vs_step_0`: questions gained, lost),
 and with `--against=NAME=WORKDIR,...` against other runs at every step both evaluated
 (`paired`: questions only this run answers right, only the other).
@@ -30,19 +30,7 @@ from absl import app, flags
 from mgrpo_jax import metrics
 from mgrpo_jax.mgrpo import play
 
-import hierarchy_instrument as hi  # benchmarks/hierarchy_instrument.py
-
-_WORKDIR = flags.DEFINE_string("workdir", None, "The RL run's workdir.", required=True)
-_NAME = flags.DEFINE_string("name", "", "The run's name in `runs` (default: the workdir's "
-                            "last part).")
-_COMMAND = flags.DEFINE_string("command", "", "The command(s) that made the run.")
-_COMMIT = flags.DEFINE_string("commit", "", "The commit of the code the run ran (the workdir "
-                              "keeps none).")
-_NOTE = flags.DEFINE_string("note", "", "What the run changes, and anything its numbers need.")
-_BLOCK = flags.DEFINE_integer("block", 30, "Training steps per training block.")
-_ADD_TO = flags.DEFINE_string("add_to", "", "A results JSON whose `runs` gets the record.")
-_AGAINST = flags.DEFINE_list("against", [], "NAME=WORKDIR of runs to pair with, question by "
-                             "question, at every step both evaluated.")
+from experiments.hierarchy_ablation import instrument as hi
 
 # The settings of config.json an RL record states (dotted paths; absent ones are skipped).
 SETTINGS = ("init", "variant", "num_queries", "num_rollouts", "main_optim.learning_rate",
@@ -198,4 +186,16 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  # Flags only when run: tests and other modules import this one's functions.
+  _WORKDIR = flags.DEFINE_string("workdir", None, "The RL run's workdir.", required=True)
+  _NAME = flags.DEFINE_string("name", "", "The run's name in `runs` (default: the workdir's "
+                              "last part).")
+  _COMMAND = flags.DEFINE_string("command", "", "The command(s) that made the run.")
+  _COMMIT = flags.DEFINE_string("commit", "", "The commit of the code the run ran (the workdir "
+                                "keeps none).")
+  _NOTE = flags.DEFINE_string("note", "", "What the run changes, and anything its numbers need.")
+  _BLOCK = flags.DEFINE_integer("block", 30, "Training steps per training block.")
+  _ADD_TO = flags.DEFINE_string("add_to", "", "A results JSON whose `runs` gets the record.")
+  _AGAINST = flags.DEFINE_list("against", [], "NAME=WORKDIR of runs to pair with, question by "
+                               "question, at every step both evaluated.")
   app.run(main)

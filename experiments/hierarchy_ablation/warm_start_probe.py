@@ -1,7 +1,8 @@
-"""What a main + sub warm start has learnt of the multi-hop task's skills (issue 32).
+"""What a main + sub warm start has learnt of the multi-hop task's skills.
 
-  python benchmarks/warm_start_probe.py --workdir=/w/sft-mgrpo        # its latest checkpoint
-  python benchmarks/warm_start_probe.py --workdir=/w/sft-mgrpo --size=smoke --questions=8
+  python -m experiments.hierarchy_ablation.warm_start_probe --workdir=/w/sft-mgrpo  # latest
+  python -m experiments.hierarchy_ablation.warm_start_probe --workdir=/w/sft-mgrpo --size=smoke \
+      --questions=8
 
 On the shortest validation questions, greedy (the warm start's own evaluation split):
 - `main_names_entity`: the main agent's delegations name the question's first entity
@@ -28,12 +29,7 @@ from mgrpo_jax import checkpoint as ckpt_lib
 from mgrpo_jax import keys, models, sharding
 from mgrpo_jax import workdir as workdir_lib
 from mgrpo_jax.mgrpo import play, setup, sft, tasks
-from episode_spans import result_span  # benchmarks/episode_spans.py
-
-_WORKDIR = flags.DEFINE_string("workdir", None, "The warm start's workdir (its checkpoints).")
-_SIZE = flags.DEFINE_enum("size", "cpu", ["cpu", "gpu", "smoke"], "Task size.")
-_QUESTIONS = flags.DEFINE_integer("questions", 40, "Shortest validation questions to probe.")
-_OUT = flags.DEFINE_string("out", "", "Also write the JSON here.")
+from experiments.hierarchy_ablation.episode_spans import result_span
 
 _SIZE_FLAG = {"cpu": "runlocal", "gpu": "gpu", "smoke": "smoke"}
 
@@ -129,4 +125,9 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  # Flags only when run: tests and other modules import this one's functions.
+  _WORKDIR = flags.DEFINE_string("workdir", None, "The warm start's workdir (its checkpoints).")
+  _SIZE = flags.DEFINE_enum("size", "cpu", ["cpu", "gpu", "smoke"], "Task size.")
+  _QUESTIONS = flags.DEFINE_integer("questions", 40, "Shortest validation questions to probe.")
+  _OUT = flags.DEFINE_string("out", "", "Also write the JSON here.")
   app.run(main)

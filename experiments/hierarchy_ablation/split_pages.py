@@ -1,4 +1,4 @@
-"""Issue 32: why the test split is harder than validation, page by page.
+"""Why the test split is harder than validation, page by page.
 
 The same agents' greedy evaluation on both held-out splits (each a per-question record,
 `play.question_record`): accuracy by chain length, the accuracy test would have at
@@ -6,12 +6,12 @@ validation's per-length rates, the sub-agent's calls right by call index, and by
 question's chain opens on (its first hop's page) and that hop's attribute. The questions that
 open on one page largely share its outcome, so a split's unit is the page, not the question.
 
-  python benchmarks/split_pages.py --warm_start=/work/sweep/sft-mgrpo \
+  python -m experiments.hierarchy_ablation.split_pages --warm_start=/work/sweep/sft-mgrpo \
       --test_record=/work/sweep/mgrpo_seed0/eval_questions/step_0.json \
-      --pages_out=benchmarks/results/split-pages-cpu.json
+      --pages_out=experiments/hierarchy_ablation/results/split-pages-cpu.json
 
 `--test_record`/`--valid_record`: records the runs already wrote (an RL run's step 0 is its
-warm start's); a split without one is evaluated here (`hierarchy_sweep.question_log`, about
+warm start's); a split without one is evaluated here (`hierarchy_runs.question_log`, about
 3 minutes on 2 cores).
 """
 
@@ -24,15 +24,7 @@ from absl import app, flags
 from configs import mgrpo as mgrpo_config
 from mgrpo_jax.mgrpo import tasks
 
-import hierarchy_sweep as sweep  # benchmarks/hierarchy_sweep.py
-
-_WARM_START = flags.DEFINE_string("warm_start", None, "The main + sub agents' workdir (hf/).",
-                                  required=True)
-_RECORDS = {split: flags.DEFINE_string(f"{split}_record", "", f"A per-question record of the "
-                                       f"agents on the {split} split (default: evaluate here).")
-            for split in ("valid", "test")}
-_PAGES_OUT = flags.DEFINE_string("pages_out", "", "Results JSON (default: print only; --out "
-                                 "is hierarchy_sweep.py's flag).")
+from experiments.hierarchy_ablation import runs
 
 ARG = "task=multihop,runlocal,variant=mgrpo"
 
@@ -82,7 +74,7 @@ def main(argv):
       with open(path) as f:
         record = json.load(f)
     else:
-      record = sweep.question_log(c)
+      record = runs.question_log(c)
     out[split] = dict(record=path or "evaluated here", **split_view(
         tasks.eval_questions(c, env), record))
   rates = {h: v["rate"] for h, v in out["valid"]["by_hops"].items()}
@@ -92,11 +84,18 @@ def main(argv):
   print(json.dumps(out, indent=1))
   if _PAGES_OUT.value:
     with open(_PAGES_OUT.value, "w") as f:
-      json.dump(dict(command="python benchmarks/split_pages.py --warm_start="
+      json.dump(dict(command="python -m experiments.hierarchy_ablation.split_pages --warm_start="
                      f"{_WARM_START.value} " + " ".join(f"--{s}_record={f.value}" for s, f in
                                                       _RECORDS.items() if f.value),
                      **out), f, indent=1)
 
 
 if __name__ == "__main__":
+  # Flags only when run: tests and other modules import this one's functions.
+  _WARM_START = flags.DEFINE_string("warm_start", None, "The main + sub agents' workdir (hf/).",
+                                    required=True)
+  _RECORDS = {split: flags.DEFINE_string(f"{split}_record", "", f"A per-question record of the "
+                                         f"agents on the {split} split (default: evaluate here).")
+              for split in ("valid", "test")}
+  _PAGES_OUT = flags.DEFINE_string("pages_out", "", "Results JSON (default: print only).")
   app.run(main)

@@ -1,6 +1,6 @@
-"""The hierarchy ablation's instrument: everything that needs no training (issue 32).
+"""The hierarchy ablation's instrument and statistics: everything that needs no training.
 
-Run by `python benchmarks/hierarchy_sweep.py --instrument` (and its baselines by every sweep):
+Run by `python -m experiments.hierarchy_ablation.sweep --instrument` (its baselines by every sweep):
 the split and leak statistics of the task, the baselines that train nothing (the no-tool
 guesser; the scripted experts noise-free, the ceiling, and slipping as the warm start's
 teacher), the power analysis that sets the sweep's seeds, and how many runs fit a session.
@@ -19,6 +19,7 @@ from scipy import stats
 
 from configs import mgrpo as mgrpo_config
 from configs import sft as sft_config
+from experiments.hierarchy_ablation import config as ablation
 from mgrpo_jax import evaluate
 from mgrpo_jax.agents import experts
 from mgrpo_jax.envs import multihop
@@ -26,19 +27,14 @@ from mgrpo_jax.envs import world as world_lib
 from mgrpo_jax.mgrpo import sft, tasks
 from mgrpo_jax.rl import rewards
 
-# The config flag of each task size.
-SIZE_FLAG = {"cpu": "runlocal", "gpu": "gpu", "smoke": "smoke"}
-# The config arguments of a warm start or control beyond task and size.
-EXTRA = {name: f"variant={variant}" for name, variant in (
-    ("mgrpo", "mgrpo"), ("shared", "shared"), ("single", "single"))}
-EXTRA.update(dict(mgrpo_config.HIERARCHY_CONTROLS))
+SIZE_FLAG, EXTRA = ablation.SIZE_FLAG, ablation.EXTRA
 
 
 @functools.cache
 def git_commit() -> str:
   """HEAD's commit, with "+dirty" when tracked files differ from it ("unknown" outside git),
   as of the first call: the code this process runs, which a commit made while it runs (the
-  sweep's invocations last hours) does not change. `hierarchy_sweep.main` calls it before
+  sweep's invocations last hours) does not change. `sweep.main` calls it before
   anything is built (from the repository, as every invocation runs)."""
   try:
     head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
@@ -50,7 +46,7 @@ def git_commit() -> str:
   return head + ("+dirty" if dirty else "")
 
 
-# The power analysis, fixed before the runs (issue 32). The paired sd of M-GRPO minus
+# The power analysis, fixed before the runs. The paired sd of M-GRPO minus
 # frozen_sub over 5 seeds in the first CPU sweep (hierarchy-sweep-cpu.json at 0ce0b92): 5.4
 # points. It is taken as the sd of the per-seed difference whatever the evaluation size (a
 # conservative reading: part of it was the 128 questions' binomial noise, which a larger
@@ -74,7 +70,7 @@ def sign_test_by_page(correct_a, correct_b, pages) -> dict:
   """The question-level comparison with the page as its unit. Questions whose chains open on
   the same page are not independent (the test split's 286 questions open on 30 pages, and on
   24 of them the warm start's first sub-agent calls are all right or all wrong:
-  benchmarks/split_pages.py), so McNemar's p overstates what the questions show. Per first
+  split_pages.py), so McNemar's p overstates what the questions show. Per first
   page, `a`'s right answers minus `b`'s: how many pages favour `a` (a_pages) and `b`
   (b_pages), and the exact two-sided sign test's p over them."""
   net: dict[str, int] = {}

@@ -1,8 +1,9 @@
-"""Can a model of a given size learn one of the sub-agent's skills alone? (issue 32)
+"""Can a model of a given size learn one of the sub-agent's skills alone?
 
-  python benchmarks/sub_skill_drill.py --skill=visit --preset=tiny_wide --steps=1000
-  python benchmarks/sub_skill_drill.py --skill=report --preset=tiny_wide --steps=1000
-  python benchmarks/sub_skill_drill.py --skill=visit --loss=generated --steps=1500
+  python -m experiments.hierarchy_ablation.sub_skill_drill --skill=visit --steps=1000
+  python -m experiments.hierarchy_ablation.sub_skill_drill --skill=report --steps=1000
+  python -m experiments.hierarchy_ablation.sub_skill_drill --skill=visit --loss=generated \
+      --steps=1500
 
 A fresh model of `--preset` learns from the noise-free experts' sub-agent episodes on 8 other
 worlds (`tasks.other_world_env`), and is scored on the same rows of the task's validation
@@ -16,7 +17,7 @@ questions (names no training row holds) every 250 steps. The skills:
   `</result>`. The target is the answer after `<result>` (names and values are spelt in
   bytes): the probability of the whole answer (`p_value`), its mean per token
   (`p_value_token`), and how often every one of its tokens is the most likely
-  (`value_first`), as `benchmarks/warm_start_probe.py` scores a warm start.
+  (`value_first`), as `warm_start_probe.py` scores a warm start.
 `--loss=target` puts the target alone in the loss (with the report's `</result>`);
 `--loss=generated` every token the agent generated in the row.
 
@@ -38,15 +39,7 @@ from absl import app, flags
 from configs import sft as sft_config
 from mgrpo_jax import models
 from mgrpo_jax.mgrpo import play, setup, tasks
-from episode_spans import result_span  # benchmarks/episode_spans.py
-
-_SKILL = flags.DEFINE_enum("skill", "visit", ["visit", "report"], "The skill to learn.")
-_SIZE = flags.DEFINE_enum("size", "cpu", ["cpu", "smoke"], "Task size.")
-_PRESET = flags.DEFINE_string("preset", "tiny_wide", "Model preset (models.PRESETS).")
-_STEPS = flags.DEFINE_integer("steps", 1000, "Adam steps of 64 rows.")
-_LOSS = flags.DEFINE_enum("loss", "target", ["target", "generated"], "Tokens in the loss.")
-_WORLDS = flags.DEFINE_integer("worlds", 8, "Other worlds (100 questions each) to train on.")
-_OUT = flags.DEFINE_string("out", "", "Also write the evaluations here (JSON).")
+from experiments.hierarchy_ablation.episode_spans import result_span
 
 _BATCH, _LR, _EVAL_CHUNK = 64, 2e-3, 128
 _SIZE_FLAG = {"cpu": "runlocal", "smoke": "smoke"}
@@ -168,4 +161,12 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  # Flags only when run: tests and other modules import this one's functions.
+  _SKILL = flags.DEFINE_enum("skill", "visit", ["visit", "report"], "The skill to learn.")
+  _SIZE = flags.DEFINE_enum("size", "cpu", ["cpu", "smoke"], "Task size.")
+  _PRESET = flags.DEFINE_string("preset", "tiny_wide", "Model preset (models.PRESETS).")
+  _STEPS = flags.DEFINE_integer("steps", 1000, "Adam steps of 64 rows.")
+  _LOSS = flags.DEFINE_enum("loss", "target", ["target", "generated"], "Tokens in the loss.")
+  _WORLDS = flags.DEFINE_integer("worlds", 8, "Other worlds (100 questions each) to train on.")
+  _OUT = flags.DEFINE_string("out", "", "Also write the evaluations here (JSON).")
   app.run(main)

@@ -1,0 +1,1 @@
+"""Experiments run on the product: each sub-package holds one, with its config, code and results."""

@@ -1,0 +1,1 @@
+"""The hierarchy ablation: does training the sub-agent (M-GRPO) beat the alternatives?"""
