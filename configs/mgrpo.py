@@ -117,6 +117,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.checkpoint_every = 10
   c.max_to_keep = 2
   c.log_every = 1  # Steps between plain log lines when no terminal shows the progress bar.
+  c.update(common.log_sinks())  # log_to, wandb.
   c.max_staleness = 0  # Sub-agent versions a result may lag (checked by the main program).
   if args["gpu"]:
     _gpu(c, preset=args["model"] or "qwen3_0p6b")
