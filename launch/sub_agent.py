@@ -31,6 +31,7 @@ def main(argv):
   del argv
   cli.start()
   config_checks.check_log_to(_CONFIG.value)
+  config_checks.check_protocol(_CONFIG.value)
   workdir.check_resume(_WORKDIR.value, _CONFIG.value, allow_change=_ALLOW_CHANGE.value)
   decoupled.run_sub_agent(_CONFIG.value, _WORKDIR.value, _EXCHANGE.value,
                           timeout_s=_TIMEOUT.value)

@@ -32,6 +32,7 @@ def main(argv):
   if config.program not in PROGRAMS:
     raise app.UsageError(f"config.program={config.program!r}; expected one of {list(PROGRAMS)}.")
   config_checks.check_log_to(config)
+  config_checks.check_protocol(config)
   workdir.check_resume(_WORKDIR.value, config, allow_change=_ALLOW_CHANGE.value)
   PROGRAMS[config.program](config, _WORKDIR.value)
 

@@ -253,6 +253,11 @@ def check_qa_data(c) -> None:
                            "task=qa has none: use '' (the checkpoint's), 'byte' or a directory.")
 
 
+def check_protocol(c) -> None:
+  """Refuses an unknown `config.protocol` (configs without the field speak tags)."""
+  check_config(c, {"protocol": ("tags", "native")} if "protocol" in c else {})
+
+
 def check_log_to(c) -> None:
   """Refuses unknown metric sinks, or W&B without wandb installed: at start-up, before the
   agents are built (mgrpo_jax.metrics.open_writer)."""

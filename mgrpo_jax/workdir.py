@@ -101,7 +101,7 @@ def _flatten(d, prefix: str = "") -> dict:
 # behaviour: a config.json without one is read as holding that value (`differences`).
 ADDED_FIELDS = {"rl_worlds": 0, "rl_hop_weights": [], "sft.trace_worlds": -1,
                 "log_to": "jsonl,tensorboard", "wandb.project": "mgrpo_jax", "wandb.name": "",
-                "wandb.entity": ""}
+                "wandb.entity": "", "protocol": "tags"}
 
 
 def differences(stored: dict, current: dict) -> dict[str, tuple]:
