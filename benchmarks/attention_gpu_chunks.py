@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
-from mgrpo_jax import hlo_stats
+import hlo_stats  # benchmarks/hlo_stats.py: a library, not a script.
 from mgrpo_jax.models import attention
 
 _OUT = flags.DEFINE_string("out", "benchmarks/results/attention-gpu-chunks.json",

@@ -48,13 +48,13 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mgrpo_jax.mgrpo import delegation  # noqa: E402
-from mgrpo_jax import tokenizer as tk  # noqa: E402
+from mgrpo_jax import byte_tokenizer  # noqa: E402
 from mgrpo_jax.agents import experts, rollout  # noqa: E402
 from mgrpo_jax.envs import retrieval, search, world  # noqa: E402
 from mgrpo_jax.exchange import Exchange  # noqa: E402
 from mgrpo_jax.mgrpo import hierarchy  # noqa: E402
 
-TOK = tk.ByteTokenizer()
+TOK = byte_tokenizer.ByteTokenizer()
 MRLX_BYTES_PER_TOKEN = 4 + 4 + 1  # int32 id + float32 log-prob + uint8 loss mask.
 BYTES_PER_BPE_TOKEN = 4  # English text per BPE token (for the BPE-equivalent figure).
 

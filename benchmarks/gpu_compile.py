@@ -4,7 +4,7 @@ XLA:GPU's pipeline runs without a GPU (the `jax[cuda12]` wheels; no driver, no a
 against a target config (`benchmarks/gpu_targets/<target>.txtpb`: XLA's TargetConfig) and a
 topology of such devices. Each case compiles the step training or sampling runs, with
 abstract inputs (`benchmarks/memory.py`'s case builders), and reads the GPU program:
-`memory_analysis()` per device and the optimized HLO (`mgrpo_jax.hlo_stats`): kernels and the
+`memory_analysis()` per device and the optimized HLO (`hlo_stats`): kernels and the
 bytes they write per decode step, custom calls (cuBLAS, cuDNN attention), collectives and the
 bytes each GPU receives. Definitions and results: docs/gpu-compile.md.
 
@@ -41,7 +41,8 @@ import jax.numpy as jnp  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 import memory  # noqa: E402  (benchmarks/memory.py: the case builders)
-from mgrpo_jax import hlo_stats, models, sampling, sharding  # noqa: E402
+import hlo_stats  # noqa: E402  (benchmarks/hlo_stats.py: a library, not a script)
+from mgrpo_jax import kv_cache_plan, models, sampling, sharding  # noqa: E402
 from mgrpo_jax.models import decode as decode_layout  # noqa: E402
 from mgrpo_jax.models import qwen3  # noqa: E402
 
@@ -174,7 +175,7 @@ def prefill(target: str, preset: str, rows: int, length: int,
   cfg = models.get_preset(preset, param_dtype="bfloat16", compute_dtype="bfloat16",
                           **(model_overrides or {}))
   mesh, _ = _mesh(dict(data=1, fsdp=1, tensor=1), devices)
-  capacity = sampling.cache_len(length + 1, 32768)
+  capacity = kv_cache_plan.cache_len(length + 1, 32768)
   stacked = qwen3.abstract_params(cfg)
   params = jax.eval_shape(functools.partial(sampling.decode_params, cfg), stacked)
   params = _abstract(params, decode_layout.shardings(cfg, sharding.param_shardings(stacked, mesh)))

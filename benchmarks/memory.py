@@ -46,7 +46,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from mgrpo_jax import models, sampling, sharding  # noqa: E402
+from mgrpo_jax import kv_cache_plan, models, sampling, sharding  # noqa: E402
 from mgrpo_jax.models import decode, lora, qwen3  # noqa: E402
 from mgrpo_jax.rl import train_step as ts  # noqa: E402
 from mgrpo_jax.rl.batch import Batch  # noqa: E402
@@ -225,7 +225,7 @@ def decode_case(preset: str, rows: int = 64, reached: int = 1024,
                 model_overrides: dict | None = None):
   """The sampler's real decode loop (`sampling._decode_chunk`) for `rows` rows whose traces
   reached `reached` tokens, with `max_len` configured: the cache is what the sampler holds
-  (`sampling.cache_len`), not `max_len` slots per row. With `mesh_axes`, params, cache and
+  (`kv_cache_plan.cache_len`), not `max_len` slots per row. With `mesh_axes`, params, cache and
   rows are sharded by the rules of `mgrpo_jax.sharding` and the loop runs under the mesh.
   `param_dtype`: the weights the sampler decodes from (bf16 compute either way).
   `device_list`: the devices to compile for (default `jax.devices()`; given, even one device
@@ -234,7 +234,7 @@ def decode_case(preset: str, rows: int = 64, reached: int = 1024,
   fields changed from the preset's (e.g. fewer layers)."""
   cfg = models.get_preset(preset, param_dtype=param_dtype, compute_dtype="bfloat16",
                           **(model_overrides or {}))
-  capacity = sampling.cache_len(reached, max_len)
+  capacity = kv_cache_plan.cache_len(reached, max_len)
   s = jax.ShapeDtypeStruct
   cache = jax.eval_shape(lambda: sampling.init_cache(cfg, rows, capacity))
   stacked = qwen3.abstract_params(cfg)
@@ -269,8 +269,8 @@ def decode_case(preset: str, rows: int = 64, reached: int = 1024,
     out.update(mesh={k: v for k, v in mesh_axes.items() if v > 1},
                params_gb_all_devices=cfg.num_params() * 2 / GB)
   out.update(preset=preset, rows=rows, reached=reached, max_len=max_len, cache_len=capacity,
-             kv_cache_gb=sampling.kv_cache_bytes(cfg, rows, capacity) / GB,
-             kv_cache_at_max_len_gb=sampling.kv_cache_bytes(cfg, rows, max_len) / GB)
+             kv_cache_gb=kv_cache_plan.kv_cache_bytes(cfg, rows, capacity) / GB,
+             kv_cache_at_max_len_gb=kv_cache_plan.kv_cache_bytes(cfg, rows, max_len) / GB)
   return (out, compiled) if return_compiled else out
 
 

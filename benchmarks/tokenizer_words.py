@@ -3,7 +3,8 @@
 The CPU multihop task's tokenizer ("byte+phrases+ids") gives the world's phrases and doc ids
 one id each. Encoding a page used to run one regex alternation of every word, longest first;
 the warm start's traces (every tool reply is encoded) spent about 80% of their time there
-(py-spy, session 19). `tk.words_pattern` builds the same matches from a trie of the words.
+(py-spy, session 19). `byte_tokenizer.words_pattern` builds the same matches from a trie of the
+words.
 This encodes every page of the world with both, checks that the ids are the same, and times
 them; then it times the single agent's warm-start traces on `--trace_questions` questions
 (the training split and two other worlds) with each. The alternation is rebuilt here as the
@@ -25,7 +26,7 @@ from absl import app, flags
 
 from configs import mgrpo as mgrpo_config
 from configs import sft as sft_config
-from mgrpo_jax import tokenizer as tk
+from mgrpo_jax import byte_tokenizer
 from mgrpo_jax.envs import world
 from mgrpo_jax.mgrpo import setup, sft, tasks
 
@@ -48,7 +49,7 @@ def alternation(words) -> re.Pattern:
                              for w in sorted(words, key=len, reverse=True)))
 
 
-def encode_with(pattern: re.Pattern, tok: tk.ByteTokenizer, text: str) -> list[int]:
+def encode_with(pattern: re.Pattern, tok: byte_tokenizer.ByteTokenizer, text: str) -> list[int]:
   """`tok.encode(text)` with `pattern` finding the words."""
   saved, tok._word_re = tok._word_re, pattern  # pylint: disable=protected-access
   try:
@@ -60,11 +61,11 @@ def encode_with(pattern: re.Pattern, tok: tk.ByteTokenizer, text: str) -> list[i
 @contextlib.contextmanager
 def patterns_from(make):
   """Tokenizers made inside use `make(words)` to find their words."""
-  saved, tk.words_pattern = tk.words_pattern, make
+  saved, byte_tokenizer.words_pattern = byte_tokenizer.words_pattern, make
   try:
     yield
   finally:
-    tk.words_pattern = saved
+    byte_tokenizer.words_pattern = saved
 
 
 def trace_seconds(num_questions: int) -> dict:
@@ -74,7 +75,7 @@ def trace_seconds(num_questions: int) -> dict:
   c.sft.update(other_worlds=2, trace_worlds=-1, num_questions=num_questions)
   w = setup.resolve_wiring(c, training=False)
   out = {}
-  for name, make in (("alternation", alternation), ("trie", tk.words_pattern)):
+  for name, make in (("alternation", alternation), ("trie", byte_tokenizer.words_pattern)):
     with patterns_from(make):
       env = tasks.build_env(c)
       others = sft.other_world_envs(c)
@@ -103,9 +104,9 @@ def main(argv):
   c = mgrpo_config.get_config(_CONFIG.value)
   the_world = world.generate_world(tasks.world_config(c))
   words = tasks.tokenizer_words(c.tokenizer, the_world)
-  tok = tk.ByteTokenizer(words=words)
+  tok = byte_tokenizer.ByteTokenizer(words=words)
   pages = [f"[{d.doc_id}] {d.title}\n{d.text}" for d in the_world.documents]
-  patterns = {"alternation": alternation(words), "trie": tk.words_pattern(words)}
+  patterns = {"alternation": alternation(words), "trie": byte_tokenizer.words_pattern(words)}
   ids = {name: [encode_with(p, tok, page) for page in pages] for name, p in patterns.items()}
   if ids["alternation"] != ids["trie"]:
     bad = sum(a != b for a, b in zip(ids["alternation"], ids["trie"]))

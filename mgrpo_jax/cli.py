@@ -24,7 +24,7 @@ from mgrpo_jax import compile_cache, distributed, exchange
 from mgrpo_jax import checkpoint as ckpt_lib
 from mgrpo_jax import config_checks, metrics, plotting, sharding
 from mgrpo_jax import workdir as workdir_lib
-from mgrpo_jax.agents import protocol
+from mgrpo_jax.agents import continuation
 from mgrpo_jax.envs import datasets
 from mgrpo_jax.magrpo import rollout
 from mgrpo_jax.models import config as model_config
@@ -37,7 +37,7 @@ _VERBOSE = flags.DEFINE_boolean("verbose", False, "Show the traceback of a user 
 USER_ERRORS = (config_checks.ConfigValueError, model_config.ConfigError,
                safetensors_io.CheckpointError, ckpt_lib.CorruptCheckpointError,
                datasets.DatasetError, exchange.ExchangeError, sharding.ShardingError,
-               protocol.TemplateError, rollout.PromptTooLongError, plotting.UnknownMetricError,
+               continuation.TemplateError, rollout.PromptTooLongError, plotting.UnknownMetricError,
                workdir_lib.ConfigChangeError, FileNotFoundError, NotADirectoryError,
                FileExistsError, app.UsageError)
 

@@ -15,7 +15,7 @@ import ml_collections
 
 from mgrpo_jax import metrics
 from mgrpo_jax import sharding
-from mgrpo_jax import tokenizer as tk
+from mgrpo_jax import tokenizer_io
 from mgrpo_jax.models import attention
 from mgrpo_jax.models.config import REMAT_POLICIES
 
@@ -248,7 +248,7 @@ def check_qa_data(c) -> None:
   if not d.train and not d.eval:
     raise ConfigValueError("task=qa needs config.data.train (to train) and/or config.data.eval "
                            "(to evaluate): .json or .jsonl files of questions.")
-  if c.tokenizer in tk.WORLD_SPECS:
+  if c.tokenizer in tokenizer_io.WORLD_SPECS:
     raise ConfigValueError(f"config.tokenizer={c.tokenizer!r} takes a generated world's words; "
                            "task=qa has none: use '' (the checkpoint's), 'byte' or a directory.")
 

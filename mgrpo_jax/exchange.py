@@ -35,23 +35,13 @@ Every record carries a schema version, its own key and the sha256 of its canonic
 JSON; arrays are checked against the checksum in their commit record. Anything that
 fails these checks raises `ExchangeCorrupt` naming the key; nothing is skipped.
 
-One writer per role: `acquire_lease(exchange, role)` holds `{run}/_lease/{role}.json`
-for the program's lifetime. Taking, renewing and releasing it are compare-and-swap
-writes (`if_equal` = the generation last read), atomic on every backend: a lock inside
-tensorstore on `file://`, `If-Match: <etag>` on S3 (with `use_conditional_write`, which
-`kvstore_spec` sets), `x-goog-if-generation-match` on GCS. A second program of the
-same role fails with `LeaseHeld` naming the holder; a lease that is released, whose
-holder is a dead process on this machine, or that was not renewed within `timeout_s`
-is taken over. A multi-host program is one writer too: process 0 writes, the other
-processes (which compute the same records) only read.
+One writer per role: `lease.acquire_lease` holds a role's lease on an exchange.
 """
 
-import _thread
 import hashlib
 import json
 import os
 import re
-import socket
 import threading
 import time
 import uuid
@@ -59,13 +49,12 @@ from typing import Any, Sequence
 
 import numpy as np
 import tensorstore as ts
-from absl import logging
 
 from mgrpo_jax import distributed
 
 SCHEMA_VERSION = 1
 _WIDTHS = (8, 4, 4, 4)  # step, query, rollout, call.
-_NO_VALUE = b"\x02"  # tensorstore's StorageGeneration::NoValue: "only if the key is absent".
+NO_VALUE = b"\x02"  # tensorstore's StorageGeneration::NoValue: "only if the key is absent".
 _MAX_POLL_S = 1.0  # Backoff cap: object stores bill per request.
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")  # Kinds and array names: one path segment.
 # One context per process, so that every Exchange (and its zarr arrays) on memory://
@@ -117,14 +106,14 @@ def _canonical(record: Any) -> bytes:
                     allow_nan=False).encode("utf-8")
 
 
-def _encode(path: str, record: dict) -> bytes:
+def encode_record(path: str, record: dict) -> bytes:
   body = _canonical(record)
   envelope = {"v": SCHEMA_VERSION, "key": path, "sha256": hashlib.sha256(body).hexdigest(),
               "record": record}
   return _canonical(envelope)
 
 
-def _decode(path: str, raw: bytes) -> dict:
+def decode_record(path: str, raw: bytes) -> dict:
   try:
     envelope = json.loads(raw.decode("utf-8"))
   except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -177,7 +166,7 @@ def kvstore_spec(url_or_spec, subpath: str = "") -> dict:
   return spec
 
 
-def _check_name(what: str, name: str) -> str:
+def check_name(what: str, name: str) -> str:
   if not isinstance(name, str) or not _NAME.fullmatch(name):
     raise ValueError(f"Exchange {what} must match {_NAME.pattern}, got {name!r}.")
   return name
@@ -299,7 +288,7 @@ class Exchange:
 
   def marks(self, kind: str) -> list[int]:
     """The marked steps of `kind`, ascending (where a restarted program resumes)."""
-    prefix = f"{self.run}/_mark/{_check_name('kind', kind)}/"
+    prefix = f"{self.run}/_mark/{check_name('kind', kind)}/"
     return sorted(k[0] for k in self._list_under(prefix, "") if len(k) == 1)
 
   # Arrays.
@@ -348,7 +337,7 @@ class Exchange:
 
   def array_steps(self, name: str) -> list[int]:
     """The committed steps of array `name`, ascending."""
-    prefix = f"{self.run}/_array/{_check_name('array name', name)}/"
+    prefix = f"{self.run}/_array/{check_name('array name', name)}/"
     return sorted(k[0] for k in self._list_under(prefix, "") if len(k) == 1)
 
   # Accounting.
@@ -376,13 +365,13 @@ class Exchange:
     segments = _segments(key)
     if not segments:
       raise ValueError("Exchange record keys need at least a step.")
-    return f"{self.run}/{_check_name('kind', kind)}/{'/'.join(segments)}.json"
+    return f"{self.run}/{check_name('kind', kind)}/{'/'.join(segments)}.json"
 
   def _mark_path(self, kind: str, step: int) -> str:
-    return f"{self.run}/_mark/{_check_name('kind', kind)}/{_segments([step])[0]}.json"
+    return f"{self.run}/_mark/{check_name('kind', kind)}/{_segments([step])[0]}.json"
 
   def _array_path(self, name: str, step: int) -> str:
-    return f"{self.run}/_array/{_check_name('array name', name)}/{_segments([step])[0]}.json"
+    return f"{self.run}/_array/{check_name('array name', name)}/{_segments([step])[0]}.json"
 
   def _count(self, kind: str, field: str, n: int):
     with self._lock:
@@ -392,8 +381,8 @@ class Exchange:
   def _put(self, path: str, record: dict, kind: str) -> bool:
     if not isinstance(record, dict):
       raise TypeError(f"Exchange records are dicts, got {type(record).__name__}.")
-    data = _encode(path, record)
-    stamp = self._store.write(path, data, if_equal=_NO_VALUE).result()
+    data = encode_record(path, record)
+    stamp = self._store.write(path, data, if_equal=NO_VALUE).result()
     if stamp.generation:  # An empty generation means the condition failed: key taken.
       self._count(kind, "bytes_written", len(data))
       self._count(kind, "records_written", 1)
@@ -412,7 +401,7 @@ class Exchange:
       return None
     self._count(kind, "bytes_read", len(result.value))
     self._count(kind, "records_read", 1)
-    return _decode(path, result.value)
+    return decode_record(path, result.value)
 
   def _wait(self, paths: list[str], kind: str, timeout_s: float | None,
             poll_s: float) -> list[dict]:
@@ -469,183 +458,7 @@ class Exchange:
   def list(self, kind: str, prefix: Sequence[int] = ()) -> list[Key]:
     """The keys of `kind` that start with `prefix`, sorted (e.g. prefix=(step,))."""
     prefix = tuple(prefix)
-    base = f"{self.run}/{_check_name('kind', kind)}/"
+    base = f"{self.run}/{check_name('kind', kind)}/"
     # No trailing separator: (step,) also matches the leaf `{step}.json`.
     keys = self._list_under(base, "/".join(_segments(prefix)))
     return sorted(k for k in keys if k[:len(prefix)] == prefix)
-
-
-# One writer per role.
-
-
-class LeaseHeld(ExchangeError):
-  """Another live program holds the role's lease; `holder` is its lease record."""
-
-  def __init__(self, key: str, holder: dict):
-    super().__init__(
-        f"Another {holder.get('role')!r} program holds this exchange ({key}): host "
-        f"{holder.get('host')!r}, pid {holder.get('pid')}, started {holder.get('start')}, "
-        f"last renewed {time.time() - holder.get('renewed', 0):.0f} s ago. Stop it first "
-        "(a killed one's lease is taken over once it is stale), or use another run location.")
-    self.key, self.holder = key, holder
-
-
-class LeaseLost(ExchangeError):
-  """This program's lease was taken over (it missed its renewals); it must stop writing."""
-
-
-def _read_text(path: str) -> str | None:
-  try:
-    with open(path) as f:
-      return f.read().strip()
-  except OSError:
-    return None
-
-
-def _pid_start(pid: int) -> str | None:
-  """The start time (clock ticks since boot) of `pid`, None if no such process."""
-  stat = _read_text(f"/proc/{pid}/stat")
-  # Field 22; the command name (field 2) may hold spaces, so split after its ')'.
-  return None if stat is None else stat.rsplit(")", 1)[1].split()[19]
-
-
-def _identity() -> dict:
-  try:
-    pid_ns = os.stat("/proc/self/ns/pid").st_ino
-  except OSError:
-    pid_ns = None
-  return {"host": socket.gethostname(), "pid": os.getpid(),
-          "start": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-          "boot_id": _read_text("/proc/sys/kernel/random/boot_id"), "pid_ns": pid_ns,
-          "pid_start": _pid_start(os.getpid())}
-
-
-def _holder_is_dead(holder: dict) -> bool:
-  """True only for a holder on this kernel and pid namespace whose process is gone."""
-  me = _identity()
-  if me["boot_id"] is None or me["pid_ns"] is None:
-    return False
-  if (holder.get("boot_id"), holder.get("pid_ns")) != (me["boot_id"], me["pid_ns"]):
-    return False  # Another machine or container: only the timeout can tell.
-  pid = holder.get("pid")
-  return not isinstance(pid, int) or _pid_start(pid) != holder.get("pid_start")
-
-
-class Lease:
-  """A held role lease, renewed in the background until `release` (or the `with` exit).
-
-  `check()` raises LeaseLost once renewal found the lease taken over; `on_lost` (default:
-  interrupting the main thread) is called then too, so a program that lost its role
-  stops before it writes more.
-  """
-
-  def __init__(self, exchange: "Exchange", role: str, *, timeout_s: float, on_lost=None):
-    self.key = f"{exchange.run}/_lease/{_check_name('role', role)}.json"
-    self.role, self.timeout_s = role, float(timeout_s)
-    self._store, self._where = exchange._store, repr(exchange)  # pylint: disable=protected-access
-    self._on_lost = on_lost or _interrupt_main
-    self.record = {**_identity(), "role": role, "timeout_s": self.timeout_s,
-                   "token": uuid.uuid4().hex, "released": False}
-    self._generation, self._lost = None, None
-    self._stop = threading.Event()
-    self._thread = None
-
-  def _cas(self, record: dict, if_equal: bytes) -> bytes | None:
-    """Writes `record` if the stored generation is `if_equal`; the new one, or None."""
-    record = {**record, "renewed": time.time()}
-    stamp = self._store.write(self.key, _encode(self.key, record), if_equal=if_equal).result()
-    return stamp.generation or None  # An empty generation: the condition failed.
-
-  def acquire(self) -> "Lease":
-    for _ in range(8):  # Each retry follows another program's write: a handful at most.
-      result = self._store.read(self.key).result()
-      if result.state != "value":
-        self._generation = self._cas(self.record, _NO_VALUE)
-      else:
-        holder = _decode(self.key, result.value)
-        # The holder's own timeout: it renews at a quarter of it.
-        stale = time.time() - holder.get("renewed", 0) > holder.get("timeout_s", self.timeout_s)
-        if not (holder.get("released") or stale or _holder_is_dead(holder)):
-          raise LeaseHeld(self.key, holder)
-        if not holder.get("released"):
-          logging.warning("Taking over the %r lease of %s from host %s pid %s (%s).", self.role,
-                          self._where, holder.get("host"), holder.get("pid"),
-                          "stale" if stale else "its process is gone")
-        self._generation = self._cas(self.record, result.stamp.generation)
-      if self._generation is not None:
-        self._thread = threading.Thread(target=self._renew_loop, daemon=True,
-                                        name=f"lease-{self.role}")
-        self._thread.start()
-        return self
-    raise ExchangeError(f"Could not take the {self.role!r} lease of {self._where}: it keeps "
-                        "changing hands.")
-
-  def _renew_loop(self):
-    last_ok = time.monotonic()
-    while not self._stop.wait(self.timeout_s / 4):
-      try:
-        generation = self._cas(self.record, self._generation)
-      except Exception as e:  # pylint: disable=broad-except  A network blip: retry.
-        logging.warning("Renewing the %r lease of %s failed: %s", self.role, self._where, e)
-        if time.monotonic() - last_ok < self.timeout_s:
-          continue
-        return self._lose(f"it could not be renewed for {self.timeout_s:.0f} s ({e})")
-      if generation is None:
-        return self._lose(f"it was taken over by {self._holder_text()}")
-      self._generation, last_ok = generation, time.monotonic()
-
-  def _holder_text(self) -> str:
-    try:
-      result = self._store.read(self.key).result()
-      holder = _decode(self.key, result.value) if result.state == "value" else {}
-    except Exception as e:  # pylint: disable=broad-except
-      return f"an unknown holder ({e})"
-    return f"host {holder.get('host')!r} pid {holder.get('pid')}"
-
-  def _lose(self, why: str) -> None:
-    self._lost = LeaseLost(f"This program lost the {self.role!r} lease of {self._where}: "
-                           f"{why}.")
-    logging.error("%s", self._lost)
-    self._on_lost(self._lost)
-
-  def check(self) -> None:
-    """Raises LeaseLost if another program has taken this lease over."""
-    if self._lost is not None:
-      raise self._lost
-
-  def release(self) -> None:
-    """Stops renewing and marks the lease released (a no-op if it was lost)."""
-    self._stop.set()
-    if self._thread is not None:
-      self._thread.join()
-      self._thread = None
-    if self._lost is None and self._generation is not None:
-      if self._cas({**self.record, "released": True}, self._generation) is None:
-        logging.warning("The %r lease of %s was taken over before release.", self.role,
-                        self._where)
-      self._generation = None
-
-  def __enter__(self):
-    return self
-
-  def __exit__(self, *exc):
-    self.release()
-
-
-def _interrupt_main(error: LeaseLost) -> None:
-  del error  # Logged already; KeyboardInterrupt stops the main thread where it is.
-  _thread.interrupt_main()
-
-
-def acquire_lease(exchange, role: str, *, run: str = "run", timeout_s: float = 60.0,
-                  on_lost=None) -> Lease:
-  """Takes the one-writer lease of `role` ("main", "sub", ...) on an exchange.
-
-  `exchange` is an `Exchange` or a location as for `Exchange` (with `run`). Returns the
-  held `Lease` (a context manager); raises LeaseHeld naming the live holder. A holder
-  renews every `timeout_s / 4` s; one silent for `timeout_s` is taken over, so clocks
-  of the machines involved must agree to well within `timeout_s`.
-  """
-  if not isinstance(exchange, Exchange):
-    exchange = Exchange(exchange, run=run)
-  return Lease(exchange, role, timeout_s=timeout_s, on_lost=on_lost).acquire()

@@ -12,13 +12,13 @@ import jax
 import numpy as np
 from absl import logging
 
-from mgrpo_jax import models, sampling, sharding, tokenizer
+from mgrpo_jax import models, offline_tokenizer, sampling, sharding, tokenizer_io
 
 
 def write_random_checkpoint(path: str, preset: str = "tiny", seed: int = 0) -> str:
   """Writes a random-weight HF checkpoint + tokenizer directory at `path`."""
-  tok_dir = tokenizer.write_test_hf_tokenizer(path)
-  tok = tokenizer.load_tokenizer(str(tok_dir))
+  tok_dir = offline_tokenizer.write_test_hf_tokenizer(path)
+  tok = tokenizer_io.load_tokenizer(str(tok_dir))
   cfg = models.get_preset(preset, vocab_size=tok.padded_vocab_size())
   params = models.init_params(cfg, jax.random.key(seed))
   # Small shards so the demo also reads a sharded checkpoint with its index.
@@ -36,7 +36,7 @@ def run(workdir: str, *, preset: str = "tiny", max_new_tokens: int = 48,
   logging.info("Checkpoint %s: %s", path, ", ".join(files))
   mesh = sharding.make_mesh((-1, 1, 1))
   cfg, params = models.load_hf(path, mesh=mesh)
-  tok = tokenizer.load_tokenizer(path)
+  tok = tokenizer_io.load_tokenizer(path)
   questions = ["Who founded the Halvard Institute?", "Where was Mira Osk born?",
                "Which river flows through Tarn?", "What did Ilse Varga write?"]
   prompts = [tok.apply_chat_template([{"role": "user", "content": q}],

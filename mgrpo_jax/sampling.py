@@ -6,9 +6,9 @@ and `extend` (append tool output to live rows, reusing their cached prefix), wit
 each row writes its cache at its own position, so short rows waste no attention.
 
 Memory follows need, not `max_len`: the cache holds `cache_len(n)` slots per row, n the
-longest row (a power of two, at least `MIN_CACHE_LEN`, at most `max_len`), and is copied
-into the next bucket only when a row is about to write past it. Identical prompts (a
-group's K rollouts) are prefilled once and their cache rows copied. With
+longest row (a power of two, at least `MIN_CACHE_LEN`, at most `max_len`; `kv_cache_plan`),
+and is copied into the next bucket only when a row is about to write past it. Identical
+prompts (a group's K rollouts) are prefilled once and their cache rows copied. With
 `kv_cache_budget_bytes`, `generate` admits the rows in waves whose cache fits the budget;
 the others wait for the running wave to finish, and none is dropped.
 
@@ -42,6 +42,7 @@ from flax import nnx
 
 from mgrpo_jax import xla_options
 from mgrpo_jax.distributed import fetch
+from mgrpo_jax.kv_cache_plan import bucket, cache_len, plan_waves
 from mgrpo_jax.models import decode
 from mgrpo_jax.models import moe
 from mgrpo_jax.models.config import Qwen3Config
@@ -51,7 +52,6 @@ RUNNING, STOP_TOKEN, STOP_STRING, LENGTH, CONTEXT = 0, 1, 2, 3, 4
 FINISH_NAMES = {RUNNING: "running", STOP_TOKEN: "stop", STOP_STRING: "stop_string",
                 LENGTH: "length", CONTEXT: "context"}
 _MAX_STOP_IDS = 8  # Stop ids are a fixed-size traced array; -1 pads unused slots.
-MIN_CACHE_LEN = 64  # Smallest cache bucket: short rows cost few grows and few compiles.
 
 
 @flax.struct.dataclass
@@ -94,11 +94,6 @@ class _SamplingParams:
   stop_ids: jax.Array  # [_MAX_STOP_IDS]
 
 
-def _bucket(n: int, minimum: int = 8) -> int:
-  """Next power of two (at least `minimum`): few distinct shapes, so few compiles."""
-  return max(minimum, 1 << max(0, int(n - 1).bit_length()))
-
-
 def init_routes(config: Qwen3Config, batch: int, length: int) -> jax.Array | None:
   """An empty route buffer [B, length, sparse layers, k] for a MoE config; None if dense."""
   if not config.is_moe:
@@ -124,51 +119,6 @@ def decode_params(config: Qwen3Config, params) -> DecodeParams:
   """The sampler's weights (`models.decode.decode_params`, jitted); made once per policy
   version and passed to every call, they spare each call its own conversion."""
   return params if isinstance(params, DecodeParams) else decode.decode_params(config, params)
-
-
-def cache_len(n: int, max_len: int) -> int:
-  """Cache slots the sampler allocates for rows of up to `n` tokens (see module doc)."""
-  return min(max_len, _bucket(n, MIN_CACHE_LEN))
-
-
-def kv_cache_bytes(config: Qwen3Config, rows: int, length: int) -> int:
-  """Bytes of the keys and values of every layer for `rows` x `length` cache slots."""
-  itemsize = jnp.dtype(config.compute_jnp_dtype).itemsize
-  return 2 * config.num_layers * rows * config.num_kv_heads * length * config.head_dim * itemsize
-
-
-def kv_cache_peak_bytes(config: Qwen3Config, rows: int, need: int, max_len: int) -> int:
-  """Most KV-cache bytes the sampler holds for `rows` rows reaching `need` tokens.
-
-  Counts the batch bucket's padding rows and, when the cache must grow into its final
-  bucket, the old cache that lives beside the new one during the copy.
-  """
-  b, length = _bucket(rows, 1), cache_len(need, max_len)
-  below = cache_len(1 << ((length - 1).bit_length() - 1), max_len)
-  old = below if below < length else 0
-  return kv_cache_bytes(config, b, length) + kv_cache_bytes(config, b, old)
-
-
-def plan_waves(config: Qwen3Config, bounds: Sequence[int], *, max_len: int,
-               budget_bytes: int) -> list[list[int]]:
-  """Row indices grouped into waves whose `kv_cache_peak_bytes` fit `budget_bytes`.
-
-  `bounds[i]` is the most tokens row i can reach. Rows are taken shortest first, so a
-  wave holds rows of similar length; a row that cannot fit even alone raises.
-  """
-  waves, wave = [], []
-  for i in sorted(range(len(bounds)), key=lambda i: bounds[i]):
-    # Sorted ascending: row i is the longest of any wave it joins.
-    if wave and kv_cache_peak_bytes(config, len(wave) + 1, bounds[i], max_len) > budget_bytes:
-      waves.append(wave)
-      wave = []
-    if not wave and kv_cache_peak_bytes(config, 1, bounds[i], max_len) > budget_bytes:
-      raise ValueError(
-          f"Row {i} may reach {bounds[i]} tokens, a KV cache of "
-          f"{kv_cache_peak_bytes(config, 1, bounds[i], max_len)} bytes; "
-          f"kv_cache_budget_bytes={budget_bytes} cannot hold even this one row.")
-    wave.append(i)
-  return waves + [wave] if wave else waves
 
 
 def _filter_logits(logits_BxV, top_k, top_p):
@@ -248,6 +198,8 @@ def _decode_chunk(config, params, state: _LoopState, sp: _SamplingParams, steps,
   no row passes the cache's capacity, and a window that covers every position reached.
   """
   capacity, max_len = state.seqs.capacity, state.seqs.max_len
+  # A stream per row id, not per batch slot: a row's samples do not depend on which rows
+  # share its batch, so a seed reproduces episodes whatever the slot order or wave.
   row_keys_B = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, state.row_ids_B)
 
   def cond(carry):
@@ -347,7 +299,7 @@ def read_routes(seqs: Sequences, starts: Sequence[int],
   st = np.zeros(b, np.int32)
   st[:len(starts)] = starts
   routes = fetch(_gather_routes(seqs.experts_BxSxLxK, jnp.asarray(st),
-                                _bucket(max(list(counts) + [1]), 16)))
+                                bucket(max(list(counts) + [1]), 16)))
   return [routes[i, :n].copy() for i, n in enumerate(counts)]
 
 
@@ -379,8 +331,8 @@ def prefill(config: Qwen3Config, params: nnx.State | DecodeParams,
     raise ValueError(f"A prompt of {longest} tokens does not fit a context of {max_len}.")
   unique, idx = _dedupe(prompts)
   params = decode_params(config, params)
-  b = _bucket(len(unique), 1)
-  tokens = _pad_rows(unique, b, min(_bucket(longest, 16), max_len), pad_id)
+  b = bucket(len(unique), 1)
+  tokens = _pad_rows(unique, b, min(bucket(longest, 16), max_len), pad_id)
   lengths = np.zeros(b, np.int32)
   lengths[:len(unique)] = [len(p) for p in unique]
   cache = init_cache(config, b, cache_len(longest + 1, max_len))
@@ -392,7 +344,7 @@ def prefill(config: Qwen3Config, params: nnx.State | DecodeParams,
   seqs = Sequences(cache, jnp.asarray(np.maximum(lengths, 1)), last_logits, max_len, experts)
   if len(unique) == len(prompts):
     return seqs
-  rows = np.zeros(_bucket(len(prompts), 1), np.int32)  # Padding rows copy row 0.
+  rows = np.zeros(bucket(len(prompts), 1), np.int32)  # Padding rows copy row 0.
   rows[:len(prompts)] = idx
   return _take_rows(seqs, jnp.asarray(rows))
 
@@ -422,7 +374,7 @@ def extend(config: Qwen3Config, params: nnx.State | DecodeParams, seqs: Sequence
   need = int((lengths + counts).max())
   if need > seqs.capacity:
     seqs = _grow(seqs, cache_len(need, seqs.max_len))
-  tokens = _pad_rows(new_tokens, b, _bucket(int(counts.max()), 16), pad_id)
+  tokens = _pad_rows(new_tokens, b, bucket(int(counts.max()), 16), pad_id)
   # Padding tokens past the capacity are dropped by the cache write.
   window = _window(int(lengths.max()) + tokens.shape[1], seqs.capacity)
   cache, last_logits, experts = _prefill(config, params, jnp.asarray(tokens),
@@ -480,7 +432,7 @@ def sample(config: Qwen3Config, params: nnx.State | DecodeParams, seqs: Sequence
   stop_ids[:len(stop_token_ids)] = list(stop_token_ids)
   sp = _SamplingParams(jnp.float32(temperature), jnp.float32(top_p), jnp.int32(top_k),
                        jnp.asarray(stop_ids))
-  n_cols = _bucket(max_new_tokens, 16)
+  n_cols = bucket(max_new_tokens, 16)
   finish = np.full(b, LENGTH, np.int32)  # Bucket padding rows start finished.
   finish[:num_rows] = RUNNING
   if active is not None:
@@ -591,7 +543,7 @@ def generate(config: Qwen3Config, params: nnx.State | DecodeParams,
   `row_ids` name the rows' PRNG streams (default 0, 1, ...).
   """
   longest = max(len(p) for p in prompts)
-  max_len = max_len or _bucket(longest + max_new_tokens + 1, 16)
+  max_len = max_len or bucket(longest + max_new_tokens + 1, 16)
   row_ids = list(range(len(prompts))) if row_ids is None else list(row_ids)
   params = decode_params(config, params)  # Once for every wave and call below.
   run = functools.partial(

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import ml_collections
 from absl import logging
 
-from mgrpo_jax import models
+from mgrpo_jax import hf_tokenizer, models, tokenizer_io
 from mgrpo_jax import tokenizer as tk
 from mgrpo_jax import workdir as workdir_lib
 from mgrpo_jax.config_checks import ConfigValueError
@@ -127,13 +127,14 @@ def _check_vocabulary(path: str, vocab_size: int, tokenizer: tk.Tokenizer) -> No
   """Refuses a checkpoint made with another tokenizer (its ids would mean other strings)."""
   if vocab_size < tokenizer.vocab_size:
     raise ValueError(f"{path}: the checkpoint has {vocab_size} token ids but "
-                     f"{tk.describe(tokenizer)} has more; they do not belong together "
+                     f"{tokenizer_io.describe(tokenizer)} has more; they do not belong together "
                      f"(config.tokenizer names another tokenizer than the checkpoint's, or "
                      f"config.world changed since the warm start).")
-  own = tk.has_tokenizer_files(path) and not isinstance(tokenizer, tk.HFTokenizer)
+  own = (hf_tokenizer.has_tokenizer_files(path)
+         and not isinstance(tokenizer, hf_tokenizer.HFTokenizer))
   if own:  # Fits, but the model never saw these ids: the user asked for it, so only a warning.
     logging.warning("%s has its own tokenizer, but this run feeds it %s (config.tokenizer=''"
-                    " would use the checkpoint's).", path, tk.describe(tokenizer))
+                    " would use the checkpoint's).", path, tokenizer_io.describe(tokenizer))
   words_file = os.path.join(path, workdir_lib.WORDS_FILE)
   if os.path.exists(words_file):
     with open(words_file) as f:

@@ -18,7 +18,7 @@ from absl import logging
 
 from mgrpo_jax import checkpoint as ckpt_lib
 from mgrpo_jax import distributed
-from mgrpo_jax import models
+from mgrpo_jax import models, tokenizer_io
 from mgrpo_jax import tokenizer as tk
 from mgrpo_jax.models import lora
 
@@ -61,7 +61,7 @@ def save_final_hf(workdir: str, agents: dict, tokenizer: tk.Tokenizer | None = N
       lora.save_peft(os.path.join(workdir, "lora", name), cfg, adapters,
                      base_model=agent.base_path)
     if tokenizer is not None:  # An HF tokenizer's files: the export loads with AutoTokenizer.
-      tk.save_tokenizer(tokenizer, path)
+      tokenizer_io.save_tokenizer(tokenizer, path)
     if getattr(tokenizer, "words", ()):
       with open(os.path.join(path, WORDS_FILE), "w") as f:
         json.dump({"words": list(tokenizer.words)}, f)

@@ -10,8 +10,8 @@ import jax
 
 # Decode steps multiply a few rows by every weight matrix. XLA's dot-strength-reduction pass
 # rewrites such matrix-vector products as multiply + reduce fusions, which on an H100 ran
-# Qwen3-0.6B batch-1 decode at 3.23 ms/token against 2.72 ms with the pass disabled (issue
-# 19, jax 0.11, bf16, greedy, 256 new tokens).
+# Qwen3-0.6B batch-1 decode at 3.23 ms/token against 2.72 ms with the pass disabled (jax 0.11,
+# bf16, greedy, 256 new tokens; docs/gpu.md).
 _DECODE = {"gpu": {"xla_disable_hlo_passes": "dot-strength-reduction"}}
 
 

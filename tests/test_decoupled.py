@@ -8,13 +8,13 @@ import pytest
 
 import loopback
 from mgrpo_jax.mgrpo import delegation
-from mgrpo_jax import tokenizer as tk
+from mgrpo_jax import byte_tokenizer
 from mgrpo_jax.agents import experts, rollout
 from mgrpo_jax.envs import retrieval, search, world
 from mgrpo_jax.exchange import Exchange
 from mgrpo_jax.mgrpo import hierarchy
 
-TOK = tk.ByteTokenizer()
+TOK = byte_tokenizer.ByteTokenizer()
 LIMITS = rollout.Limits(max_turns=6, max_new_tokens=160, max_len=4096, max_delegations=4)
 
 

@@ -8,7 +8,7 @@ import sys
 import jax
 import pytest
 
-from mgrpo_jax import models, sampling
+from mgrpo_jax import kv_cache_plan, models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,7 +36,7 @@ def test_flops_and_bytes_by_hand(load_benchmark):
   assert gpu.train_flops(cfg, 8, 4) == 3 * 8 * gpu.forward_flops_per_token(cfg, 2.5)
   bf16 = models.get_preset("qwen3_0p6b", compute_dtype="bfloat16")
   kv = gpu.decode_bytes_per_step(bf16, 64, 1024) - 2 * bf16.num_params()
-  assert kv == sampling.kv_cache_bytes(bf16, 64, 1024)  # The sampler's own count.
+  assert kv == kv_cache_plan.kv_cache_bytes(bf16, 64, 1024)  # The sampler's own count.
   assert gpu.device_specs("NVIDIA H100 80GB HBM3") == {"hbm_bytes_per_s": 3.35e12,
                                                        "bf16_flops_per_s": 989e12}
   assert gpu.device_specs("cpu") is None

@@ -1,6 +1,6 @@
 """CI sees the GPU program: a small model's decode loop and update, compiled for an H100 on
 this CPU (the CUDA plugin and compiler wheels of the `gpu` extra; no GPU, no driver), checked
-structurally with mgrpo_jax.hlo_stats (definitions: docs/gpu-compile.md).
+structurally with benchmarks/hlo_stats.py (definitions: docs/gpu-compile.md).
 
 Each check fails on the program it guards against (issues 34 and 35 made them pass: the
 decode loop reads per-layer weights and caches in place, the log-prob chunks gather nothing,
@@ -17,7 +17,8 @@ from jax.experimental.compilation_cache import compilation_cache
 from jax._src.cudnn import fused_attention_stablehlo
 import pytest
 
-from mgrpo_jax import hlo_stats, models, sampling
+from benchmarks import hlo_stats
+from mgrpo_jax import models, sampling
 from mgrpo_jax.models import attention, qwen3
 
 TARGETS = pathlib.Path(__file__).parent.parent / "benchmarks" / "gpu_targets"

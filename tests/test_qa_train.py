@@ -12,10 +12,9 @@ import random
 import pytest
 
 from configs import mgrpo, sft as sft_config
-from mgrpo_jax import evaluate, hf_demo, metrics
+from mgrpo_jax import evaluate, hf_demo, hf_tokenizer, metrics, offline_tokenizer, tokenizer_io
 from mgrpo_jax import workdir as workdir_lib
 from mgrpo_jax.mgrpo import colocated, play, sft, tasks
-from mgrpo_jax import tokenizer as tk
 
 MUSIQUE = str(pathlib.Path(__file__).parent / "data" / "qa" / "musique.jsonl")
 
@@ -80,7 +79,7 @@ def test_qwen3_checkpoint_trains_with_its_own_tokenizer(tmp_path):
   ckpt = hf_demo.write_random_checkpoint(str(tmp_path / "qwen3"))
   c = mgrpo.get_config(f"smoke,hf_path={ckpt}")
   env = tasks.build_env(c)
-  assert isinstance(env.tokenizer, tk.HFTokenizer)
+  assert isinstance(env.tokenizer, hf_tokenizer.HFTokenizer)
   c.num_steps = 1
   colocated.train_and_evaluate(c, str(tmp_path / "run"))
   export = str(tmp_path / "run" / "hf" / "main")
@@ -94,8 +93,8 @@ def test_qwen3_checkpoint_trains_with_its_own_tokenizer(tmp_path):
   # larger than the model is refused naming both.
   rng = random.Random(0)
   words = [" ".join("".join(rng.choices("abcdefghij", k=6)) for _ in range(20)) for _ in range(400)]
-  big = tk.write_test_hf_tokenizer(tmp_path / "big", texts=words, vocab_size=4096)
-  assert len(tk.load_tokenizer(big).hf_tokenizer) > env.tokenizer.vocab_size + 128
+  big = offline_tokenizer.write_test_hf_tokenizer(tmp_path / "big", texts=words, vocab_size=4096)
+  assert len(tokenizer_io.load_tokenizer(big).hf_tokenizer) > env.tokenizer.vocab_size + 128
   c = mgrpo.get_config(f"smoke,hf_path={ckpt}")
   c.tokenizer = str(big)
   with pytest.raises(ValueError, match=f"{ckpt}: the checkpoint has .* token ids but the "

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mgrpo_jax import models, sampling
+from mgrpo_jax import kv_cache_plan, models, sampling
 from mgrpo_jax.sharding import make_mesh, param_shardings
 
 N_NEW = 32  # New tokens in the parity tests (>= 32, as the sampler's contract promises).
@@ -557,7 +557,7 @@ def test_cache_grows_by_need_not_max_len(tiny, monkeypatch):
                             max_len=32768)
     # Rows reach 63 + 32 = 95 tokens: prefilled into 64 slots, grown once to 128, not 32768.
     reached = max(len(p) for p in prompts) + N_NEW
-    assert grows == [(64, 128)] and sampling.cache_len(reached, 32768) == 128
+    assert grows == [(64, 128)] and kv_cache_plan.cache_len(reached, 32768) == 128
     assert res.sequences.capacity == 128 and res.sequences.max_len == 32768
     for i, (p, greedy) in enumerate(zip(prompts, _teacher_forced_argmax(m, prompts, res))):
         assert res.lengths[i] == N_NEW and res.finish_reasons[i] == "length"
@@ -574,15 +574,17 @@ def test_cache_grows_by_need_not_max_len(tiny, monkeypatch):
 
 
 def test_cache_len_buckets():
-    assert [sampling.cache_len(n, 32768) for n in (1, 64, 65, 95, 1024, 1025)] == [
+    assert [kv_cache_plan.cache_len(n, 32768) for n in (1, 64, 65, 95, 1024, 1025)] == [
         64, 64, 128, 128, 1024, 2048]
-    assert sampling.cache_len(40_000, 32768) == 32768 and sampling.cache_len(70, 100) == 100
+    assert kv_cache_plan.cache_len(40_000, 32768) == 32768
+    assert kv_cache_plan.cache_len(70, 100) == 100
     cfg = models.get_preset("tiny")  # 2 layers, 2 kv heads of 16, float32.
-    assert sampling.kv_cache_bytes(cfg, 3, 64) == 2 * 2 * 3 * 2 * 64 * 16 * 4
+    assert kv_cache_plan.kv_cache_bytes(cfg, 3, 64) == 2 * 2 * 3 * 2 * 64 * 16 * 4
     # 3 rows pad to 4; growing into 128 slots holds the old 64 beside the new 128.
-    assert sampling.kv_cache_peak_bytes(cfg, 3, 100, 32768) == (
-        sampling.kv_cache_bytes(cfg, 4, 128) + sampling.kv_cache_bytes(cfg, 4, 64))
-    assert sampling.kv_cache_peak_bytes(cfg, 1, 10, 32768) == sampling.kv_cache_bytes(cfg, 1, 64)
+    assert kv_cache_plan.kv_cache_peak_bytes(cfg, 3, 100, 32768) == (
+        kv_cache_plan.kv_cache_bytes(cfg, 4, 128) + kv_cache_plan.kv_cache_bytes(cfg, 4, 64))
+    assert (kv_cache_plan.kv_cache_peak_bytes(cfg, 1, 10, 32768)
+            == kv_cache_plan.kv_cache_bytes(cfg, 1, 64))
 
 
 def test_0p6b_kv_cache_for_1024_token_traces_is_under_10gb():
@@ -591,7 +593,7 @@ def test_0p6b_kv_cache_for_1024_token_traces_is_under_10gb():
 
     cfg = models.get_preset("qwen3_0p6b", compute_dtype="bfloat16", param_dtype="bfloat16")
     rows, max_len, reached = 64, 32768, 1024
-    capacity = sampling.cache_len(reached, max_len)  # What prefill/extend/sample allocate.
+    capacity = kv_cache_plan.cache_len(reached, max_len)  # What prefill/extend/sample allocate.
     # The decode step the sampler runs at that capacity, traced with abstract inputs only.
     s = jax.ShapeDtypeStruct
     cache = jax.eval_shape(lambda: sampling.init_cache(cfg, rows, capacity))
@@ -606,10 +608,10 @@ def test_0p6b_kv_cache_for_1024_token_traces_is_under_10gb():
         cfg, jax.eval_shape(functools.partial(sampling.decode_params, cfg), qwen3.abstract_params(cfg)),
         state, sp, s((), jnp.int32), key, capacity).out_info
     held = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(out.seqs.cache))
-    assert held == sampling.kv_cache_bytes(cfg, rows, capacity) == 7_516_192_768
+    assert held == kv_cache_plan.kv_cache_bytes(cfg, rows, capacity) == 7_516_192_768
     assert held < 10e9
     # Allocated at max_len, as before, the cache alone would be 240.5 GB.
-    assert sampling.kv_cache_bytes(cfg, rows, max_len) == 240_518_168_576
+    assert kv_cache_plan.kv_cache_bytes(cfg, rows, max_len) == 240_518_168_576
 
 
 def test_shared_prompts_are_prefilled_once(tiny, monkeypatch):
@@ -640,9 +642,9 @@ def test_budget_runs_rows_in_waves_with_the_same_results(tiny):
               stop_token_ids=[3, 4, 5, 6])
     free = sampling.generate(m.config, m.params, prompts, **kw)
     # Room for two rows of 64 slots: four waves of two.
-    budget = sampling.kv_cache_bytes(m.config, 2, 64)
+    budget = kv_cache_plan.kv_cache_bytes(m.config, 2, 64)
     bounds = [len(p) + N_NEW for p in prompts]
-    waves = sampling.plan_waves(m.config, bounds, max_len=64, budget_bytes=budget)
+    waves = kv_cache_plan.plan_waves(m.config, bounds, max_len=64, budget_bytes=budget)
     assert len(waves) == 4 and sorted(i for w in waves for i in w) == list(range(8))
     tight = sampling.generate(m.config, m.params, prompts, kv_cache_budget_bytes=budget, **kw)
     assert tight.sequences is None

@@ -7,9 +7,10 @@ import hypothesis
 import pytest
 from hypothesis import strategies as st
 
+from mgrpo_jax import byte_tokenizer, chat_format, hf_tokenizer, offline_tokenizer, tokenizer_io
 from mgrpo_jax import tokenizer as tk
 
-SPECIALS = tk.CONTROL_TOKENS + tk.PROTOCOL_TAGS
+SPECIALS = chat_format.CONTROL_TOKENS + chat_format.PROTOCOL_TAGS
 
 THREE_MESSAGES = [
     {
@@ -42,17 +43,18 @@ mixed_text = st.lists(
 
 @pytest.fixture(scope="module")
 def byte_tok():
-  return tk.ByteTokenizer()
+  return byte_tokenizer.ByteTokenizer()
 
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-  return tk.write_test_hf_tokenizer(tmp_path_factory.mktemp("hf_tok"), vocab_size=600)
+  return offline_tokenizer.write_test_hf_tokenizer(tmp_path_factory.mktemp("hf_tok"),
+                                                   vocab_size=600)
 
 
 @pytest.fixture(scope="module")
 def hf_tok(hf_dir):
-  return tk.load_tokenizer(hf_dir)
+  return tokenizer_io.load_tokenizer(hf_dir)
 
 
 # ------------------------------------------------------------------------------ ByteTokenizer
@@ -80,11 +82,11 @@ def test_byte_special_strings_are_single_ids(byte_tok):
 
 
 def test_byte_specials_inside_text_and_longest_match():
-  tok = tk.ByteTokenizer(tags=("<a>", "<a>b"))
+  tok = byte_tokenizer.ByteTokenizer(tags=("<a>", "<a>b"))
   a, ab = tok.token_id("<a>"), tok.token_id("<a>b")
   assert tok.encode("x<a>bc<a>") == [ord("x"), ab, ord("c"), a]
-  ids = tk.ByteTokenizer().encode("<<think>>")
-  assert ids == [ord("<"), tk.ByteTokenizer().token_id("<think>"), ord(">")]
+  ids = byte_tokenizer.ByteTokenizer().encode("<<think>>")
+  assert ids == [ord("<"), byte_tokenizer.ByteTokenizer().token_id("<think>"), ord(">")]
 
 
 def test_byte_ids_and_padding(byte_tok):
@@ -198,19 +200,19 @@ CONVERSATION_TEXTS = [
 @pytest.mark.parametrize("index", range(len(CONVERSATIONS)))
 def test_python_renderer_matches_jinja_template(hf_tok, index):
   messages = CONVERSATIONS[index]
-  assert tk.render_qwen3_chat(messages, False) == CONVERSATION_TEXTS[index]
+  assert chat_format.render_qwen3_chat(messages, False) == CONVERSATION_TEXTS[index]
   for prompt in (False, True):
     for thinking in (None, True, False):
-      expected = tk.render_qwen3_chat(messages, prompt, enable_thinking=thinking)
+      expected = chat_format.render_qwen3_chat(messages, prompt, enable_thinking=thinking)
       assert hf_tok.render_chat(messages, prompt, enable_thinking=thinking) == expected
 
 
 def test_generation_prompt_thinking_switch():
   messages = [{"role": "user", "content": "hi"}]
   base = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-  assert tk.render_qwen3_chat(messages, True) == base
-  assert tk.render_qwen3_chat(messages, True, enable_thinking=True) == base
-  assert tk.render_qwen3_chat(messages, True,
+  assert chat_format.render_qwen3_chat(messages, True) == base
+  assert chat_format.render_qwen3_chat(messages, True, enable_thinking=True) == base
+  assert chat_format.render_qwen3_chat(messages, True,
                               enable_thinking=False) == (base + "<think>\n\n</think>\n\n")
 
 
@@ -232,7 +234,7 @@ def test_generation_prompt_thinking_switch():
 )  # fmt: skip
 def test_unsupported_messages_raise(hf_tok, message):
   with pytest.raises(ValueError):
-    tk.render_qwen3_chat([message], False)
+    chat_format.render_qwen3_chat([message], False)
   with pytest.raises(Exception):  # jinja's TemplateError, via HF.
     hf_tok.render_chat([message], False)
 
@@ -251,7 +253,7 @@ def test_hf_directory_loads_with_auto_tokenizer(hf_dir):
 
 
 def test_hf_load_tokenizer_and_ids(hf_tok):
-  assert isinstance(hf_tok, tk.HFTokenizer) and isinstance(hf_tok, tk.Tokenizer)
+  assert isinstance(hf_tok, hf_tokenizer.HFTokenizer) and isinstance(hf_tok, tk.Tokenizer)
   ids = hf_tok.special_ids
   assert set(SPECIALS) - {"<pad>"} == set(ids)
   # As in Qwen3, the added tokens come after the trained BPE vocabulary, in order.
@@ -264,7 +266,7 @@ def test_hf_load_tokenizer_and_ids(hf_tok):
 
 
 def test_hf_special_strings_are_single_ids(hf_tok):
-  for s in SPECIALS[:3] + tk.PROTOCOL_TAGS:
+  for s in SPECIALS[:3] + chat_format.PROTOCOL_TAGS:
     assert hf_tok.encode(s) == [hf_tok.special_ids[s]]
     assert hf_tok.encode(f"ab{s}cd").count(hf_tok.special_ids[s]) == 1
   text = "<|im_start|>assistant\n<answer>é</answer><|im_end|>"
@@ -292,9 +294,10 @@ def test_hf_chat_template_exact(hf_tok):
 
 
 def test_hf_custom_texts_and_generation_config(tmp_path):
-  directory = tk.write_test_hf_tokenizer(tmp_path, texts=["aaa bbb"] * 10, tags=("<x>",))
+  directory = offline_tokenizer.write_test_hf_tokenizer(tmp_path, texts=["aaa bbb"] * 10,
+                                                        tags=("<x>",))
   (directory / "generation_config.json").write_text('{"eos_token_id": [5, 6]}')
-  tok = tk.HFTokenizer(directory)
+  tok = hf_tokenizer.HFTokenizer(directory)
   assert tok.encode("<x>") == [tok.special_ids["<x>"]]
   assert tok.stop_ids[2:] == (5, 6) and tok.stop_ids[0] == tok.eos_id
 
@@ -302,15 +305,15 @@ def test_hf_custom_texts_and_generation_config(tmp_path):
 def test_missing_directory_error_names_path(tmp_path):
   missing = tmp_path / "no_such_model"
   with pytest.raises(FileNotFoundError, match="no_such_model"):
-    tk.load_tokenizer(missing)
+    tokenizer_io.load_tokenizer(missing)
   (tmp_path / "empty").mkdir()
   (tmp_path / "empty" / "config.json").write_text("{}")
   with pytest.raises(FileNotFoundError, match=r"empty.*tokenizer_config\.json.*tokenizer\.json"):
-    tk.HFTokenizer(tmp_path / "empty")
+    hf_tokenizer.HFTokenizer(tmp_path / "empty")
 
 
 def test_load_tokenizer_byte():
-  assert isinstance(tk.load_tokenizer("byte"), tk.ByteTokenizer)
+  assert isinstance(tokenizer_io.load_tokenizer("byte"), byte_tokenizer.ByteTokenizer)
 
 
 # --------------------------------------------------------------------------- words (names)
@@ -321,13 +324,13 @@ WORDS = ("Avel", "Aveland", "doc007", "Pesti Pictures", "é-town", "Where is ", 
 @hypothesis.given(text=st.lists(st.one_of(mixed_text, st.sampled_from(WORDS + (" ", "x")))).map(
     "".join))
 def test_words_round_trip(text):
-  tok = tk.ByteTokenizer(words=WORDS)
+  tok = byte_tokenizer.ByteTokenizer(words=WORDS)
   assert tok.decode(tok.encode(text)) == text
 
 
 def test_words_are_one_id_between_non_alphanumerics():
-  tok = tk.ByteTokenizer(words=WORDS)
-  base = tk.ByteTokenizer().vocab_size
+  tok = byte_tokenizer.ByteTokenizer(words=WORDS)
+  base = byte_tokenizer.ByteTokenizer().vocab_size
   assert tok.vocab_size == base + len(WORDS)
   word_id = {w: base + i for i, w in enumerate(WORDS)}
   assert tok.encode("Avel") == [word_id["Avel"]]
@@ -363,7 +366,7 @@ def _alternation(words):
         "".join))
 def test_words_pattern_finds_what_the_longest_first_alternation_finds(text):
   spans = lambda pattern: [(m.start(), m.group()) for m in pattern.finditer(text)]
-  assert spans(tk.words_pattern(TRIE_WORDS)) == spans(_alternation(TRIE_WORDS))
+  assert spans(byte_tokenizer.words_pattern(TRIE_WORDS)) == spans(_alternation(TRIE_WORDS))
 
 
 @hypothesis.given(
@@ -372,57 +375,57 @@ def test_words_pattern_finds_what_the_longest_first_alternation_finds(text):
     text=st.text(st.sampled_from("Aa1é_-. (*\u0301"), max_size=30))
 def test_words_pattern_matches_the_alternation_for_any_words(words, text):
   spans = lambda pattern: [(m.start(), m.group()) for m in pattern.finditer(text)]
-  assert spans(tk.words_pattern(words)) == spans(_alternation(words))
+  assert spans(byte_tokenizer.words_pattern(words)) == spans(_alternation(words))
 
 
 def test_words_pattern_takes_long_words():
   long = "Pesti Pictures of the River " * 100
-  assert tk.words_pattern([long, long[:-1] + "x"]).fullmatch(long)
+  assert byte_tokenizer.words_pattern([long, long[:-1] + "x"]).fullmatch(long)
 
 
 def test_words_are_text_not_specials():
-  tok = tk.ByteTokenizer(words=WORDS)
+  tok = byte_tokenizer.ByteTokenizer(words=WORDS)
   assert not set(WORDS) & set(tok.special_ids)
   ids = tok.encode("<|im_start|>Avel<|im_end|>")
   assert tok.decode(ids, skip_special=True) == "Avel"
   # A tool reply escapes the special strings in it, never a word.
-  assert "Avel" in tk.render_qwen3_chat([{"role": "tool", "content": "Avel"}], False)
+  assert "Avel" in chat_format.render_qwen3_chat([{"role": "tool", "content": "Avel"}], False)
 
 
 @pytest.mark.parametrize("words", [("",), (" ",), ("a", "a"), ("<answer>",)])
 def test_bad_words_raise(words):
   with pytest.raises(ValueError, match="words must be distinct"):
-    tk.ByteTokenizer(words=words)
+    byte_tokenizer.ByteTokenizer(words=words)
 
 
 @pytest.mark.parametrize("spec", ["byte+names", "byte+world"])
 def test_load_tokenizer_byte_words(spec):
-  tok = tk.load_tokenizer(spec, words=WORDS)
+  tok = tokenizer_io.load_tokenizer(spec, words=WORDS)
   assert tok.words == WORDS
   with pytest.raises(ValueError, match=spec.replace("+", "\\+")):
-    tk.load_tokenizer(spec)
+    tokenizer_io.load_tokenizer(spec)
 
 
 def test_tokenizer_follows_the_checkpoint(hf_dir, tmp_path):
   """config.tokenizer '': the checkpoint's own tokenizer; a named one wins; no files: an error."""
-  assert tk.resolve_spec("", str(hf_dir)) == str(hf_dir)
-  assert tk.resolve_spec("", "") == "byte"
-  assert tk.resolve_spec("byte+world", str(hf_dir)) == "byte+world"
+  assert tokenizer_io.resolve_spec("", str(hf_dir)) == str(hf_dir)
+  assert tokenizer_io.resolve_spec("", "") == "byte"
+  assert tokenizer_io.resolve_spec("byte+world", str(hf_dir)) == "byte+world"
   with pytest.raises(FileNotFoundError, match="checkpoint's own tokenizer.*no tokenizer files"):
-    tk.resolve_spec("", str(tmp_path))
-  assert tk.has_tokenizer_files(hf_dir) and not tk.has_tokenizer_files(tmp_path)
+    tokenizer_io.resolve_spec("", str(tmp_path))
+  assert hf_tokenizer.has_tokenizer_files(hf_dir) and not hf_tokenizer.has_tokenizer_files(tmp_path)
 
 
 def test_saved_tokenizer_loads_with_auto_tokenizer_and_tokenizes_alike(hf_tok, tmp_path):
   from transformers import AutoTokenizer
 
-  assert not tk.save_tokenizer(tk.ByteTokenizer(), tmp_path / "byte")
-  assert tk.save_tokenizer(hf_tok, tmp_path / "export")
+  assert not tokenizer_io.save_tokenizer(byte_tokenizer.ByteTokenizer(), tmp_path / "byte")
+  assert tokenizer_io.save_tokenizer(hf_tok, tmp_path / "export")
   auto = AutoTokenizer.from_pretrained(str(tmp_path / "export"), local_files_only=True)
   text = "<|im_start|>user\nWho wrote Brand?<|im_end|>\n<search>Brand author</search>"
   assert auto.encode(text, add_special_tokens=False) == hf_tok.encode(text)
   chat = [{"role": "user", "content": "Q"}]
   assert auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
       hf_tok.render_chat(chat, True)
-  assert "byte tokenizer" in tk.describe(tk.ByteTokenizer())
-  assert str(hf_tok.directory) in tk.describe(hf_tok)
+  assert "byte tokenizer" in tokenizer_io.describe(byte_tokenizer.ByteTokenizer())
+  assert str(hf_tok.directory) in tokenizer_io.describe(hf_tok)

@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from mgrpo_jax.agents import protocol
+from mgrpo_jax.agents.validator import EpisodeValidator
 from mgrpo_jax.envs import multihop
 from mgrpo_jax.envs import search as search_lib
 from mgrpo_jax.envs import world as world_lib
@@ -385,7 +386,7 @@ class SingleExpert:
 
 def _run_tools(expert, role: str, task, tools, rng: Rng, max_turns: int):
   """One episode of an expert that calls `tools` itself: (turns, tool replies, validator)."""
-  validator = protocol.EpisodeValidator(role, max_turns)
+  validator = EpisodeValidator(role, max_turns)
   turns, replies = [], []
   while not validator.done:
     text = expert.turn(task, replies, rng)
@@ -413,7 +414,7 @@ def solve(question: world_lib.Question, index: search_lib.Retriever, *, main_noi
   tools = search_lib.local_tools(index, k=search_k, max_chars=max_chars)
   main = MainExpert(main_noise, think)
   sub = SubExpert(sub_noise, think, search_k)
-  validator = protocol.EpisodeValidator("main", max_turns)
+  validator = EpisodeValidator("main", max_turns)
   out = {"main_turns": [], "observations": [], "subtasks": [], "sub_episodes": [],
          "sub_observations": [], "sub_format_ok": []}  # fmt: skip
   while not validator.done:

@@ -36,7 +36,7 @@ template renders for the conversation (`conversation_messages`) wherever the tem
 allows it: every turn in canonical form (`render_turn`: the think block as
 ``<think>\\n...\\n</think>\\n\\n``, the call's JSON as the template's `tojson` writes it),
 and not for the last assistant message or earlier reasoning that the template rewrites
-(see `protocol.continuation_text`).
+(see `continuation.continuation_text`).
 """
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ import json
 import re
 from typing import Any, Iterable, Mapping, Sequence
 
+from mgrpo_jax import chat_format as cf
 from mgrpo_jax import tokenizer as tk
-from mgrpo_jax.agents import protocol
+from mgrpo_jax.agents import continuation, prompts, protocol, validator
 
 PROTOCOLS = ("tags", "native")
 TOOL_CALL, END_TOOL_CALL = "<tool_call>", "</tool_call>"
@@ -88,7 +89,7 @@ def tools(role: str) -> list[dict]:
 # ------------------------------------------------------------------------------------ parsing
 
 _THINK_RE = re.compile(r"\s*<think>(.*?)</think>", re.S)
-_CONTROL_RE = re.compile("|".join(re.escape(c) for c in tk.CONTROL_TOKENS))
+_CONTROL_RE = re.compile("|".join(re.escape(c) for c in cf.CONTROL_TOKENS))
 
 
 def _fail(error: str) -> protocol.Turn:
@@ -169,8 +170,8 @@ def parse_turn(text: Any, role: str) -> protocol.Turn:
                        context=turn.context, think=think)
 
 
-class EpisodeValidator(protocol.EpisodeValidator):
-  """r_format of a native episode: `protocol.EpisodeValidator` with the native parser."""
+class EpisodeValidator(validator.EpisodeValidator):
+  """r_format of a native episode: `validator.EpisodeValidator` with the native parser."""
 
   def __init__(self, role: str, max_turns: int):
     super().__init__(role, max_turns, parse=parse_turn)
@@ -262,14 +263,14 @@ def render_qwen3_tools_chat(messages: Sequence[Mapping[str, Any]], add_generatio
                             tools_: Sequence[Mapping] | None = None, *,
                             enable_thinking: bool | None = None) -> str:
   """Renders messages, tools and tool calls exactly as Qwen3's chat template does (the byte
-  tokenizer's template; `tokenizer.render_qwen3_chat` without tools and calls)."""
+  tokenizer's template; `chat_format.render_qwen3_chat` without tools and calls)."""
   messages = [dict(m) for m in messages]
   head = ""
   if tools_:
     system = messages.pop(0)["content"] + "\n\n" if messages and messages[0]["role"] == "system" \
         else ""
     lines = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools_)
-    head = f"{tk.IM_START}system\n{system}{_TOOLS_HEAD}{lines}{_TOOLS_TAIL}{tk.IM_END}\n"
+    head = f"{cf.IM_START}system\n{system}{_TOOLS_HEAD}{lines}{_TOOLS_TAIL}{cf.IM_END}\n"
   for m in messages:
     calls = m.pop("tool_calls", None)
     if m["role"] != "assistant" or not calls:
@@ -280,7 +281,7 @@ def render_qwen3_tools_chat(messages: Sequence[Mapping[str, Any]], add_generatio
     text = "\n".join(_call_text(c.get("function", c)["name"], c.get("function", c)["arguments"])
                      for c in calls)
     m["content"] = content + ("\n" if visible else "") + text
-  return head + tk.render_qwen3_chat(messages, add_generation_prompt,
+  return head + cf.render_qwen3_chat(messages, add_generation_prompt,
                                      enable_thinking=enable_thinking)
 
 
@@ -288,7 +289,7 @@ def render_chat(tokenizer: tk.Tokenizer, messages: Sequence[Mapping[str, Any]],
                 add_generation_prompt: bool, role: str, *,
                 enable_thinking: bool | None = None) -> str:
   """`messages` with `role`'s tools, rendered by the tokenizer's own chat template (the byte
-  tokenizer: Qwen3's, `render_qwen3_tools_chat`). Raises protocol.TemplateError when the
+  tokenizer: Qwen3's, `render_qwen3_tools_chat`). Raises continuation.TemplateError when the
   template does not render tools."""
   hf = getattr(tokenizer, "hf_tokenizer", None)
   if hf is None:
@@ -300,11 +301,11 @@ def render_chat(tokenizer: tk.Tokenizer, messages: Sequence[Mapping[str, Any]],
                                   tokenize=False, add_generation_prompt=add_generation_prompt,
                                   **kwargs)
   except Exception as e:  # Jinja's raise_exception, or a template that cannot take tools.
-    raise protocol.TemplateError(
+    raise continuation.TemplateError(
         f"config.protocol='native' needs a chat template that renders tools and tool "
         f"calls; this one fails: {e}") from e
   if '"name": "' + ROLE_TOOLS[role][0] + '"' not in text:
-    raise protocol.TemplateError("config.protocol='native' needs a chat template that renders "
+    raise continuation.TemplateError("config.protocol='native' needs a chat template that renders "
                                  "tools; this one leaves them out of the prompt.")
   return text
 
@@ -318,8 +319,8 @@ def continuation_text(tokenizer: tk.Tokenizer, tool_content: str, role: str, *,
                       enable_thinking: bool | None = None) -> str:
   """The text a tool reply adds to a live native sequence after the turn's end of turn: the
   tool turn and the next generation prompt, derived from the template as
-  `protocol.continuation_text` derives it, for a call turn with and without a think block.
-  Raises protocol.TemplateError unless both are prefix-stable and give the same text."""
+  `continuation.continuation_text` derives it, for a call turn with and without a think block.
+  Raises continuation.TemplateError unless both are prefix-stable and give the same text."""
   messages = [{"role": "system", "content": "probe system"}, {"role": "user", "content": "q"}]
   prompt = render_chat(tokenizer, messages, True, role)
   end_of_turn = tokenizer.decode([tokenizer.eos_id])
@@ -332,12 +333,12 @@ def continuation_text(tokenizer: tk.Tokenizer, tool_content: str, role: str, *,
     full = render_chat(tokenizer, messages + [assistant_message(reply), tool], True, role,
                        enable_thinking=enable_thinking)
     if not full.startswith(live):
-      raise protocol.TemplateError(
+      raise continuation.TemplateError(
           "the chat template is not prefix-stable for tool calls: after a tool message it "
           f"renders the call differently.\nlive sequence: {live!r}\ntemplate render: {full!r}")
     deltas.append(full[len(live):])
   if deltas[0] != deltas[1]:
-    raise protocol.TemplateError(f"the tool turn depends on the call before it: {deltas}")
+    raise continuation.TemplateError(f"the tool turn depends on the call before it: {deltas}")
   return deltas[0]
 
 
@@ -378,19 +379,19 @@ _SINGLE_SYSTEM = ("You are a research agent with a document library (the search 
 def main_messages(question: str) -> list[dict[str, str]]:
   """[system, user] messages that start a native main-agent episode."""
   return [{"role": "system", "content": _MAIN_SYSTEM},
-          {"role": "user", "content": protocol.main_user_prompt(question)}]
+          {"role": "user", "content": prompts.main_user_prompt(question)}]
 
 
 def sub_messages(subtask: str, context: str | None = None) -> list[dict[str, str]]:
   """[system, user] messages that start a native sub-agent episode."""
   return [{"role": "system", "content": _SUB_SYSTEM},
-          {"role": "user", "content": protocol.sub_user_prompt(subtask, context)}]
+          {"role": "user", "content": prompts.sub_user_prompt(subtask, context)}]
 
 
 def single_messages(question: str) -> list[dict[str, str]]:
   """[system, user] messages that start a native single-agent episode."""
   return [{"role": "system", "content": _SINGLE_SYSTEM},
-          {"role": "user", "content": protocol.main_user_prompt(question)}]
+          {"role": "user", "content": prompts.main_user_prompt(question)}]
 
 
 # ------------------------------------------------------------------- either protocol, by name
@@ -407,7 +408,7 @@ class Dialect:
 
   def messages(self, role: str, text: str, context: str | None = None) -> list[dict]:
     """[system, user] messages that start a `role` episode on a question or subtask."""
-    module = globals() if self.native else vars(protocol)
+    module = globals() if self.native else vars(prompts)
     if role == "sub":
       return module["sub_messages"](text, context)
     return module[f"{role}_messages"](text)
@@ -417,14 +418,14 @@ class Dialect:
       return prompt_ids(tokenizer, messages, role)
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
-  def validator(self, role: str, max_turns: int) -> protocol.EpisodeValidator:
-    cls = EpisodeValidator if self.native else protocol.EpisodeValidator
+  def validator(self, role: str, max_turns: int) -> validator.EpisodeValidator:
+    cls = EpisodeValidator if self.native else validator.EpisodeValidator
     return cls(role, max_turns)
 
   def continuation_ids(self, tokenizer: tk.Tokenizer, reply: str, role: str) -> list[int]:
     if self.native:
       return continuation_ids(tokenizer, reply, role)
-    return protocol.continuation_ids(tokenizer, reply)
+    return continuation.continuation_ids(tokenizer, reply)
 
   def stops(self, tokenizer: tk.Tokenizer, role: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """(stop token ids, stop strings): the closing tags as ids where each is one token, else

@@ -1,4 +1,4 @@
-"""The M-GRPO agent protocol: turn grammar, strict parsing, r_format validation and rendering.
+"""The M-GRPO agent protocol: turn grammar, its strict parser and its renderer.
 
 Three roles speak it. "main" (M) and "sub" (S) are the two agents of M-GRPO (algorithm.md 1.1);
 "single" is the single-agent GRPO baseline (algorithm.md 1.7): one agent with every tool itself.
@@ -29,15 +29,11 @@ user turn holding ``<tool_response>\\n...\\n</tool_response>``; for a delegation
 S's result. "answer" (M and single) and "result" (S) are final: they end the episode.
 
 Generation stops at the closing action tags or the end of turn (`stop_strings`,
-`stop_token_ids`); every tag is a single token in both tokenizers (tokenizer.PROTOCOL_TAGS).
+`stop_token_ids`); every tag is a single token in both tokenizers (`TAGS` is
+`chat_format.PROTOCOL_TAGS`).
 
-r_format (algorithm.md 1.2) is 1 iff every turn parses, the episode ends with the role's final
-action, no turn follows it, and it does so within `max_turns` turns (`EpisodeValidator`).
-
-Building sequences. A live rollout is the generation prompt, then for each turn the generated
-tokens, the end-of-turn token and `continuation_text` (the tool turn and the next generation
-prompt), appended and never re-rendered; see `continuation_text` for why re-rendering a whole
-conversation with the template does not in general reproduce the live sequence.
+r_format is checked by `agents.validator`, the tool turn a rollout appends is derived by
+`agents.continuation`, and the prompts that open an episode live in `agents.prompts`.
 """
 
 from __future__ import annotations
@@ -47,6 +43,7 @@ import functools
 import re
 from typing import Any, Iterable
 
+from mgrpo_jax import chat_format as cf
 from mgrpo_jax import tokenizer as tk
 
 __all__ = [
@@ -55,26 +52,14 @@ __all__ = [
   "FINAL_ACTION",
   "ROLES",
   "TAGS",
-  "EpisodeValidator",
-  "TemplateError",
   "Turn",
-  "continuation_ids",
-  "continuation_text",
+  "check_role",
   "escape_specials",
-  "format_ok",
-  "main_messages",
-  "main_system_prompt",
-  "main_user_prompt",
   "parse_turn",
   "render_action",
-  "single_messages",
-  "single_system_prompt",
   "stop_strings",
   "stop_token_ids",
   "strip_end_of_turn",
-  "sub_messages",
-  "sub_system_prompt",
-  "sub_user_prompt",
   "tool_message",
 ]
 
@@ -86,21 +71,25 @@ ACTIONS = {
 }
 FINAL_ACTION = {"main": "answer", "sub": "result", "single": "answer"}
 # Every action once, with the first role that has it: the owner an error names (single adds
-# no action of its own, so the tags and their order stay those of main and sub).
+# no action of its own, so the tags stay those of main and sub).
 _ALL_ACTIONS = {a: next(r for r in ROLES if a in ACTIONS[r]) for r in ROLES for a in ACTIONS[r]}
 _TAG_NAMES = ("think", *_ALL_ACTIONS, "context", "tool_response")
-# Every tag string of the protocol; each must be one token (tokenizer.PROTOCOL_TAGS).
-TAGS = tuple(f"<{s}{n}>" for n in _TAG_NAMES for s in ("", "/"))
-END_OF_TURN = (tk.IM_END, tk.ENDOFTEXT)
+# Every tag string of the protocol: the tokenizers' single-token tags, in their id order.
+TAGS = cf.PROTOCOL_TAGS
+# A tag on one side only would lex as text here, or encode as several tokens there.
+if set(TAGS) != {f"<{s}{n}>" for n in _TAG_NAMES for s in ("", "/")}:
+  raise ValueError(f"the grammar's tags {_TAG_NAMES} are not chat_format.PROTOCOL_TAGS {TAGS}")
+END_OF_TURN = (cf.IM_END, cf.ENDOFTEXT)
 
 # One lexer for tags and control tokens; everything between matches is text.
 _TOKEN_RE = re.compile(
-  "<(/?)(" + "|".join(_TAG_NAMES) + ")>|(" + "|".join(re.escape(c) for c in tk.CONTROL_TOKENS) + ")"
+  "<(/?)(" + "|".join(_TAG_NAMES) + ")>|(" + "|".join(re.escape(c) for c in cf.CONTROL_TOKENS) + ")"
 )
 _SNIPPET = 40  # characters of offending text quoted in an error
 
 
-def _check_role(role: str) -> None:
+def check_role(role: str) -> None:
+  """Raises ValueError unless `role` is one of `ROLES`."""
   if role not in ROLES:
     raise ValueError(f"role must be one of {ROLES}, got {role!r}")
 
@@ -250,94 +239,10 @@ def parse_turn(text: Any, role: str) -> Turn:
   Never raises on any `text` (model output is arbitrary; a non-string is an invalid turn); an
   unknown `role` is a programming error and raises ValueError.
   """
-  _check_role(role)
+  check_role(role)
   if not isinstance(text, str):
     return _fail(f"turn is a {type(text).__name__}, not a str")
   return _parse(_lex(strip_end_of_turn(text)), role)
-
-
-# --------------------------------------------------------------------------------- validation
-
-
-class EpisodeValidator:
-  """r_format of one agent episode, as a state machine fed one turn at a time.
-
-  `step` parses a turn and advances; the episode is `done` after the final action ("answer"
-  for main and single, "result" for sub), after the first invalid turn (the episode ends early as a
-  format failure), after `max_turns` turns, or after `abort`. `format_ok` is r_format: True
-  iff the episode ended with its final action within `max_turns` turns, every turn parsed and
-  no turn came after the end. `failure` says why not (the first reason; None when ok).
-  Never raises on turn text.
-  """
-
-  def __init__(self, role: str, max_turns: int, *, parse=None):
-    """`parse(text, role) -> Turn` reads a turn (default `parse_turn`; native.parse_turn)."""
-    _check_role(role)
-    if not isinstance(max_turns, int) or max_turns < 1:
-      raise ValueError(f"max_turns must be a positive int, got {max_turns!r}")
-    self.role = role
-    self.max_turns = max_turns
-    self.turns: list[Turn] = []
-    self._done = False
-    self._finished = False  # ended with the final action
-    self._failure: str | None = None
-    self._parse = parse or parse_turn
-
-  def _end(self, failure: str | None) -> None:
-    self._done = True
-    if self._failure is None:
-      self._failure = failure
-
-  def step(self, turn_text: Any) -> Turn:
-    """Parses the next turn and advances the episode; returns the parsed turn."""
-    n = len(self.turns) + 1
-    if self._done:
-      self._end(f"turn {n} after the episode ended")
-      return _fail("turn after the episode ended")
-    turn = self._parse(turn_text, self.role)
-    self.turns.append(turn)
-    if not turn.ok:
-      self._end(f"turn {n}: {turn.error}")
-    elif turn.action == FINAL_ACTION[self.role]:
-      self._finished = True
-      self._end(None)
-    elif n >= self.max_turns:
-      self._end(f"no <{FINAL_ACTION[self.role]}> within max_turns={self.max_turns}")
-    return turn
-
-  def abort(self, reason: str) -> None:
-    """Ends the episode as a format failure, e.g. when its context would overflow."""
-    self._end(f"aborted: {reason}")
-
-  @property
-  def done(self) -> bool:
-    """True when no further turn may be generated."""
-    return self._done
-
-  @property
-  def format_ok(self) -> bool:
-    """r_format of the episode so far (False while it is still running)."""
-    return self._finished and self._failure is None
-
-  @property
-  def failure(self) -> str | None:
-    """Why `format_ok` is False; None when it is True."""
-    if self._failure is None and not self._finished:
-      return f"episode has not ended with <{FINAL_ACTION[self.role]}> ({len(self.turns)} turns)"
-    return self._failure
-
-  @property
-  def final(self) -> Turn | None:
-    """The final-action turn (its argument is the answer or result), when format_ok."""
-    return self.turns[-1] if self.format_ok else None
-
-
-def format_ok(turn_texts: Iterable[Any], role: str, max_turns: int) -> bool:
-  """r_format of a whole episode given as its turns' texts (see `EpisodeValidator`)."""
-  validator = EpisodeValidator(role, max_turns)
-  for text in turn_texts:
-    validator.step(text)
-  return validator.format_ok
 
 
 # ---------------------------------------------------------------------------------- rendering
@@ -400,7 +305,7 @@ def escape_specials(text: str, specials: Iterable[str] = ()) -> str:
 @functools.lru_cache(maxsize=16)
 def _escape_re(extra: frozenset[str]) -> re.Pattern:
   # Longest first: alternation takes the first match, and no target may hide a longer one.
-  targets = sorted({*TAGS, *tk.CONTROL_TOKENS, *extra}, key=len, reverse=True)
+  targets = sorted({*TAGS, *cf.CONTROL_TOKENS, *extra}, key=len, reverse=True)
   return re.compile("|".join(re.escape(t) for t in targets))
 
 
@@ -415,78 +320,13 @@ def tool_message(content: str, *, specials: Iterable[str] = ()) -> dict[str, str
   return {"role": "tool", "content": escape_specials(content, specials)}
 
 
-# A reply in canonical think form and one with none: continuation_text checks both, because
-# Qwen3's template treats an assistant turn differently with and without reasoning.
-_PROBE_REPLIES = (
-  "<think>\nprobe reasoning\n</think>\n\n<answer>probe</answer>",
-  "<delegate>probe</delegate>",
-)
-_PROBE_PROMPT = ({"role": "system", "content": "probe system"}, {"role": "user", "content": "q"})
 
-
-class TemplateError(ValueError):
-  """A chat template is not prefix-stable where the rollout needs it to be."""
-
-
-def continuation_text(tokenizer: tk.Tokenizer, tool_content: str, *,
-                      enable_thinking: bool | None = None) -> str:
-  """The text a tool reply adds to a live sequence, right after the assistant's end of turn.
-
-  That is, from just after the finished turn's ``<|im_end|>`` through the next generation
-  prompt; with Qwen3's template:
-  ``\\n<|im_start|>user\\n<tool_response>\\n{content}\\n</tool_response><|im_end|>\\n``
-  ``<|im_start|>assistant\\n``
-  (plus an empty think block when `enable_thinking` is False).
-
-  It is derived from the tokenizer's own template: render [system, user] with a bare
-  generation prompt, append a reply and the end-of-turn token (the live turn; an empty think
-  block forced by `enable_thinking=False` would sit between the two), and take what the
-  template renders after that for [system, user, reply, tool]. Raises
-  TemplateError unless the live part is a prefix of that render, for a reply with a canonical
-  think block and for one with none.
-
-  What is and is not prefix-stable with Qwen3's template: appending a tool message and a new
-  generation prompt never rewrites earlier text, provided each earlier reply is either
-  without think or in canonical form (`render_action`). Re-rendering a whole conversation
-  rewrites: (1) a reply whose think block is empty or not in canonical whitespace (the
-  template drops or normalises it); (2) the empty think blocks that `enable_thinking=False`
-  puts into every generation prompt (dropped from earlier turns); (3) the last assistant
-  message, which gains an empty think block when it has none; (4) every reasoning block
-  before the last user query. So rollouts append, and never re-render.
-  """
-  messages = list(_PROBE_PROMPT)
-  prompt = tokenizer.render_chat(messages, True)
-  end_of_turn = tokenizer.decode([tokenizer.eos_id])
-  tool = tool_message(tool_content, specials=tokenizer.special_ids)
-  deltas = []
-  for reply in _PROBE_REPLIES:
-    live = prompt + reply + end_of_turn
-    full = tokenizer.render_chat(messages + [{"role": "assistant", "content": reply}, tool], True,
-                                 enable_thinking=enable_thinking)
-    if not full.startswith(live):
-      raise TemplateError(
-        "the chat template is not prefix-stable: after a tool message it renders the earlier "
-        f"assistant turn differently.\nlive sequence: {live!r}\ntemplate render: {full!r}")
-    deltas.append(full[len(live):])
-  if deltas[0] != deltas[1]:
-    raise TemplateError(f"the tool turn depends on the assistant turn before it: {deltas}")
-  return deltas[0]
-
-
-def continuation_ids(tokenizer: tk.Tokenizer, tool_content: str, *,
-                     enable_thinking: bool | None = None) -> list[int]:
-  """Token ids of `continuation_text`, to append after the end-of-turn token.
-
-  The text starts right after ``<|im_end|>`` and every piece of it is cut at special tokens,
-  so encoding it alone gives the same ids as encoding the whole sequence.
-  """
-  text = continuation_text(tokenizer, tool_content, enable_thinking=enable_thinking)
-  return tokenizer.encode(text)
+# --------------------------------------------------------------------------------------- stops
 
 
 def stop_strings(role: str) -> tuple[str, ...]:
   """Where generation of a `role` turn stops: its closing action tags, then end of turn."""
-  _check_role(role)
+  check_role(role)
   return tuple(f"</{a}>" for a in ACTIONS[role]) + END_OF_TURN
 
 
@@ -497,85 +337,3 @@ def stop_token_ids(tokenizer: tk.Tokenizer, role: str) -> tuple[int, ...]:
   """
   tags = [tokenizer.token_id(s) for s in stop_strings(role) if s not in END_OF_TURN]
   return tuple(dict.fromkeys([*tags, *tokenizer.stop_ids]))
-
-
-# ------------------------------------------------------------------------------------ prompts
-
-# Short on purpose: tiny models learn the format from SFT, and every prompt token costs context.
-_MAIN_SYSTEM = """\
-You are the main agent. Answer the question; a sub-agent can research subtasks for you.
-Each turn: optionally think in <think>...</think>, then exactly one action:
-<delegate>subtask<context>what the sub-agent needs to know</context></delegate> gives a subtask \
-to the sub-agent (context is optional); its report comes back in <tool_response>...</tool_response>.
-<python>code</python> runs Python and returns what it prints.
-<answer>short final answer</answer> ends the episode.
-Write nothing outside these tags."""
-
-_SUB_SYSTEM = """\
-You are a sub-agent doing one subtask for the main agent, with a document library.
-Each turn: optionally think in <think>...</think>, then exactly one action:
-<search>query</search> searches the library; results come back in \
-<tool_response>...</tool_response>.
-<visit>document id or title</visit> reads a document.
-<result>report for the main agent</result> ends your subtask.
-Write nothing outside these tags."""
-
-_SINGLE_SYSTEM = """\
-You are a research agent with a document library. Answer the question yourself.
-Each turn: optionally think in <think>...</think>, then exactly one action:
-<search>query</search> searches the library; results come back in \
-<tool_response>...</tool_response>.
-<visit>document id or title</visit> reads a document.
-<python>code</python> runs Python and returns what it prints.
-<answer>short final answer</answer> ends the episode.
-Write nothing outside these tags."""
-
-
-def main_system_prompt() -> str:
-  """The main agent's system prompt: its two actions and the tag format."""
-  return _MAIN_SYSTEM
-
-
-def sub_system_prompt() -> str:
-  """The sub-agent's system prompt: its three actions and the tag format."""
-  return _SUB_SYSTEM
-
-
-def single_system_prompt() -> str:
-  """The single agent's system prompt: every tool, the final answer and the tag format."""
-  return _SINGLE_SYSTEM
-
-
-# The fixed text that opens the user turns above, for tokenizers that give it one id each.
-PROMPT_WORDS: tuple[str, ...] = ("Question: ", "Subtask: ", "\nContext: ")
-
-
-def main_user_prompt(question: str) -> str:
-  """The main agent's user turn for `question` (special strings escaped)."""
-  return f"Question: {escape_specials(question)}"
-
-
-def sub_user_prompt(subtask: str, context: str | None = None) -> str:
-  """The sub-agent's user turn for a delegated `subtask` and its optional `context`."""
-  text = f"Subtask: {escape_specials(subtask)}"
-  if context:
-    text += f"\nContext: {escape_specials(context)}"
-  return text
-
-
-def main_messages(question: str) -> list[dict[str, str]]:
-  """[system, user] messages that start a main-agent episode."""
-  return [{"role": "system", "content": main_system_prompt()},
-          {"role": "user", "content": main_user_prompt(question)}]
-
-
-def sub_messages(subtask: str, context: str | None = None) -> list[dict[str, str]]:
-  """[system, user] messages that start a sub-agent episode."""
-  return [{"role": "system", "content": sub_system_prompt()},
-          {"role": "user", "content": sub_user_prompt(subtask, context)}]
-
-
-def single_messages(question: str) -> list[dict[str, str]]:
-  """[system, user] messages that start a single-agent episode (the main agent's user turn)."""
-  return [{"role": "system", "content": single_system_prompt()},
-          {"role": "user", "content": main_user_prompt(question)}]

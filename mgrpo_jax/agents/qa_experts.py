@@ -23,6 +23,7 @@ import re
 from typing import Any, Mapping, Sequence
 
 from mgrpo_jax.agents import experts, protocol
+from mgrpo_jax.agents.validator import EpisodeValidator
 from mgrpo_jax.envs import qa
 from mgrpo_jax.envs import search as search_lib
 from mgrpo_jax.envs.datasets import QAQuestion
@@ -144,7 +145,7 @@ class QASubExpert:
 
 def _episode(expert, role: str, task, tools, max_turns: int) -> tuple[list, list, list, Any]:
   """One episode of an expert calling `tools` itself: (turns, actions, replies, validator)."""
-  validator = protocol.EpisodeValidator(role, max_turns)
+  validator = EpisodeValidator(role, max_turns)
   turns, actions, replies = [], [], []
   while not validator.done:
     text = expert.turn(task, replies, None)
@@ -167,7 +168,7 @@ def solve_qa(question: QAQuestion, index: search_lib.Retriever, known: Mapping, 
   """
   tools = search_lib.local_tools(index, k=search_k, max_chars=max_chars)
   main, sub = QAMainExpert(think), QASubExpert(known, search_k, think)
-  validator = protocol.EpisodeValidator("main", max_turns)
+  validator = EpisodeValidator("main", max_turns)
   results, subtasks, shown = [], [], []
   while not validator.done:
     turn = validator.step(main.turn(question, results, random.Random(0)))

@@ -25,9 +25,10 @@ from typing import Any, Callable, Protocol, Sequence
 import jax
 import numpy as np
 
-from mgrpo_jax import distributed, sampling
+from mgrpo_jax import distributed, kv_cache_plan, sampling
 from mgrpo_jax import tokenizer as tk
 from mgrpo_jax.agents import native, protocol
+from mgrpo_jax.agents.validator import EpisodeValidator
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +59,7 @@ class Episode:
   tokens: list[int]
   loss_mask: list[int]
   logprobs: list[float]
-  validator: protocol.EpisodeValidator
+  validator: EpisodeValidator
   policy_version: int = 0
   protocol: str = "tags"  # How the agent calls its tools: "tags" or "native" (agents/native.py).
   # MoE policies: [len(tokens), sparse layers, k] experts the sampler chose per token (uint8
@@ -193,8 +194,8 @@ class LLMPolicy:
     lim = self.limits
     need = max([len(e.tokens) for e in self._episodes]
                + [len(self._episodes[r].tokens) + lim.max_new_tokens for r in rows])
-    return sampling.kv_cache_peak_bytes(self.config, len(self._episodes), min(need, lim.max_len),
-                                        lim.max_len) <= self.budget
+    return kv_cache_plan.kv_cache_peak_bytes(self.config, len(self._episodes),
+                                             min(need, lim.max_len), lim.max_len) <= self.budget
 
   def act(self, rows, key):
     kw = dict(max_new_tokens=self.limits.max_new_tokens, stop_token_ids=self.stop_ids,

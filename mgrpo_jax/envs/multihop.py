@@ -185,7 +185,7 @@ def template(q: world_lib.Question) -> str:
 
 
 def no_tool_guesser(train: Sequence[world_lib.Question]) -> Callable[[world_lib.Question], str]:
-  """The guesser of issue 32, which never reads a page: the bar a trained agent must clear.
+  """A guesser that never reads a page: the bar a trained agent must clear.
 
   "same" comparisons: "no"; "earlier" comparisons: the first-named entity; a bridge question:
   the most common training answer among training questions of the same template and final

@@ -13,7 +13,7 @@ import ml_collections
 import numpy as np
 
 from mgrpo_jax import config_checks as checks
-from mgrpo_jax import keys, sharding, trainable
+from mgrpo_jax import keys, sharding, tokenizer_io, trainable
 from mgrpo_jax import tokenizer as tk
 from mgrpo_jax.magrpo import rollout, tasks
 from mgrpo_jax.rl import batch as batch_lib
@@ -104,7 +104,7 @@ def setup(c) -> Run:
   """Checks the config; the task (one agent for `variant="single"`), tokenizer and agents."""
   validate_config(c)
   task = tasks.build_task(c.task, single=c.variant == "single")
-  tokenizer = tk.load_tokenizer(c.tokenizer)
+  tokenizer = tokenizer_io.load_tokenizer(c.tokenizer)
   mesh = sharding.make_mesh(dict(c.mesh))
   # Agents from fold_in(root, 0); rollouts use step_key = fold_in(fold_in(root, 1), step).
   agents = build_agents(c, task, tokenizer, mesh, jax.random.fold_in(jax.random.key(c.seed), 0))

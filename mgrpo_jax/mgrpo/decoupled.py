@@ -22,9 +22,8 @@ import jax
 import numpy as np
 
 from mgrpo_jax import checkpoint as ckpt_lib
-from mgrpo_jax import exchange
 from mgrpo_jax import config_checks as checks
-from mgrpo_jax import distributed, keys, loop, sharding
+from mgrpo_jax import distributed, keys, lease, loop, sharding
 from mgrpo_jax import workdir as workdir_lib
 from mgrpo_jax.mgrpo import delegation, play, setup, tasks
 from mgrpo_jax.mgrpo import step as mgrpo_step
@@ -35,7 +34,7 @@ def _lease(run, role: str):
   write nothing to the run)."""
   if not distributed.is_primary():
     return contextlib.nullcontext()
-  return exchange.acquire_lease(delegation.open_exchange(run), role)
+  return lease.acquire_lease(delegation.open_exchange(run), role)
 
 
 def _setup(c, workdir: str, run, role: str):

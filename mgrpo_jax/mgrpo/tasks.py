@@ -14,9 +14,9 @@ import re
 import ml_collections
 
 from mgrpo_jax import config_checks as checks
-from mgrpo_jax import keys
+from mgrpo_jax import chat_format, hf_tokenizer, keys, tokenizer_io
 from mgrpo_jax import tokenizer as tk
-from mgrpo_jax.agents import protocol
+from mgrpo_jax.agents import prompts
 from mgrpo_jax.envs import datasets, multihop, python_tool, qa, retrieval, search, world
 
 
@@ -63,7 +63,7 @@ def build_env(c: ml_collections.ConfigDict) -> Env:
                                   shuffle=w.shuffle_hits),
                python=python_tool.PythonTool())
   spec = tokenizer_spec(c)
-  tokenizer = tk.load_tokenizer(spec, words=tokenizer_words(spec, the_world))
+  tokenizer = tokenizer_io.load_tokenizer(spec, words=tokenizer_words(spec, the_world))
   return Env(tokenizer, train, test, index, tools, documents, valid, held_out)
 
 
@@ -224,7 +224,7 @@ def build_qa_env(c: ml_collections.ConfigDict) -> Env:
   index, documents = qa.make_retriever(d.corpus, c.retrieval, train + test)
   tools = dict(search.local_tools(index, k=c.world.search_k, max_chars=c.world.visit_chars),
                python=python_tool.PythonTool())
-  return Env(tk.load_tokenizer(tokenizer_spec(c)), train, test, index, tools, documents)
+  return Env(tokenizer_io.load_tokenizer(tokenizer_spec(c)), train, test, index, tools, documents)
 
 
 def tokenizer_spec(c) -> str:
@@ -232,13 +232,14 @@ def tokenizer_spec(c) -> str:
   `main_model.hf_path`, else of the warm start's export (`<init>/hf/main`) when it carries
   tokenizer files, else the byte tokenizer."""
   checkpoint = c.main_model.hf_path
-  if not checkpoint and c.init and tk.has_tokenizer_files(os.path.join(c.init, "hf", "main")):
-    checkpoint = os.path.join(c.init, "hf", "main")
-  return tk.resolve_spec(c.tokenizer, checkpoint)
+  export = os.path.join(c.init, "hf", "main") if c.init else ""
+  if not checkpoint and export and hf_tokenizer.has_tokenizer_files(export):
+    checkpoint = export
+  return tokenizer_io.resolve_spec(c.tokenizer, checkpoint)
 
 
 def tokenizer_words(spec: str, the_world: world.World) -> tuple[str, ...]:
-  """The plain-text words a byte tokenizer gives one id each (see `tk.load_tokenizer`).
+  """The plain-text words a byte tokenizer gives one id each (see `tokenizer_io.load_tokenizer`).
 
   "byte+names": the world's names, doc ids and question stems. "byte+world": those, the page
   templates' phrases, the chat role lines and the protocol's prompt openings: what a
@@ -252,7 +253,7 @@ def tokenizer_words(spec: str, the_world: world.World) -> tuple[str, ...]:
   """
   if spec in ("byte+world", "byte+phrases", "byte+phrases+ids"):
     words = (world.vocabulary(the_world, phrases=True, names=spec == "byte+world")
-             + tk.ROLE_WORDS + protocol.PROMPT_WORDS)
+             + chat_format.ROLE_WORDS + prompts.PROMPT_WORDS)
     if spec == "byte+phrases+ids":
       words += tuple(sorted(d.doc_id for d in the_world.documents))
     return tuple(dict.fromkeys(words))

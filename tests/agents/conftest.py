@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from mgrpo_jax import tokenizer as tk
+from mgrpo_jax import byte_tokenizer
 
 
-def _check_sequence(ep, tok=tk.ByteTokenizer()):
+def _check_sequence(ep, tok=byte_tokenizer.ByteTokenizer()):
   """The loss mask covers exactly the turns' generated tokens, in order, after the prompt."""
   toks, mask = np.asarray(ep.tokens), np.asarray(ep.loss_mask, bool)
   assert len(ep.tokens) == len(ep.loss_mask) == len(ep.logprobs)

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mgrpo_jax.agents import experts as ex
+from mgrpo_jax.agents import validator
 from mgrpo_jax.agents import protocol as pr
 from mgrpo_jax.envs import world as wd
 from mgrpo_jax.envs.retrieval import Bm25Retriever
@@ -40,10 +41,10 @@ def _check_format(result, max_turns=20):
   """Every turn parses for its role and every episode is r_format-valid."""
   for text in result["main_turns"]:
     assert pr.parse_turn(text, "main").ok, text
-  assert pr.format_ok(result["main_turns"], "main", max_turns)
+  assert validator.format_ok(result["main_turns"], "main", max_turns)
   for turns in result["sub_episodes"]:
     assert all(pr.parse_turn(t, "sub").ok for t in turns), turns
-    assert pr.format_ok(turns, "sub", max_turns)
+    assert validator.format_ok(turns, "sub", max_turns)
   assert result["main_format_ok"] and all(result["sub_format_ok"])
 
 

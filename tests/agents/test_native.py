@@ -6,21 +6,22 @@ import numpy as np
 import pytest
 
 from mgrpo_jax import models
-from mgrpo_jax import tokenizer as tk
-from mgrpo_jax.agents import experts, native, protocol, rollout
+from mgrpo_jax import byte_tokenizer, offline_tokenizer, tokenizer_io
+from mgrpo_jax import chat_format as cf
+from mgrpo_jax.agents import continuation, experts, native, protocol, rollout
 from mgrpo_jax.envs import retrieval, search, world
 from mgrpo_jax.rl import rewards
 
 from qwen3_tools_template import write_qwen3_tools_tokenizer
 
-BYTE = tk.ByteTokenizer()
+BYTE = byte_tokenizer.ByteTokenizer()
 LIMITS = rollout.Limits(max_turns=6, max_new_tokens=160, max_len=4096, max_delegations=4)
 
 
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
   """A real HF tokenizer with Qwen3's tool-calling chat template and <tool_call> tokens."""
-  return tk.load_tokenizer(str(write_qwen3_tools_tokenizer(tmp_path_factory.mktemp("q3"))))
+  return tokenizer_io.load_tokenizer(str(write_qwen3_tools_tokenizer(tmp_path_factory.mktemp("q3"))))
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,7 @@ def test_each_role_declares_its_tools_as_json_schemas():
 ])
 def test_rendered_turns_parse_back(role, action, argument, think, context):
   text = native.render_turn(action, argument, think=think, context=context)
-  turn = native.parse_turn(text + tk.IM_END, role)
+  turn = native.parse_turn(text + cf.IM_END, role)
   assert turn == protocol.Turn(ok=True, action=action, argument=argument, context=context,
                                think=think)
   # The tag turn of the same decision renders to the same native turn.
@@ -142,8 +143,8 @@ def test_the_byte_tokenizers_template_renders_tools_as_qwen3s_does(qwen3, role):
 
 
 def test_a_template_without_tools_is_refused(tmp_path):
-  plain = tk.load_tokenizer(str(tk.write_test_hf_tokenizer(tmp_path, vocab_size=400)))
-  with pytest.raises(protocol.TemplateError, match="renders tools"):
+  plain = tokenizer_io.load_tokenizer(str(offline_tokenizer.write_test_hf_tokenizer(tmp_path, vocab_size=400)))
+  with pytest.raises(continuation.TemplateError, match="renders tools"):
     native.prompt_ids(plain, native.sub_messages("x"), "sub")
 
 
@@ -181,7 +182,7 @@ def test_the_live_sequence_is_what_the_template_renders(qwen3, which):
            "I will read it.\n" + native.render_turn("visit", "d3"),
            # A final message ends with the end of turn it generated; the engine closes calls.
            native.render_turn("result", "Maria Sand founded Avel.", think="it says so")
-           + tk.IM_END]
+           + cf.IM_END]
   messages = native.sub_messages("Who founded Avel?")
   ep = rollout.new_episode(tok, "sub", messages, q=0, k=0, call=0, task=None, max_turns=5,
                            protocol_name="native")

@@ -6,14 +6,13 @@ import jax
 import numpy as np
 import pytest
 
-from mgrpo_jax import models, sampling
-from mgrpo_jax import tokenizer as tk
+from mgrpo_jax import byte_tokenizer, kv_cache_plan, models
 from mgrpo_jax.agents import experts, protocol, rollout
 from mgrpo_jax.envs import retrieval, search, world
 from mgrpo_jax.rl import batch as batch_lib
 from mgrpo_jax.rl import rewards
 
-TOK = tk.ByteTokenizer()
+TOK = byte_tokenizer.ByteTokenizer()
 LIMITS = rollout.Limits(max_turns=6, max_new_tokens=160, max_len=2048, max_delegations=4)
 
 
@@ -119,8 +118,9 @@ def test_llm_policy_under_a_kv_budget_gives_the_same_turns(tiny):
   assert resident == [True] * 3
   # Prompts of ~30 tokens: the first turn fits 64 slots per row; the second would need 128,
   # so the policy drops its cache and runs each turn in waves (here of one row).
-  for budget, expect in [(sampling.kv_cache_peak_bytes(cfg, 4, 64, 1024), [True, False, False]),
-                         (sampling.kv_cache_peak_bytes(cfg, 1, 128, 1024), [False] * 3)]:
+  peak = kv_cache_plan.kv_cache_peak_bytes
+  for budget, expect in [(peak(cfg, 4, 64, 1024), [True, False, False]),
+                         (peak(cfg, 1, 128, 1024), [False] * 3)]:
     tight, resident = run(budget)
     assert resident == expect
     for turn_free, turn_tight in zip(free, tight):

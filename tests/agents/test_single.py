@@ -7,16 +7,16 @@ import jax
 import numpy as np
 import pytest
 
-from mgrpo_jax import models
-from mgrpo_jax import tokenizer as tk
+from mgrpo_jax import byte_tokenizer, chat_format, models
 from mgrpo_jax.agents import experts as ex
+from mgrpo_jax.agents import prompts, validator
 from mgrpo_jax.agents import protocol as pr
 from mgrpo_jax.agents import rollout
 from mgrpo_jax.envs import retrieval, search
 from mgrpo_jax.envs import world as wd
 from mgrpo_jax.rl.rewards import exact_match
 
-TOK = tk.ByteTokenizer()
+TOK = byte_tokenizer.ByteTokenizer()
 # A 3-hop episode is 7 turns; its byte sequence stays under 4k (see the rollout test).
 LIMITS = rollout.Limits(max_turns=8, max_new_tokens=160, max_len=8192)
 
@@ -54,11 +54,11 @@ def test_single_role_has_every_tool_and_answers():
     assert (turn.ok, turn.action, turn.argument, turn.think) == (True, action, "x", "t")
   texts = ["<search>a</search>", "<visit>doc001</visit>", "<python>print(1)</python>",
            "<answer>b</answer>"]  # fmt: skip
-  v = pr.EpisodeValidator("single", max_turns=4)
+  v = validator.EpisodeValidator("single", max_turns=4)
   for text in texts:
     assert not v.done and v.step(text).ok
   assert v.format_ok and v.final.argument == "b"
-  assert not pr.format_ok(texts[:3], "single", 20)  # no final answer
+  assert not validator.format_ok(texts[:3], "single", 20)  # no final answer
 
 
 @pytest.mark.parametrize("role,text,error", [
@@ -79,18 +79,20 @@ def test_main_and_sub_are_unchanged_by_the_single_role():
   assert pr.ACTIONS["main"] == ("delegate", "python", "answer")
   assert pr.ACTIONS["sub"] == ("search", "visit", "result")
   assert (pr.FINAL_ACTION["main"], pr.FINAL_ACTION["sub"]) == ("answer", "result")
-  # The single role adds no tag: TAGS (and their order) are those of main and sub.
+  # The single role adds no tag: TAGS are those of main and sub, each once (in the order of
+  # their token ids, chat_format.PROTOCOL_TAGS).
   names = ("think", "delegate", "python", "answer", "search", "visit", "result", "context",
            "tool_response")  # fmt: skip
-  assert pr.TAGS == tuple(f"<{s}{n}>" for n in names for s in ("", "/"))
+  assert sorted(pr.TAGS) == sorted(f"<{s}{n}>" for n in names for s in ("", "/"))
+  assert pr.TAGS == chat_format.PROTOCOL_TAGS
   assert pr.stop_strings("main")[:3] == ("</delegate>", "</python>", "</answer>")
   assert pr.stop_strings("sub")[:3] == ("</search>", "</visit>", "</result>")
 
 
 def test_single_prompt_and_stop_tokens():
-  system, user = pr.single_messages("Who wrote <x>?")
+  system, user = prompts.single_messages("Who wrote <x>?")
   assert (system["role"], user["role"]) == ("system", "user")
-  assert user["content"] == pr.main_user_prompt("Who wrote <x>?")
+  assert user["content"] == prompts.main_user_prompt("Who wrote <x>?")
   for action in pr.ACTIONS["single"]:
     assert f"<{action}>" in system["content"]
   assert "<delegate>" not in system["content"] and "<result>" not in system["content"]
@@ -114,7 +116,7 @@ def test_noise_free_single_expert_answers_through_the_real_tools(setting):
   assert set(accuracy) == {1, 2, 3} and min(accuracy.values()) >= 0.95, accuracy
   for q, r in zip(questions, results):
     assert all(pr.parse_turn(t, "single").ok for t in r["turns"]), r["turns"]
-    assert r["format_ok"] and pr.format_ok(r["turns"], "single", 20)
+    assert r["format_ok"] and validator.format_ok(r["turns"], "single", 20)
     assert r["correct"] == exact_match(r["answer"], q.answer)
     assert _actions(r["turns"]) == ["search", "visit"] * len(q.hops) + ["answer"]
     if r["correct"]:  # then it walked the world's own chain, one page per hop
@@ -205,7 +207,7 @@ def test_expert_rollouts_reproduce_the_plain_driver(env, check_sequence):
     assert e.format_ok and e.delegations == 0
     check_sequence(e)
     assert e.num_generated == sum(len(TOK.encode(t)) for t in e.turns)
-    assert TOK.decode(e.tokens).startswith("<|im_start|>system\n" + pr.single_system_prompt())
+    assert TOK.decode(e.tokens).startswith("<|im_start|>system\n" + prompts.single_system_prompt())
     # The engine and the plain driver run the same episode.
     r = ex.solve_single(qs[e.q], index)
     assert (e.turns, e.observations, e.final) == (r["turns"], r["observations"], r["answer"])

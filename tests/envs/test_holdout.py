@@ -8,8 +8,7 @@ import pytest
 from configs import mgrpo as mgrpo_config
 from configs import sft as sft_config
 from mgrpo_jax import config_checks as checks
-from mgrpo_jax import keys
-from mgrpo_jax import tokenizer as tk
+from mgrpo_jax import keys, tokenizer_io
 from mgrpo_jax.mgrpo import setup, sft, tasks
 from mgrpo_jax.agents import experts
 from mgrpo_jax.envs import multihop, search
@@ -109,7 +108,7 @@ def test_held_out_questions_need_no_token_that_training_never_shows(cpu_task):
   assert not ids(tok, held, held_pages) - trained(tok)
   # Without the other worlds, held-out pages' doc ids would be untrained ids.
   assert ids(tok, held, held_pages) - trained(tok, with_others=False)
-  one_id_per_name = tk.load_tokenizer(
+  one_id_per_name = tokenizer_io.load_tokenizer(
       "byte+world", words=tasks.tokenizer_words("byte+world", the_world))
   assert ids(one_id_per_name, held, held_pages) - trained(one_id_per_name)
 

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from mgrpo_jax import tokenizer as tk
+from mgrpo_jax import byte_tokenizer
 from mgrpo_jax.envs import world as world_lib
 from mgrpo_jax.envs.world import (Question, WorldConfig, generate_world, make_questions,
                                   split_questions)  # fmt: skip
@@ -173,7 +173,7 @@ def test_vocabulary_phrases_cover_every_page_template(world):
   assert list(words) == sorted(set(words)) and set(world_lib.vocabulary(world)) < set(words)
   assert {"By population, ", " counts as ", " lies on the river "} <= set(words)
   # Every page is then mostly words: its fixed text is never spelled out byte by byte.
-  tok = tk.ByteTokenizer(words=words)
+  tok = byte_tokenizer.ByteTokenizer(words=words)
   for doc in world.documents:
     ids = tok.encode(doc.text)
     assert tok.decode(ids) == doc.text

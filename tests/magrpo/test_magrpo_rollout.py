@@ -4,8 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from mgrpo_jax import models
-from mgrpo_jax import tokenizer as tk
+from mgrpo_jax import byte_tokenizer, models
 from mgrpo_jax.magrpo import rollout, tasks
 from mgrpo_jax.rl import batch as batch_lib
 from mgrpo_jax.rl import joint, losses
@@ -44,7 +43,7 @@ def _toy_task(n_agents=2):
 
 @pytest.fixture(scope="module")
 def tok():
-  return tk.ByteTokenizer()
+  return byte_tokenizer.ByteTokenizer()
 
 
 @pytest.mark.parametrize("mode", ["align", "cross"])

@@ -113,10 +113,10 @@ def test_evaluate_binary_reads_the_runs_latest_checkpoint(tmp_path):
 
 def test_agents_start_from_a_real_hf_checkpoint_and_tokenizer(tmp_path):
   import jax
-  from mgrpo_jax import models
-  from mgrpo_jax import tokenizer as tk
+  from mgrpo_jax import models, offline_tokenizer, tokenizer_io
   ckpt = tmp_path / "qwen3"
-  tok = tk.load_tokenizer(str(tk.write_test_hf_tokenizer(ckpt, vocab_size=400)))
+  tok = tokenizer_io.load_tokenizer(
+      str(offline_tokenizer.write_test_hf_tokenizer(ckpt, vocab_size=400)))
   cfg = models.get_preset("tiny", vocab_size=tok.vocab_size)
   models.save_hf(str(ckpt), cfg, models.init_params(cfg, jax.random.key(3)))
   c = magrpo_config.get_config(f"smoke,hf_path={ckpt}")
@@ -133,11 +133,11 @@ def test_agents_start_from_a_real_hf_checkpoint_and_tokenizer(tmp_path):
 
 def test_lora_agents_share_one_hf_base_and_export_merged_and_peft(tmp_path):
   import jax
-  from mgrpo_jax import models
-  from mgrpo_jax import tokenizer as tk
+  from mgrpo_jax import models, offline_tokenizer, tokenizer_io
   from mgrpo_jax.models import lora
   ckpt = tmp_path / "qwen3"
-  tok = tk.load_tokenizer(str(tk.write_test_hf_tokenizer(ckpt, vocab_size=400)))
+  tok = tokenizer_io.load_tokenizer(
+      str(offline_tokenizer.write_test_hf_tokenizer(ckpt, vocab_size=400)))
   cfg = models.get_preset("tiny", vocab_size=tok.vocab_size)
   models.save_hf(str(ckpt), cfg, models.init_params(cfg, jax.random.key(3)))
   c = magrpo_config.get_config(f"smoke,hf_path={ckpt},lora=4")

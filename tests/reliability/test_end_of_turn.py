@@ -5,7 +5,7 @@ import time
 import hypothesis
 from hypothesis import strategies as st
 
-from mgrpo_jax import tokenizer as tk
+from mgrpo_jax import chat_format
 from mgrpo_jax.agents import protocol as pr
 
 
@@ -18,8 +18,8 @@ def _quadratic_reference(text: str) -> str:
   return text
 
 
-_PIECES = st.sampled_from([tk.IM_END, tk.ENDOFTEXT, " ", "\n", "\t", "\u3000", "x", "<|im",
-                           "_end|>", "<answer>y</answer>", "|>", "<|endof"])
+_PIECES = st.sampled_from([chat_format.IM_END, chat_format.ENDOFTEXT, " ", "\n", "\t", "\u3000",
+                           "x", "<|im", "_end|>", "<answer>y</answer>", "|>", "<|endof"])
 
 
 @hypothesis.given(st.lists(_PIECES, max_size=40), st.text(max_size=20))
@@ -31,8 +31,8 @@ def test_same_results_as_the_old_implementation(pieces, prefix):
 
 def test_many_trailing_markers_take_linear_time():
   n = 40_000  # 400 KB of markers; the quadratic version needed ~0.2 s here, 13 s at 4 MB.
-  small = "<answer>x</answer>" + (tk.IM_END + " ") * n
-  big = "<answer>x</answer>" + (tk.IM_END + " ") * (10 * n)
+  small = "<answer>x</answer>" + (chat_format.IM_END + " ") * n
+  big = "<answer>x</answer>" + (chat_format.IM_END + " ") * (10 * n)
   timings = []
   for text in (small, big):
     t0 = time.perf_counter()

@@ -12,11 +12,13 @@ import uuid
 import pytest
 
 from mgrpo_jax import exchange
+from mgrpo_jax import lease as lease_lib
 
 _HOLDER = textwrap.dedent("""
     import sys, time
-    from mgrpo_jax import exchange
-    lease = exchange.acquire_lease(sys.argv[1], "sub", run="exchange", timeout_s=float(sys.argv[2]))
+    from mgrpo_jax import lease as lease_lib
+    lease = lease_lib.acquire_lease(sys.argv[1], "sub", run="exchange",
+                                    timeout_s=float(sys.argv[2]))
     print("holding", flush=True)
     time.sleep(600)
 """)
@@ -40,7 +42,7 @@ def test_second_program_of_a_role_exits_naming_the_first(tmp_path):
     # Killed (no release): this machine sees its pid is gone and takes over at once.
     first.send_signal(signal.SIGKILL)
     first.wait()
-    with exchange.acquire_lease(tmp_path, "sub", run="exchange") as lease:
+    with lease_lib.acquire_lease(tmp_path, "sub", run="exchange") as lease:
       assert lease.record["pid"] == os.getpid()
   finally:
     first.kill()
@@ -48,11 +50,11 @@ def test_second_program_of_a_role_exits_naming_the_first(tmp_path):
 
 def test_memory_exchange_lease_and_release():
   url = f"memory://{uuid.uuid4().hex}/"
-  with exchange.acquire_lease(url, "main"):
-    with pytest.raises(exchange.LeaseHeld, match=f"pid {os.getpid()}"):
-      exchange.acquire_lease(url, "main")
-    exchange.acquire_lease(url, "sub").release()  # Roles are independent.
-  exchange.acquire_lease(url, "main").release()  # Released: free again.
+  with lease_lib.acquire_lease(url, "main"):
+    with pytest.raises(lease_lib.LeaseHeld, match=f"pid {os.getpid()}"):
+      lease_lib.acquire_lease(url, "main")
+    lease_lib.acquire_lease(url, "sub").release()  # Roles are independent.
+  lease_lib.acquire_lease(url, "main").release()  # Released: free again.
 
 
 def _object_store(backend, request, monkeypatch, name):
@@ -71,23 +73,23 @@ def test_stale_lease_is_taken_over_and_the_old_holder_cannot_write(backend, requ
                                                                    monkeypatch):
   spec = _object_store(backend, request, monkeypatch, "lease")
   lost = threading.Event()
-  old = exchange.acquire_lease(spec, "sub", timeout_s=0.5, on_lost=lambda e: lost.set())
-  with pytest.raises(exchange.LeaseHeld):
-    exchange.acquire_lease(spec, "sub")
+  old = lease_lib.acquire_lease(spec, "sub", timeout_s=0.5, on_lost=lambda e: lost.set())
+  with pytest.raises(lease_lib.LeaseHeld):
+    lease_lib.acquire_lease(spec, "sub")
   old._stop.set()  # A holder that hangs: no more renewals, never released.
   old._thread.join()
   time.sleep(0.6)
-  new = exchange.acquire_lease(spec, "sub", timeout_s=30)
+  new = lease_lib.acquire_lease(spec, "sub", timeout_s=30)
   # The old holder wakes up: its conditional renewal fails, and it learns it lost.
   old._stop.clear()
   old._thread = threading.Thread(target=old._renew_loop, daemon=True)
   old._thread.start()
   assert lost.wait(5)
-  with pytest.raises(exchange.LeaseLost):
+  with pytest.raises(lease_lib.LeaseLost):
     old.check()
   old.release()  # Must not clobber the new holder's lease.
-  with pytest.raises(exchange.LeaseHeld, match=f"pid {os.getpid()}"):
-    exchange.acquire_lease(spec, "sub")
+  with pytest.raises(lease_lib.LeaseHeld, match=f"pid {os.getpid()}"):
+    lease_lib.acquire_lease(spec, "sub")
   new.release()
 
 
@@ -98,7 +100,7 @@ def test_racing_takeovers_of_a_stale_lease_have_one_winner(backend, tmp_path, re
     location = str(tmp_path)
   else:
     location = _object_store(backend, request, monkeypatch, "race")
-  stale = exchange.acquire_lease(location, "main", timeout_s=0.2)
+  stale = lease_lib.acquire_lease(location, "main", timeout_s=0.2)
   stale._stop.set()
   stale._thread.join()
   time.sleep(0.3)
@@ -108,8 +110,8 @@ def test_racing_takeovers_of_a_stale_lease_have_one_winner(backend, tmp_path, re
     ex = exchange.Exchange(location, run="run")
     barrier.wait()
     try:
-      won.append(exchange.acquire_lease(ex, "main", timeout_s=30))
-    except exchange.LeaseHeld:
+      won.append(lease_lib.acquire_lease(ex, "main", timeout_s=30))
+    except lease_lib.LeaseHeld:
       refused.append(1)
   threads = [threading.Thread(target=contender) for _ in range(8)]
   for t in threads:

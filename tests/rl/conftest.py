@@ -3,7 +3,7 @@
 import jax
 import pytest
 
-from mgrpo_jax import tokenizer as tk
+from mgrpo_jax import byte_tokenizer
 from mgrpo_jax.agents import rollout
 
 
@@ -13,7 +13,7 @@ def _multi_turn_episodes(cfg, params, *, temperature: float, top_k: int = 20, **
   As the rollout engine builds them: generated tokens (loss mask 1, the sampler's
   log-probs), then a tool reply (mask 0) that the policy appends to its live cache.
   """
-  tok = tk.ByteTokenizer()
+  tok = byte_tokenizer.ByteTokenizer()
   limits = rollout.Limits(max_turns=3, max_new_tokens=12, max_len=512)
   policy = rollout.LLMPolicy(cfg, params, tok, "sub", limits=limits, temperature=temperature,
                              top_k=top_k, **policy_kw)

@@ -7,14 +7,13 @@ import numpy as np
 import optax
 import pytest
 
-from mgrpo_jax import models, sharding
-from mgrpo_jax import tokenizer as tk
+from mgrpo_jax import byte_tokenizer, models, sharding
 from mgrpo_jax.magrpo import rollout as magrpo_rollout
 from mgrpo_jax.rl import batch as batch_lib
 from mgrpo_jax.rl import losses
 from mgrpo_jax.rl import train_step as ts
 
-TOK = tk.ByteTokenizer()
+TOK = byte_tokenizer.ByteTokenizer()
 TEMPERATURE = 0.7
 
 

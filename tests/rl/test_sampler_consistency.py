@@ -5,13 +5,12 @@ import numpy as np
 import optax
 import pytest
 
-from mgrpo_jax import models
-from mgrpo_jax import tokenizer as tk
+from mgrpo_jax import byte_tokenizer, models
 from mgrpo_jax.rl import batch as batch_lib
 from mgrpo_jax.rl import losses
 from mgrpo_jax.rl import train_step as ts
 
-TOK = tk.ByteTokenizer()
+TOK = byte_tokenizer.ByteTokenizer()
 
 
 @pytest.fixture(scope="module")

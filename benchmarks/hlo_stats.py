@@ -1,6 +1,7 @@
 """What a compiled XLA program does, read from its optimized HLO text (`compiled.as_text()`).
 
-Used on programs compiled for a GPU target on a CPU-only machine (benchmarks/gpu_compile.py,
+A library for the benchmarks and tests, not a script (benchmark scripts `import hlo_stats`,
+tests `from benchmarks import hlo_stats`). Used on programs compiled for a GPU target on a CPU-only machine (benchmarks/gpu_compile.py,
 tests/test_gpu_compile.py): the kernels a loop body launches, the bytes they write, the
 custom calls (cuBLAS, cuDNN attention) and the collectives with the bytes each device
 receives. Definitions (docs/gpu-compile.md):
@@ -29,7 +30,7 @@ from collections.abc import Iterator, Sequence
 import jax
 import numpy as np
 
-from mgrpo_jax import sampling
+from mgrpo_jax import kv_cache_plan, sampling
 from mgrpo_jax.models import qwen3
 
 _DTYPE_BYTES = {"pred": 1, "s2": 0.25, "u2": 0.25, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1,
@@ -574,7 +575,7 @@ def decode_step_stats(text: str, config, rows: int, capacity: int, *,
   summary = loop_summary(module, loop, config.num_layers)
   weights = qwen3.abstract_params(config) if weights is None else weights
   cache = jax.eval_shape(lambda: sampling.init_cache(config, rows, capacity))
-  must_read = config.num_params() * 2 + sampling.kv_cache_bytes(config, rows, capacity)
+  must_read = config.num_params() * 2 + kv_cache_plan.kv_cache_bytes(config, rows, capacity)
   targets = copy_targets(named_arrays(weights) | named_arrays(cache), config.num_layers)
   found = copies(module, loop, targets)
   layer_loops = [w for w, _ in module.whiles(loop.attr("body"))

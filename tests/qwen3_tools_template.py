@@ -3,7 +3,7 @@ test tokenizer that carries it: what a user's checkpoint renders in the native p
 
 import pathlib
 
-from mgrpo_jax import tokenizer as tk
+from mgrpo_jax import chat_format, offline_tokenizer
 
 QWEN3_TOOLS_CHAT_TEMPLATE = """\
 {%- if tools %}
@@ -100,11 +100,12 @@ TOOL_TAGS = ("<tool_call>", "</tool_call>")  # Qwen3's added (non-special) token
 
 
 def write_qwen3_tools_tokenizer(directory, **kw) -> pathlib.Path:
-  """A test HF tokenizer (`tokenizer.write_test_hf_tokenizer`) with Qwen3's tool-calling
+  """A test HF tokenizer (`offline_tokenizer.write_test_hf_tokenizer`) with Qwen3's tool-calling
   template and `<tool_call>` tokens, offline."""
   from transformers import AutoTokenizer
 
-  path = tk.write_test_hf_tokenizer(directory, tags=tk.PROTOCOL_TAGS + TOOL_TAGS, **kw)
+  path = offline_tokenizer.write_test_hf_tokenizer(directory,
+                                                  tags=chat_format.PROTOCOL_TAGS + TOOL_TAGS, **kw)
   hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
   hf.chat_template = QWEN3_TOOLS_CHAT_TEMPLATE
   hf.save_pretrained(str(path))
