@@ -86,6 +86,12 @@ def _nonfinite(v):
 
 
 def _offline_runs(workdir) -> list[dict]:
+  """Every offline run under `workdir`, oldest first."""
+  import wandb
+
+  # wandb-core writes the run's log behind `finish()`; a teardown waits until it is written
+  # (a process that ends waits too).
+  wandb.teardown()
   dirs = sorted(glob.glob(os.path.join(str(workdir), "wandb", "offline-run-*")))
   return [read_offline_run(d) for d in dirs]
 
