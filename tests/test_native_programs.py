@@ -72,3 +72,32 @@ def test_a_native_prompt_that_cannot_fit_is_refused_at_start_up(tmp_path):
   assert out.returncode == 1
   assert "config.limits.max_len=1024 cannot hold the longest main prompt" in out.stderr
   assert not (tmp_path / "w").exists()
+
+
+def test_a_random_qwen3_checkpoint_trains_native_with_its_own_template(tmp_path):
+  """A random-weight HF checkpoint whose tokenizer carries Qwen3's tool-calling template:
+  its prompts hold the tools as that template renders them, a step trains, and the export
+  keeps the template."""
+  import jax
+
+  from configs import mgrpo
+  from mgrpo_jax import models, tokenizer_io
+  from mgrpo_jax.agents import native
+  from mgrpo_jax.mgrpo import colocated, tasks
+  from qwen3_tools_template import QWEN3_TOOLS_CHAT_TEMPLATE, write_qwen3_tools_tokenizer
+
+  ckpt = write_qwen3_tools_tokenizer(tmp_path / "qwen3")
+  tok = tokenizer_io.load_tokenizer(str(ckpt))
+  cfg = models.get_preset("tiny", vocab_size=tok.padded_vocab_size())
+  models.save_hf(str(ckpt), cfg, models.init_params(cfg, jax.random.key(0)))
+  c = mgrpo.get_config(f"smoke,hf_path={ckpt},protocol=native")
+  c.num_steps = 1
+  env = tasks.build_env(c)
+  prompt = native.render_chat(env.tokenizer, native.main_messages("q")[1:], True, "main")
+  assert '{"type": "function", "function": {"name": "delegate"' in prompt
+  colocated.train_and_evaluate(c, str(tmp_path / "run"))
+  records = metrics.read_metrics(str(tmp_path / "run"))
+  assert [r["step"] for r in records] == [0, 1]
+  assert records[0]["main/tokens"] > 0 and 0 <= records[0]["main/format"] <= 1
+  export = tokenizer_io.load_tokenizer(str(tmp_path / "run" / "hf" / "main"))
+  assert export.hf_tokenizer.chat_template == QWEN3_TOOLS_CHAT_TEMPLATE
