@@ -38,6 +38,8 @@ setuptools.setup(
         # mgrpo_jax/checkpoint.py); s3fs lets epath/fsspec open s3:// paths too.
         "gcs": ["gcsfs"],
         "s3": ["s3fs"],
+        # Weights & Biases as a metric sink (config.log_to="jsonl,tensorboard,wandb").
+        "wandb": ["wandb"],
         # The parity references run torch on CPU; the pin keeps CI off CUDA wheels.
         "test": [
             "torch==2.13.0",
@@ -59,6 +61,8 @@ setuptools.setup(
             "nbclient",
             "nbformat",
             "ipykernel",
+            # The W&B sink, run offline (tests/test_wandb.py).
+            "wandb",
         ],
     },
 )

@@ -124,6 +124,17 @@ def retrieval() -> ml_collections.ConfigDict:
   ))
 
 
+def log_sinks() -> dict:
+  """Where a run's metrics go (mgrpo_jax.metrics.open_writer): top-level fields."""
+  return dict(
+      # Comma-separated sinks: "jsonl" (workdir/metrics.jsonl, always), "tensorboard"
+      # (workdir/tb/), "wandb" (Weights & Biases: pip install -e ".[wandb]").
+      log_to="jsonl,tensorboard",
+      # The W&B project, run name ("": W&B picks one) and entity ("": the user's default).
+      wandb=ml_collections.ConfigDict(dict(project="mgrpo_jax", name="", entity="")),
+  )
+
+
 def mesh() -> ml_collections.ConfigDict:
   """Device mesh (mgrpo_jax.sharding); one size may be -1 (= the rest)."""
   # expert: mixture-of-experts models split their experts over it (elsewhere it is data).

@@ -84,6 +84,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.checkpoint_every = 20
   c.max_to_keep = 2
   c.log_every = 1  # Steps between plain log lines when no terminal shows the progress bar.
+  c.update(common.log_sinks())  # log_to, wandb.
   c.task.num_agents = args["agents"]
   if args["task"] in ("tldr", "article"):
     c.optim.learning_rate = 1e-5

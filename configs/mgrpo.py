@@ -10,10 +10,12 @@
 
 Arguments (comma-separated): variant=mgrpo|frozen_sub|single|shared|unaligned,
 model=<preset> (default tiny; tiny_wide with runlocal), hf_path=<dir>, init=<sft workdir>,
-policy=model|expert, seed=<int>, lora=<rank> (LoRA agents: both models' lora.rank; 0 = full
-fine-tuning), runlocal, smoke, gpu (one 80 GB GPU at the paper's limits: Qwen3-0.6B preset
-unless model= or hf_path=, bf16 compute over f32 master weights, remat, packed token-budget
-updates, cuDNN attention where it applies, memory proved by benchmarks/memory.py),
+policy=model|expert, protocol=tags|native (how the agents call their tools; native with a
+byte tokenizer adds `NATIVE_EXTRA_LEN` to limits.max_len), seed=<int>, lora=<rank> (LoRA
+agents: both models' lora.rank; 0 = full fine-tuning), runlocal, smoke, gpu (one 80 GB GPU
+at the paper's limits: Qwen3-0.6B preset unless model= or hf_path=, bf16 compute over f32
+master weights, remat, packed token-budget updates, cuDNN attention where it applies, memory
+proved by benchmarks/memory.py),
 task=world|multihop|qa (multihop: long pages, 1-4 hop bridge questions over held-out chains,
 `_multihop`; its size is gpu, smoke, or cpu for runlocal or no flag; qa: your questions,
 `_qa`, e.g.
@@ -39,7 +41,8 @@ def arguments(arg: str | None) -> dict:
   """The typed arguments of `arg` (configs/sft.py takes the same)."""
   args = common.parse_args(arg, dict(variant="mgrpo", model="", hf_path="", init="",
                                      policy="model", seed=0, runlocal=False, smoke=False,
-                                     gpu=False, lora=0, task="world", full_context=False))
+                                     gpu=False, lora=0, task="world", full_context=False,
+                                     protocol="tags"))
   if args["variant"] not in VARIANTS:
     raise ValueError(f"variant={args['variant']!r}; expected one of {VARIANTS}.")
   if args["task"] not in TASKS:
@@ -52,7 +55,20 @@ def multihop_size(args: dict) -> str:
   return "gpu" if args["gpu"] else "smoke" if args["smoke"] else "cpu"
 
 
+# Context the native protocol adds with a byte tokenizer (one id per character): the tools'
+# JSON schemas in the system turn (900-1150 ids per role) and the calls' JSON.
+NATIVE_EXTRA_LEN = 2048
+
+
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  c = _config(arg)
+  c.protocol = arguments(arg)["protocol"]
+  if c.protocol == "native" and (c.tokenizer or c.main_model.hf_path or "byte").startswith("byte"):
+    c.limits.max_len += NATIVE_EXTRA_LEN
+  return c
+
+
+def _config(arg: str | None) -> ml_collections.ConfigDict:
   args = arguments(arg)
   c = ml_collections.ConfigDict()
   c.program = "mgrpo"  # Which library entry point launch/train.py runs.
@@ -117,6 +133,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.checkpoint_every = 10
   c.max_to_keep = 2
   c.log_every = 1  # Steps between plain log lines when no terminal shows the progress bar.
+  # How every agent calls its tools: "tags" (<search>...</search>: agents/protocol.py) or
+  # "native" (the checkpoint's own <tool_call> JSON, tools rendered by its chat template:
+  # agents/native.py).
+  c.protocol = "tags"
+  c.update(common.log_sinks())  # log_to, wandb.
   c.max_staleness = 0  # Sub-agent versions a result may lag (checked by the main program).
   if args["gpu"]:
     _gpu(c, preset=args["model"] or "qwen3_0p6b")

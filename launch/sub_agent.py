@@ -12,7 +12,7 @@ each role's checkpoints under <run>/<role>/checkpoints.
 from absl import flags
 from ml_collections import config_flags
 
-from mgrpo_jax import cli, workdir
+from mgrpo_jax import cli, config_checks, workdir
 from mgrpo_jax.mgrpo import decoupled
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file[:args].",
@@ -30,6 +30,8 @@ flags.mark_flags_as_required(["config", "workdir", "exchange"])
 def main(argv):
   del argv
   cli.start()
+  config_checks.check_log_to(_CONFIG.value)
+  config_checks.check_protocol(_CONFIG.value)
   workdir.check_resume(_WORKDIR.value, _CONFIG.value, allow_change=_ALLOW_CHANGE.value)
   decoupled.run_sub_agent(_CONFIG.value, _WORKDIR.value, _EXCHANGE.value,
                           timeout_s=_TIMEOUT.value)

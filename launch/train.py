@@ -10,7 +10,7 @@ except num_steps and the evaluation/checkpoint/log intervals, unless --allow_con
 from absl import app, flags
 from ml_collections import config_flags
 
-from mgrpo_jax import cli, workdir
+from mgrpo_jax import cli, config_checks, workdir
 from mgrpo_jax.mgrpo import colocated, sft
 from mgrpo_jax.magrpo import program as magrpo_program
 
@@ -31,6 +31,8 @@ def main(argv):
   config = _CONFIG.value
   if config.program not in PROGRAMS:
     raise app.UsageError(f"config.program={config.program!r}; expected one of {list(PROGRAMS)}.")
+  config_checks.check_log_to(config)
+  config_checks.check_protocol(config)
   workdir.check_resume(_WORKDIR.value, config, allow_change=_ALLOW_CHANGE.value)
   PROGRAMS[config.program](config, _WORKDIR.value)
 

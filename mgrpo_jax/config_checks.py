@@ -6,12 +6,14 @@ optimizer, loss, world, mesh) have their ranges here; each program adds its own 
 """
 
 import dataclasses
+import importlib.util
 import math
 import numbers
 from typing import Iterable
 
 import ml_collections
 
+from mgrpo_jax import metrics
 from mgrpo_jax import sharding
 from mgrpo_jax import tokenizer_io
 from mgrpo_jax.models import attention
@@ -249,3 +251,20 @@ def check_qa_data(c) -> None:
   if c.tokenizer in tokenizer_io.WORLD_SPECS:
     raise ConfigValueError(f"config.tokenizer={c.tokenizer!r} takes a generated world's words; "
                            "task=qa has none: use '' (the checkpoint's), 'byte' or a directory.")
+
+
+def check_protocol(c) -> None:
+  """Refuses an unknown `config.protocol` (configs without the field speak tags)."""
+  check_config(c, {"protocol": ("tags", "native")} if "protocol" in c else {})
+
+
+def check_log_to(c) -> None:
+  """Refuses unknown metric sinks, or W&B without wandb installed: at start-up, before the
+  agents are built (mgrpo_jax.metrics.open_writer)."""
+  try:
+    sinks = metrics.parse_log_to(c.get("log_to", metrics.DEFAULT_LOG_TO))
+  except ValueError as e:
+    raise ConfigValueError(str(e)) from None
+  if "wandb" in sinks and importlib.util.find_spec("wandb") is None:
+    raise ConfigValueError("config.log_to names 'wandb' but wandb is not installed: "
+                           "pip install -e '.[wandb]'.")

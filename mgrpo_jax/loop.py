@@ -45,7 +45,7 @@ def train_loop(workdir: str, agents: dict, ckpt: ckpt_lib.Checkpointer, schedule
   start). `show` names the metrics on the progress bar. After the loop the checkpoints are
   committed and the agents' final weights exported under `workdir/hf`.
   """
-  writer = metrics_lib.MetricsWriter(workdir)
+  writer = metrics_lib.open_writer(workdir)  # The sinks of the run's config.log_to.
   writer.truncate_after(start - 1)  # A restart rewrites the lines after its checkpoint.
   progress = metrics_lib.Progress(schedule.num_steps, initial=start, desc=desc,
                                   log_every=schedule.log_every)

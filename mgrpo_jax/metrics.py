@@ -1,15 +1,22 @@
-"""Run metrics: a JSON-lines file and TensorBoard scalars, a progress bar, late fetching.
+"""Run metrics: a JSON-lines file, TensorBoard and W&B scalars, a progress bar, late fetching.
 
 `workdir/metrics.jsonl` holds one JSON object per written step, e.g.
 `{"step": 3, "main/reward": 0.5, "eval/accuracy": 0.25}`; keys that are measured only
 sometimes (evaluation) appear only on those lines. Non-finite floats are written as
 the strings "nan", "inf" and "-inf" (strict JSON has no NaN), and `read_metrics`
 turns them back into floats, so the file stays valid JSON and nothing is lost.
+
+A run's `config.log_to` names its sinks (`open_writer`): "jsonl" (always: resume, plots
+and evaluation read it), "tensorboard" (`workdir/tb/`) and "wandb" (Weights & Biases, the
+optional `wandb` extra: the run's config and its numeric curves, to `config.wandb.project`
+/ `config.wandb.name`; a resumed workdir continues the same W&B run, whose id it keeps in
+`wandb_run.json`).
 """
 
 import json
 import math
 import os
+import secrets
 import sys
 import time
 from typing import Any, Mapping
@@ -20,6 +27,9 @@ import tqdm
 from absl import logging
 
 METRICS_FILE = "metrics.jsonl"
+WANDB_RUN_FILE = "wandb_run.json"  # The workdir's W&B run id: a resume continues that run.
+SINKS = ("jsonl", "tensorboard", "wandb")
+DEFAULT_LOG_TO = "jsonl,tensorboard"  # What a run without `config.log_to` writes.
 # Prefixes of keys that differ between two runs of the same steps (wall time, throughput,
 # device memory): what a bit-identical resume or a cross-program comparison leaves out.
 VOLATILE = ("time/", "tokens_per_s", "mem/")
@@ -125,22 +135,28 @@ def _summary_writer_class():
 
 
 class MetricsWriter:
-  """Appends per-step metrics to `workdir/metrics.jsonl` and TensorBoard (`workdir/tb/`).
+  """Appends per-step metrics to `workdir/metrics.jsonl`, TensorBoard (`workdir/tb/`) and,
+  when asked, Weights & Biases.
 
   Each `write` is flushed to the OS at once, so a crashed process loses nothing it
   wrote. Only process 0 writes (others are silent) unless `enabled` says otherwise.
   """
 
-  def __init__(self, workdir: str, *, tensorboard: bool = True, enabled: bool | None = None):
+  def __init__(self, workdir: str, *, tensorboard: bool = True, wandb: dict | None = None,
+               enabled: bool | None = None):
+    """`wandb`: `wandb_init`'s keyword arguments (project, name, entity, config) to log to
+    Weights & Biases too; None: not."""
     self.workdir = workdir
     self.path = os.path.join(workdir, METRICS_FILE)
     self.enabled = jax.process_index() == 0 if enabled is None else enabled
     self._tensorboard = tensorboard and self.enabled
-    self._file = self._tb = None
+    self._file = self._tb = self._wandb = None
     if self.enabled:
       os.makedirs(workdir, exist_ok=True)
       self._file = open(self.path, "a")
       self._open_tb()
+      if wandb is not None:
+        self._wandb = wandb_init(workdir, **wandb)
 
   def _open_tb(self, purge_step: int | None = None):
     if not self._tensorboard:
@@ -172,6 +188,10 @@ class MetricsWriter:
         if k != "step" and isinstance(v, (bool, int, float)):
           self._tb.add_scalar(k, float(v), int(step))
       self._tb.flush()
+    # W&B cannot rewrite a step it holds (a resume redoes the steps after its checkpoint,
+    # with the same values but wall times): those are left as the first run wrote them.
+    if self._wandb is not None and step >= self._wandb.step:
+      self._wandb.log(_numbers(record), step=int(step))
 
   def truncate_after(self, step: int):
     """Drops records of steps > `step` (a resumed run rewrites them), and torn lines.
@@ -197,12 +217,76 @@ class MetricsWriter:
     if self._tb is not None:
       self._tb.close()
       self._tb = None
+    if self._wandb is not None:
+      self._wandb.finish()
+      self._wandb = None
 
   def __enter__(self):
     return self
 
   def __exit__(self, *exc):
     self.close()
+
+
+def _numbers(record: dict) -> dict:
+  """The scalars of a written record (not its step, strings or lists) as floats."""
+  out = {}
+  for k, v in record.items():
+    v = _from_json(v)
+    if k != "step" and isinstance(v, (bool, int, float)):
+      out[k] = float(v)
+  return out
+
+
+def parse_log_to(log_to: str) -> tuple[str, ...]:
+  """The sinks of `config.log_to` ("jsonl,tensorboard,wandb"); raises ValueError for an
+  unknown one, or one list without "jsonl" (the run's own record)."""
+  sinks = tuple(dict.fromkeys(s.strip() for s in log_to.split(",") if s.strip()))
+  unknown = [s for s in sinks if s not in SINKS]
+  if unknown:
+    raise ValueError(f"config.log_to={log_to!r}: unknown sink(s) {unknown}; known: "
+                     f"{', '.join(SINKS)}.")
+  if "jsonl" not in sinks:
+    raise ValueError(f"config.log_to={log_to!r} must include 'jsonl': {METRICS_FILE} is the "
+                     "run's own record (resume, plots and evaluation read it).")
+  return sinks
+
+
+def open_writer(workdir: str) -> MetricsWriter:
+  """The writer of the run in `workdir`, with the sinks its `config.json` names
+  (`config.log_to`; a workdir without one, or a config without the field: jsonl and
+  TensorBoard)."""
+  path = os.path.join(workdir, "config.json")
+  config = {}
+  if jax.process_index() == 0 and os.path.exists(path):  # Only process 0 writes metrics.
+    with open(path) as f:
+      config = json.load(f)
+  sinks = parse_log_to(config.get("log_to", DEFAULT_LOG_TO))
+  wandb = None
+  if "wandb" in sinks:
+    w = config.get("wandb", {})
+    wandb = dict(project=w.get("project") or None, name=w.get("name") or None,
+                 entity=w.get("entity") or None, config=config)
+  return MetricsWriter(workdir, tensorboard="tensorboard" in sinks, wandb=wandb)
+
+
+def wandb_init(workdir: str, *, project: str | None = None, name: str | None = None,
+               entity: str | None = None, config: dict | None = None):
+  """A W&B run for `workdir` (its files under `workdir/wandb/`): the one whose id the workdir
+  keeps, continued, or a new one whose id it then keeps. W&B's own settings apply (e.g.
+  WANDB_MODE=offline writes the run there for a later `wandb sync`)."""
+  import wandb  # The optional extra: imported only by a run that logs to W&B.
+
+  id_path = os.path.join(workdir, WANDB_RUN_FILE)
+  if os.path.exists(id_path):
+    with open(id_path) as f:
+      run_id = json.load(f)["id"]
+  else:
+    run_id = secrets.token_hex(6)  # W&B run ids: lowercase letters and digits.
+    with open(id_path, "w") as f:
+      json.dump({"id": run_id}, f)
+  return wandb.init(project=project, name=name, entity=entity, id=run_id, resume="allow",
+                    dir=workdir, config=config)
 
 
 def format_value(v) -> str:

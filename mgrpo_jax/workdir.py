@@ -3,7 +3,7 @@
 A workdir owns its config: `config.json` is written when a run starts, evaluation reads it
 back (`load_config`), and a resume may not silently change it (`check_resume`): fields that
 only extend or observe the run (`EXTENDS_OR_OBSERVES`: more steps, other evaluation and
-checkpoint intervals) may change; any other difference is refused naming the fields, unless
+checkpoint intervals, the metric sinks) may change; any other difference is refused naming the fields, unless
 the user allows it (`--allow_config_change`), which appends the change to
 `config_changes.jsonl` beside it. Either way `config.json` then holds the config the run
 goes on with.
@@ -74,7 +74,8 @@ CHANGES_FILE = "config_changes.jsonl"
 # Fields a resume may change freely (an SFT run's own schedule under `sft.` too).
 EXTENDS_OR_OBSERVES = ("num_steps", "eval_every", "checkpoint_every", "log_every",
                        "num_eval_questions", "sft.num_steps", "sft.eval_every",
-                       "sft.checkpoint_every")  # fmt: skip
+                       "sft.checkpoint_every", "log_to", "wandb.project", "wandb.name",
+                       "wandb.entity")  # fmt: skip
 
 
 class ConfigChangeError(ValueError):
@@ -98,7 +99,9 @@ def _flatten(d, prefix: str = "") -> dict:
 
 # Fields added to the configs after runs were made, with the value that keeps an older run's
 # behaviour: a config.json without one is read as holding that value (`differences`).
-ADDED_FIELDS = {"rl_worlds": 0, "rl_hop_weights": [], "sft.trace_worlds": -1}
+ADDED_FIELDS = {"rl_worlds": 0, "rl_hop_weights": [], "sft.trace_worlds": -1,
+                "log_to": "jsonl,tensorboard", "wandb.project": "mgrpo_jax", "wandb.name": "",
+                "wandb.entity": "", "protocol": "tags"}
 
 
 def differences(stored: dict, current: dict) -> dict[str, tuple]:

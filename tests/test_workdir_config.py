@@ -114,3 +114,18 @@ def test_evaluate_launcher_reads_the_workdirs_config(tmp_path):
   result = json.loads((tmp_path / "eval.json").read_text())
   assert result["policy"] == "expert" and result["num_questions"] == 12
   assert result["accuracy"] >= 0.5 and "retrieval_recall_hop1" in result
+
+
+def test_a_run_from_before_the_metric_sinks_resumes_and_may_add_wandb(tmp_path):
+  """A config.json without `log_to` / `wandb` reads as the default sinks; naming other sinks
+  or W&B names on resume is allowed (they observe the run) and recorded."""
+  current = mgrpo.get_config("smoke")
+  old = json.loads(current.to_json_best_effort())
+  del old["log_to"], old["wandb"]
+  (tmp_path / workdir.CONFIG_FILE).write_text(json.dumps(old))
+  assert workdir.check_resume(str(tmp_path), current) == {}
+  current.log_to, current.wandb.project = "jsonl,tensorboard,wandb", "mine"
+  assert workdir.check_resume(str(tmp_path), current) == {
+      "log_to": ("jsonl,tensorboard", "jsonl,tensorboard,wandb"),
+      "wandb.project": ("mgrpo_jax", "mine")}
+  assert workdir.load_config(str(tmp_path)).log_to == "jsonl,tensorboard,wandb"

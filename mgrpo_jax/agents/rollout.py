@@ -27,9 +27,7 @@ import numpy as np
 
 from mgrpo_jax import distributed, kv_cache_plan, sampling
 from mgrpo_jax import tokenizer as tk
-from mgrpo_jax.agents import protocol
-from mgrpo_jax.agents.continuation import continuation_ids
-from mgrpo_jax.agents.prompts import main_messages, single_messages, sub_messages
+from mgrpo_jax.agents import native, protocol
 from mgrpo_jax.agents.validator import EpisodeValidator
 
 
@@ -63,6 +61,7 @@ class Episode:
   logprobs: list[float]
   validator: EpisodeValidator
   policy_version: int = 0
+  protocol: str = "tags"  # How the agent calls its tools: "tags" or "native" (agents/native.py).
   # MoE policies: [len(tokens), sparse layers, k] experts the sampler chose per token (uint8
   # ids; filled by `LLMPolicy`, which routed them); None for dense or scripted policies.
   experts: np.ndarray | None = None
@@ -98,13 +97,21 @@ class Episode:
 
 
 def new_episode(tokenizer: tk.Tokenizer, role: str, messages, *, q: int, k: int, call: int,
-                task: Any, max_turns: int, policy_version: int = 0) -> Episode:
-  """An episode whose sequence is the chat-template generation prompt of `messages`."""
-  prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+                task: Any, max_turns: int, policy_version: int = 0,
+                protocol_name: str = "tags") -> Episode:
+  """An episode whose sequence is the chat-template generation prompt of `messages` (with
+  the role's tools in the native protocol)."""
+  dialect = native.Dialect(protocol_name)
+  prompt = dialect.prompt_ids(tokenizer, messages, role)
   return Episode(role=role, q=q, k=k, call=call, task=task, tokens=list(prompt),
                  loss_mask=[0] * len(prompt), logprobs=[0.0] * len(prompt),
-                 validator=EpisodeValidator(role, max_turns),
-                 policy_version=policy_version)
+                 validator=dialect.validator(role, max_turns),
+                 policy_version=policy_version, protocol=protocol_name)
+
+
+def _protocol(policy) -> str:
+  """The protocol a policy speaks (policies without the attribute speak tags)."""
+  return getattr(policy, "protocol", "tags")
 
 
 class TurnPolicy(Protocol):
@@ -133,22 +140,22 @@ class LLMPolicy:
   the prompt at `begin`, generated tokens at `act`, tool replies at `append` (in waves, at
   the next turn's prefill). With `mesh`, a MoE policy samples under it (`jax.set_mesh`),
   so expert-parallel layers send tokens to their experts' devices instead of gathering
-  every expert's weights; a dense policy samples as without it.
+  every expert's weights; a dense policy samples as without it. `protocol` says how the
+  agent calls its tools ("tags" or "native"): where its turns stop.
   """
 
   def __init__(self, config, params, tokenizer: tk.Tokenizer, role: str, *, limits: Limits,
                temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                version: int = 0, chunk: int = 32, kv_cache_budget_bytes: int | None = None,
-               mesh=None):
+               mesh=None, protocol: str = "tags"):
     self.config, self.params, self.tokenizer, self.role = config, params, tokenizer, role
     self.limits, self.version, self.chunk = limits, version, chunk
     self.mesh = mesh if config.is_moe else None
     self.budget = kv_cache_budget_bytes
     self.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
-    try:
-      self.stop_ids, self.stop_strings = protocol.stop_token_ids(tokenizer, role), ()
-    except KeyError:  # Closing tags are not single tokens: match them on text.
-      self.stop_ids, self.stop_strings = tuple(tokenizer.stop_ids), protocol.stop_strings(role)
+    self.protocol = protocol
+    # Closing tags that are not single tokens are matched on text.
+    self.stop_ids, self.stop_strings = native.Dialect(protocol).stops(tokenizer, role)
     self._episodes: Sequence[Episode] = ()
     self._seqs = None
     self._weights = None
@@ -239,10 +246,16 @@ class LLMPolicy:
 
 
 class ExpertPolicy:
-  """Wraps a scripted expert (`turn(task, observations, rng) -> text`) as a TurnPolicy."""
+  """Wraps a scripted expert (`turn(task, observations, rng) -> text`) as a TurnPolicy.
 
-  def __init__(self, expert, tokenizer: tk.Tokenizer, *, seed: int = 0, version: int = 0):
+  Experts speak tags; in the native protocol each turn is rendered as the native turn that
+  means the same (`native.from_tags`), so both protocols make the same decisions.
+  """
+
+  def __init__(self, expert, tokenizer: tk.Tokenizer, *, seed: int = 0, version: int = 0,
+               protocol: str = "tags"):
     self.expert, self.tokenizer, self.version = expert, tokenizer, version
+    self.protocol, self._dialect = protocol, native.Dialect(protocol)
     self._rng = np.random.default_rng(seed)
     self._episodes: Sequence[Episode] = ()
 
@@ -255,7 +268,8 @@ class ExpertPolicy:
     for r in rows:
       ep = self._episodes[r]
       task = ep.task.subtask if ep.role == "sub" else ep.task
-      ids = self.tokenizer.encode(self.expert.turn(task, list(ep.observations), self._rng))
+      text = self.expert.turn(task, list(ep.observations), self._rng)
+      ids = self.tokenizer.encode(self._dialect.from_tags(text, ep.role))
       # The expert "generates" its closing tag; the engine appends end-of-turn itself.
       out.append((ids, [0.0] * len(ids)))
     return out
@@ -317,7 +331,8 @@ def run_episodes(policy: TurnPolicy, episodes: list[Episode], tool_fn: ToolFn, *
     appended = {}
     for i, (ep, _), reply in zip(pending_rows, pending, replies):
       ep.tool_seconds += tool_s
-      ids = ([] if ep.tokens[-1] == eos else [eos]) + continuation_ids(tokenizer, reply)
+      ids = ([] if ep.tokens[-1] == eos else [eos]) + native.Dialect(
+          ep.protocol).continuation_ids(tokenizer, reply, ep.role)
       if len(ep.tokens) + len(ids) + limits.max_new_tokens > limits.max_len:
         ep.validator.abort(f"context: {len(ep.tokens) + len(ids)} tokens + a turn of "
                            f"{limits.max_new_tokens} would exceed max_len={limits.max_len}")
@@ -377,10 +392,12 @@ class ColocatedSubAgent:
 
   def delegate(self, requests):
     skip = 0 if self.system_prompt else 1
+    name = _protocol(self.policy)
     episodes = [new_episode(self.tokenizer, "sub",
-                            sub_messages(r.subtask, r.context)[skip:], q=r.q, k=r.k,
-                            call=r.call, task=r, max_turns=self.limits.max_turns,
-                            policy_version=self.policy.version) for r in requests]
+                            native.Dialect(name).messages("sub", r.subtask, r.context)[skip:],
+                            q=r.q, k=r.k, call=r.call, task=r, max_turns=self.limits.max_turns,
+                            policy_version=self.policy.version, protocol_name=name)
+                for r in requests]
     self._calls += 1
     run_episodes(self.policy, episodes, self._tools, tokenizer=self.tokenizer,
                  limits=self.limits, key=jax.random.fold_in(self.key, self._calls))
@@ -433,10 +450,11 @@ def rollout_main(policy: TurnPolicy, service: SubAgentService, questions: Sequen
   from SFT, and the prompt costs context).
   """
   skip = 0 if system_prompt else 1
-  episodes = [new_episode(tokenizer, "main", main_messages(question.text)[skip:],
-                          q=q, k=k,
-                          call=-1, task=question, max_turns=limits.max_turns,
-                          policy_version=policy.version)
+  name = _protocol(policy)
+  episodes = [new_episode(tokenizer, "main",
+                          native.Dialect(name).messages("main", question.text)[skip:],
+                          q=q, k=k, call=-1, task=question, max_turns=limits.max_turns,
+                          policy_version=policy.version, protocol_name=name)
               for q, question in enumerate(questions) for k in range(num_rollouts)]
   tool_fn = main_tool_fn(service, step=step, limits=limits, tools=tools)
   return run_episodes(policy, episodes, tool_fn, tokenizer=tokenizer, limits=limits, key=key)
@@ -454,11 +472,12 @@ def rollout_single(policy: TurnPolicy, questions: Sequence[Any], *, num_rollouts
   it. Returns the Q*K episodes (role "single", call -1) in (q, k) order.
   """
   del step
-  episodes = []
+  episodes, name = [], _protocol(policy)
   for q, question in enumerate(questions):
-    messages = single_messages(question.text)[0 if system_prompt else 1:]
+    messages = native.Dialect(name).messages("single", question.text)[0 if system_prompt else 1:]
     episodes += [new_episode(tokenizer, "single", messages, q=q, k=k, call=-1, task=question,
-                             max_turns=limits.max_turns, policy_version=policy.version)
+                             max_turns=limits.max_turns, policy_version=policy.version,
+                             protocol_name=name)
                  for k in range(num_rollouts)]
 
   def tool_fn(pending):

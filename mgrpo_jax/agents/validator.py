@@ -22,7 +22,8 @@ class EpisodeValidator:
   Never raises on turn text.
   """
 
-  def __init__(self, role: str, max_turns: int):
+  def __init__(self, role: str, max_turns: int, *, parse=None):
+    """`parse(text, role) -> Turn` reads a turn (default `parse_turn`; native.parse_turn)."""
     check_role(role)
     if not isinstance(max_turns, int) or max_turns < 1:
       raise ValueError(f"max_turns must be a positive int, got {max_turns!r}")
@@ -32,6 +33,7 @@ class EpisodeValidator:
     self._done = False
     self._finished = False  # ended with the final action
     self._failure: str | None = None
+    self._parse = parse or parse_turn
 
   def _end(self, failure: str | None) -> None:
     self._done = True
@@ -44,7 +46,7 @@ class EpisodeValidator:
     if self._done:
       self._end(f"turn {n} after the episode ended")
       return Turn(ok=False, error="turn after the episode ended")
-    turn = parse_turn(turn_text, self.role)
+    turn = self._parse(turn_text, self.role)
     self.turns.append(turn)
     if not turn.ok:
       self._end(f"turn {n}: {turn.error}")

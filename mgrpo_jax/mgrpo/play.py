@@ -30,7 +30,8 @@ def limits(c) -> rollout.Limits:
 def expert_policies(c, w: Wiring, env: Env, *, noise: float = 0.0, seed: int = 0) -> dict:
   """The scripted experts, one per role."""
   tok, kw = env.tokenizer, dict(noise=noise, think=c.expert_think)
-  mk = lambda expert, i: rollout.ExpertPolicy(expert, tok, seed=seed * 10 + i)
+  mk = lambda expert, i: rollout.ExpertPolicy(expert, tok, seed=seed * 10 + i,
+                                              protocol=c.get("protocol", "tags"))
   if "data" in c:  # task=qa: the gold structure's experts (noise-free; none for "jsonl").
     if not w.has_sub:
       raise ConfigValueError("task=qa has experts for the main and sub-agent only, not for "
@@ -54,7 +55,8 @@ def make_policies(c, w: Wiring, env: Env, agents: dict, sampling_cfg, version: i
     return expert_policies(c, w, env, noise=c.expert_noise)
   kw = dict(limits=limits(c), temperature=sampling_cfg.temperature, top_p=sampling_cfg.top_p,
             top_k=sampling_cfg.top_k, version=version, chunk=sampling_cfg.chunk,
-            kv_cache_budget_bytes=sampling_cfg.kv_cache_budget_bytes or None)
+            kv_cache_budget_bytes=sampling_cfg.kv_cache_budget_bytes or None,
+            protocol=c.get("protocol", "tags"))
   return {role: rollout.LLMPolicy(agents[name].model_config, agents[name].params,
                                   env.tokenizer, role, mesh=agents[name].mesh, **kw)
           for role, name in w.agent_of.items() if name in agents}

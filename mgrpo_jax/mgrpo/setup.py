@@ -19,7 +19,7 @@ import ml_collections
 
 from mgrpo_jax import config_checks as checks
 from mgrpo_jax import trainable
-from mgrpo_jax.agents.prompts import main_messages, single_messages, sub_messages
+from mgrpo_jax.agents import native
 from mgrpo_jax.rl import rewards
 from mgrpo_jax.config_checks import ConfigValueError
 from mgrpo_jax.mgrpo import tasks
@@ -134,13 +134,15 @@ def check_task(c: ml_collections.ConfigDict, w: Wiring, env: Env, *,
         f"config.world.num_questions={c.world.num_questions} with "
         f"config.world.test_fraction={c.world.test_fraction} leaves no training question.")
   lim, skip = c.limits, 0 if c.world.system_prompt else 1
-  messages = single_messages if w.lead == "single" else main_messages
-  prompt = lambda m: len(env.tokenizer.apply_chat_template(m[skip:], add_generation_prompt=True))
-  longest = max(prompt(messages(q.text)) for q in env.train + env.test)
+  # The native protocol's prompts hold the tools' schemas too (agents/native.py).
+  dialect = native.Dialect(c.get("protocol", "tags"))
+  lead = "single" if w.lead == "single" else "main"
+  prompt = lambda m, role: len(dialect.prompt_ids(env.tokenizer, m[skip:], role))
+  longest = max(prompt(dialect.messages(lead, q.text), lead) for q in env.train + env.test)
   checks.check_prompt_fits(longest, f"the longest {w.lead} prompt",
                            max_len=lim.max_len, max_new_tokens=lim.max_new_tokens)
   if w.has_sub:
-    checks.check_prompt_fits(prompt(sub_messages("")) + lim.max_new_tokens,
+    checks.check_prompt_fits(prompt(dialect.messages("sub", ""), "sub") + lim.max_new_tokens,
                              "a sub-agent prompt with a subtask of one main turn",
                              max_len=lim.max_len, max_new_tokens=lim.max_new_tokens)
 

@@ -1,0 +1,103 @@
+"""The programs in the native protocol: the scripted experts evaluate and train through
+launch/*.py, with the same decisions (so the same accuracy) as in the tag protocol."""
+
+import json
+import os
+import subprocess
+import sys
+
+from mgrpo_jax import metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QA = ["--config.data.train=tests/data/qa/musique.jsonl",
+      "--config.data.eval=tests/data/qa/musique.jsonl"]
+# What the experts did: equal in both protocols (token counts differ: JSON calls are longer).
+SAME = ("accuracy", "format", "turns", "delegations", "reward", "sub_format", "overflow")
+
+
+def _env():
+  env = dict(os.environ)  # One device: no sharding needed.
+  env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                              if not f.startswith("--xla_force_host_platform_device_count"))
+  return env
+
+
+def _run(script, config, workdir, *flags):
+  out = subprocess.run([sys.executable, f"launch/{script}", f"--config={config}", *flags,
+                        f"--workdir={workdir}"], cwd=ROOT, env=_env(), capture_output=True,
+                       text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+
+
+def _evaluate(tmp_path, config, *flags) -> dict:
+  results = {}
+  for protocol in ("tags", "native"):
+    workdir = tmp_path / f"{protocol}{len(os.listdir(tmp_path))}"
+    _run("evaluate.py", f"{config},protocol={protocol}", workdir, *flags)
+    results[protocol] = json.loads((workdir / "eval.json").read_text())
+  return results
+
+
+def test_experts_score_the_same_in_both_protocols(tmp_path):
+  # Noisy experts: their slips are drawn alike in both protocols, so accuracy < 1 matches too.
+  r = _evaluate(tmp_path, "configs/mgrpo.py:smoke,policy=expert", "--config.expert_noise=0.3",
+                "--config.num_eval_questions=24")
+  assert {k: r["native"][k] for k in SAME} == {k: r["tags"][k] for k in SAME}
+  assert 0 < r["native"]["accuracy"] < 1  # Slips (and smoke's 3 turns) cost answers alike.
+  assert r["native"]["gen_tokens"] > r["tags"]["gen_tokens"]
+  # task=qa: the gold structure's experts.
+  r = _evaluate(tmp_path, "configs/mgrpo.py:task=qa,smoke,policy=expert", *QA)
+  assert {k: r["native"][k] for k in SAME} == {k: r["tags"][k] for k in SAME}
+  assert r["native"]["accuracy"] > 0
+
+
+def test_train_py_runs_native_experts(tmp_path):
+  workdir = tmp_path / "run"
+  _run("train.py", "configs/mgrpo.py:smoke,policy=expert,protocol=native", workdir,
+       "--config.num_steps=1")
+  records = metrics.read_metrics(str(workdir))
+  assert [r["step"] for r in records] == [0, 1]
+  assert records[0]["eval/accuracy"] == 1.0 and records[0]["eval/format"] == 1.0
+  assert records[0]["main/format"] > 0 and records[0]["main/tokens"] > 0  # Noisy experts.
+  assert json.loads((workdir / "config.json").read_text())["protocol"] == "native"
+
+
+def test_a_native_prompt_that_cannot_fit_is_refused_at_start_up(tmp_path):
+  """The smoke size's context holds the tag prompts but not the tools' schemas: the config
+  argument protocol=native makes room, a bare override is refused naming max_len."""
+  out = subprocess.run([sys.executable, "launch/train.py",
+                        "--config=configs/mgrpo.py:smoke,policy=expert",
+                        "--config.protocol=native", f"--workdir={tmp_path / 'w'}"], cwd=ROOT,
+                       env=_env(), capture_output=True, text=True, timeout=600)
+  assert out.returncode == 1
+  assert "config.limits.max_len=1024 cannot hold the longest main prompt" in out.stderr
+  assert not (tmp_path / "w").exists()
+
+
+def test_a_random_qwen3_checkpoint_trains_native_with_its_own_template(tmp_path):
+  """A random-weight HF checkpoint whose tokenizer carries Qwen3's tool-calling template:
+  its prompts hold the tools as that template renders them, a step trains, and the export
+  keeps the template."""
+  import jax
+
+  from configs import mgrpo
+  from mgrpo_jax import models, tokenizer_io
+  from mgrpo_jax.agents import native
+  from mgrpo_jax.mgrpo import colocated, tasks
+  from qwen3_tools_template import QWEN3_TOOLS_CHAT_TEMPLATE, write_qwen3_tools_tokenizer
+
+  ckpt = write_qwen3_tools_tokenizer(tmp_path / "qwen3")
+  tok = tokenizer_io.load_tokenizer(str(ckpt))
+  cfg = models.get_preset("tiny", vocab_size=tok.padded_vocab_size())
+  models.save_hf(str(ckpt), cfg, models.init_params(cfg, jax.random.key(0)))
+  c = mgrpo.get_config(f"smoke,hf_path={ckpt},protocol=native")
+  c.num_steps = 1
+  env = tasks.build_env(c)
+  prompt = native.render_chat(env.tokenizer, native.main_messages("q")[1:], True, "main")
+  assert '{"type": "function", "function": {"name": "delegate"' in prompt
+  colocated.train_and_evaluate(c, str(tmp_path / "run"))
+  records = metrics.read_metrics(str(tmp_path / "run"))
+  assert [r["step"] for r in records] == [0, 1]
+  assert records[0]["main/tokens"] > 0 and 0 <= records[0]["main/format"] <= 1
+  export = tokenizer_io.load_tokenizer(str(tmp_path / "run" / "hf" / "main"))
+  assert export.hf_tokenizer.chat_template == QWEN3_TOOLS_CHAT_TEMPLATE
