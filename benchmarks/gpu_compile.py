@@ -3,10 +3,10 @@
 XLA:GPU's pipeline runs without a GPU (the `jax[cuda12]` wheels; no driver, no autotuning)
 against a target config (`benchmarks/gpu_targets/<target>.txtpb`: XLA's TargetConfig) and a
 topology of such devices. Each case compiles the step training or sampling runs, with
-abstract inputs (`benchmarks/memory.py`'s case builders), and reads the GPU program:
-`memory_analysis()` per device and the optimized HLO (`hlo_stats`): kernels and the
-bytes they write per decode step, custom calls (cuBLAS, cuDNN attention), collectives and the
-bytes each GPU receives. Definitions and results: docs/gpu-compile.md.
+abstract inputs (`benchmarks/step_cases.py`'s case builders, memory.py's too), and reads the
+GPU program: `memory_analysis()` per device and the optimized HLO (`hlo_stats`): kernels and
+the bytes they write per decode step, custom calls (cuBLAS, cuDNN attention), collectives and
+the bytes each GPU receives. Definitions and results: docs/gpu-compile.md.
 
   python benchmarks/gpu_compile.py --target=h100_sxm  # -> benchmarks/results/gpu-compile-h100_sxm.json
   python benchmarks/gpu_compile.py --target=h800 --cases=update/qwen3_30b_a3b
@@ -37,13 +37,11 @@ import math  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-import memory  # noqa: E402  (benchmarks/memory.py: the case builders)
 import hlo_stats  # noqa: E402  (benchmarks/hlo_stats.py: a library, not a script)
-from mgrpo_jax import kv_cache_plan, models, sampling, sharding  # noqa: E402
-from mgrpo_jax.models import decode as decode_layout  # noqa: E402
+import step_cases  # noqa: E402  (benchmarks/step_cases.py: the case builders, a library)
+from mgrpo_jax import models, sampling, sharding  # noqa: E402
 from mgrpo_jax.models import qwen3  # noqa: E402
 
 TARGETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_targets")
@@ -56,8 +54,12 @@ LINKS = {"h100_sxm": {"nvlink": 900e9, "infiniband": 50e9},
          "h200": {"nvlink": 900e9, "infiniband": 50e9}}
 GB = 1e9
 
-# memory.py's helpers: a mesh over given devices, abstract (sharded) inputs, memory stats.
-_mesh, _abstract, _stats = memory._mesh, memory._abstract, memory._stats
+_TARGET = flags.DEFINE_enum("target", "h100_sxm", TARGETS, "GPU to compile for.")
+_CASES = flags.DEFINE_list("cases", ["update", "decode", "prefill"],
+                           "Case name prefixes to run (update, decode, prefill, or full names).")
+_OUT = flags.DEFINE_string("out", "", "Where to write JSON (default "
+                           "benchmarks/results/gpu-compile-<target>.json).")
+_LIST = flags.DEFINE_bool("list", False, "List the cases and exit.")
 
 
 def target_config(target: str) -> str:
@@ -76,8 +78,8 @@ def fsdp_minimum(preset: str, mesh_axes: dict, micro_batches: int, devices) -> f
   once, over the fsdp axis (ring volumes, (n-1)/n of the gathered size). Weights the expert
   axis splits are gathered only over fsdp; gradient reductions over other axes (data
   parallelism across expert groups) are not counted."""
-  cfg = memory.model_config(preset)
-  mesh, _ = _mesh(mesh_axes, devices)
+  cfg = step_cases.model_config(preset)
+  mesh, _ = step_cases.case_mesh(mesh_axes, devices)
   params = qwen3.abstract_params(cfg)
   shardings = sharding.param_shardings(params, mesh)
   total = 0.0
@@ -90,14 +92,23 @@ def fsdp_minimum(preset: str, mesh_axes: dict, micro_batches: int, devices) -> f
   return total * micro_batches
 
 
+def _custom_calls(module) -> dict:
+  """{custom call target (cuBLAS, cuDNN attention, ...): calls per run of `module`}."""
+  calls = {}
+  for instr, times, _ in module.executed():
+    if instr.custom_call_target:
+      calls[instr.custom_call_target] = calls.get(instr.custom_call_target, 0) + times
+  return calls
+
+
 def update(target: str, preset: str, role: str, count: int, mesh_axes: dict | None = None,
            moe_chunk: int = 0) -> dict:
   rows, length = {"main": (16, 32768), "sub": (64, 8192)}[role]
   devices = gpu_devices(target, count)
   axes = mesh_axes or dict(data=1, fsdp=count, tensor=1)
-  out, compiled = memory.update_case(preset, rows, length, devices=count, mesh_axes=axes,
-                                     moe_chunk=moe_chunk, device_list=devices,
-                                     return_compiled=True)
+  out, compiled = step_cases.update_case(preset, rows, length, devices=count, mesh_axes=axes,
+                                         moe_chunk=moe_chunk, device_list=devices,
+                                         return_compiled=True)
   t0 = time.perf_counter()
   text = compiled.as_text()
   module = hlo_stats.parse(text)
@@ -116,13 +127,9 @@ def update(target: str, preset: str, role: str, count: int, mesh_axes: dict | No
   in_chunks = sum(c["received_bytes"] * c["times"] * (w.trip_count or 1)
                   for w in chunk_loops for c in hlo_stats.loop_collectives(module, w, count))
   minimum = fsdp_minimum(preset, axes, out["micro_batches"], devices) if count > 1 else 0.0
-  calls = {}
-  for instr, times, _ in module.executed():
-    if instr.custom_call_target:
-      calls[instr.custom_call_target] = calls.get(instr.custom_call_target, 0) + times
   out.update(
       kernels_per_step=sum(t for _, t, _ in module.executed()),
-      custom_calls=calls,
+      custom_calls=_custom_calls(module),
       collectives={
           "received_gb_per_step": received / GB,
           "by_kind_gb": by_kind,
@@ -146,9 +153,9 @@ def decode(target: str, preset: str, rows: int, param_dtype: str = "bfloat16",
            mesh_axes: dict | None = None) -> dict:
   """The sampler's decode loop on `count` GPUs (`mesh_axes`; default one GPU)."""
   devices = gpu_devices(target, count)
-  out, compiled = memory.decode_case(preset, rows, reached, max_len, mesh_axes,
-                                     param_dtype=param_dtype, device_list=devices,
-                                     return_compiled=True)
+  out, compiled = step_cases.decode_case(preset, rows, reached, max_len, mesh_axes,
+                                         param_dtype=param_dtype, device_list=devices,
+                                         return_compiled=True)
   t0 = time.perf_counter()
   cfg = models.get_preset(preset, param_dtype=param_dtype, compute_dtype="bfloat16")
   # What the loop reads its weights from: the sampler's per-layer compute-dtype copies.
@@ -164,33 +171,12 @@ def decode(target: str, preset: str, rows: int, param_dtype: str = "bfloat16",
 def prefill(target: str, preset: str, rows: int, length: int,
             model_overrides: dict | None = None) -> dict:
   """The sampler's prefill (`sampling._prefill`) of `rows` prompts of `length` tokens
-  (`model_overrides`: fields of the preset's config, e.g. fewer layers in a test)."""
-  devices = gpu_devices(target, 1)
-  cfg = models.get_preset(preset, param_dtype="bfloat16", compute_dtype="bfloat16",
-                          **(model_overrides or {}))
-  mesh, _ = _mesh(dict(data=1, fsdp=1, tensor=1), devices)
-  capacity = kv_cache_plan.cache_len(length + 1, 32768)
-  stacked = qwen3.abstract_params(cfg)
-  params = jax.eval_shape(functools.partial(sampling.decode_params, cfg), stacked)
-  params = _abstract(params, decode_layout.shardings(cfg, sharding.param_shardings(stacked, mesh)))
-  cache = jax.eval_shape(lambda: sampling.init_cache(cfg, rows, capacity))
-  cache = _abstract(cache, decode_layout.cache_shardings(
-      cfg, sharding.cache_sharding(mesh, cfg.num_kv_heads)))
-  row = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32,
-                                           sharding=sharding.batch_sharding(mesh, len(shape)))
-  t0 = time.perf_counter()
-  with jax.set_mesh(mesh):
-    compiled = sampling._prefill.lower(
-        cfg, params, row((rows, length)), row((rows,)), row((rows,)), cache,
-        sampling._window(length, capacity), None).compile()
-  out = _stats(compiled, time.perf_counter() - t0)
+  (`model_overrides`: fields of the preset's config, e.g. fewer layers)."""
+  out, compiled = step_cases.prefill_case(preset, rows, length,
+                                          device_list=gpu_devices(target, 1),
+                                          return_compiled=True, model_overrides=model_overrides)
   module = hlo_stats.parse(compiled.as_text())
-  calls = {}
-  for instr, times, _ in module.executed():
-    if instr.custom_call_target:
-      calls[instr.custom_call_target] = calls.get(instr.custom_call_target, 0) + times
-  out.update(preset=preset, rows=rows, length=length, cache_len=capacity,
-             kernels=sum(t for _, t, _ in module.executed()), custom_calls=calls)
+  out.update(kernels=sum(t for _, t, _ in module.executed()), custom_calls=_custom_calls(module))
   return out
 
 
@@ -202,7 +188,7 @@ def all_cases(target: str) -> dict:
           target, p, r, n)
   for role in ("main", "sub"):
     cases[f"update/qwen3_30b_a3b/{role}"] = lambda r=role: update(
-        target, "qwen3_30b_a3b", r, 64, dict(data=1, fsdp=8, tensor=1, expert=8), 512)
+        target, "qwen3_30b_a3b", r, 64, step_cases.MOE_MESH, 512)
   for preset in ("qwen3_0p6b", "qwen3_1p7b"):
     for rows in (1, 64, 256):
       cases[f"decode/{preset}/b{rows}"] = lambda p=preset, b=rows: decode(target, p, b)
@@ -210,7 +196,7 @@ def all_cases(target: str) -> dict:
           target, p, b, "float32")
   # The paper's model on 64 GPUs, one row per GPU (memory.py's 64-device decode case).
   cases["decode/qwen3_30b_a3b/b64"] = lambda: decode(
-      target, "qwen3_30b_a3b", 64, count=64, mesh_axes=dict(data=1, fsdp=8, tensor=1, expert=8))
+      target, "qwen3_30b_a3b", 64, count=64, mesh_axes=step_cases.MOE_MESH)
   cases["prefill/qwen3_0p6b/b64x1024"] = lambda: prefill(target, "qwen3_0p6b", 64, 1024)
   return cases
 
@@ -255,11 +241,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  # Flags only when run, as memory.py's (whose case builders this imports).
-  _TARGET = flags.DEFINE_enum("target", "h100_sxm", TARGETS, "GPU to compile for.")
-  _CASES = flags.DEFINE_list("cases", ["update", "decode", "prefill"],
-                             "Case name prefixes to run (update, decode, prefill, or full names).")
-  _OUT = flags.DEFINE_string("out", "", "Where to write JSON (default "
-                             "benchmarks/results/gpu-compile-<target>.json).")
-  _LIST = flags.DEFINE_bool("list", False, "List the cases and exit.")
   app.run(main)

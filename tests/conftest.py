@@ -229,7 +229,7 @@ def s3_endpoint():
 
 def _load_benchmark(name: str):
   """benchmarks/<name>.py as a module, loaded once per process and registered under its own
-  name (gpu_compile imports memory's case builders as `import memory`, as when run)."""
+  name, as when run."""
   import importlib.util
   import sys
 
@@ -250,7 +250,7 @@ def _load_benchmark(name: str):
 
 @pytest.fixture(scope="session")
 def load_benchmark():
-  """`load_benchmark("memory")`: a benchmark script's functions, for tests."""
+  """`load_benchmark("gpu")`: a benchmark script's functions, for tests."""
   return _load_benchmark
 
 

@@ -9,7 +9,10 @@ Without the CUDA wheels the compiles fail with the install command: no silent sk
 """
 
 import functools
+import os
 import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +20,7 @@ from jax.experimental.compilation_cache import compilation_cache
 from jax._src.cudnn import fused_attention_stablehlo
 import pytest
 
-from benchmarks import hlo_stats
+from benchmarks import hlo_stats, step_cases
 from mgrpo_jax import models, sampling
 from mgrpo_jax.models import attention, qwen3
 
@@ -64,17 +67,16 @@ def _rollout_weights(cfg, params):
 
 
 @pytest.fixture(scope="module")
-def decode_loops(load_benchmark):
+def decode_loops():
   """{param dtype: (stats, the model config)} of the sampler's decode loop compiled for an
   H100: bf16 weights, and the f32 master weights of the `gpu` config's rollouts."""
-  memory = load_benchmark("memory")
   devices = _devices(1)
   out = {}
   for dtype in ("bfloat16", "float32"):
     cfg = models.get_preset(PRESET, param_dtype=dtype, compute_dtype="bfloat16", **LAYERS)
-    case, compiled = memory.decode_case(PRESET, ROWS, REACHED, MAX_LEN, param_dtype=dtype,
-                                        model_overrides=LAYERS,
-                                        device_list=devices, return_compiled=True)
+    case, compiled = step_cases.decode_case(PRESET, ROWS, REACHED, MAX_LEN, param_dtype=dtype,
+                                            model_overrides=LAYERS,
+                                            device_list=devices, return_compiled=True)
     stats = hlo_stats.decode_step_stats(
         compiled.as_text(), cfg, ROWS, case["cache_len"],
         weights=_rollout_weights(cfg, qwen3.abstract_params(cfg)))
@@ -83,19 +85,18 @@ def decode_loops(load_benchmark):
 
 
 @pytest.fixture(scope="module")
-def update_program(load_benchmark):
+def update_program():
   """The packed update of the tiny model compiled for 2 H100s (fsdp=2), log-probs in 4
   chunks: (parsed module, number of devices)."""
-  memory = load_benchmark("memory")
   devices = _devices(2)
   with pytest.MonkeyPatch.context() as mp:
     # jax asks the local GPU for its compute capability (cuDNN's packed mode needs Hopper);
     # there is none here, so it is told the target's: an H100, 9.0.
     mp.setattr(fused_attention_stablehlo, "check_compute_capability",
                lambda c: tuple(map(int, c.split("."))) <= (9, 0))
-    _, compiled = memory.update_case("tiny", 8, 256, devices=2, device_list=devices,
-                                     return_compiled=True, logits_chunk=512,
-                                     model_overrides=dict(attention=FUSED_ATTENTION))
+    _, compiled = step_cases.update_case("tiny", 8, 256, devices=2, device_list=devices,
+                                         return_compiled=True, logits_chunk=512,
+                                         model_overrides=dict(attention=FUSED_ATTENTION))
   return hlo_stats.parse(compiled.as_text()), 2
 
 
@@ -167,23 +168,21 @@ def test_packed_update_runs_a_fused_attention_kernel(update_program):
   assert any("fmha" in t or "flash" in t or "attention" in t for t in targets), targets
 
 
-def test_prefill_chunks_the_reference_scores_the_way_the_gpu_bounds(load_benchmark,
-                                                                   monkeypatch):
+def test_prefill_chunks_the_reference_scores_the_way_the_gpu_bounds(monkeypatch):
   """The sampler's prefill of 16 prompts of 1024 tokens (Qwen3-0.6B's widths, 2 layers)
   takes the reference attention, whose scores (1 GiB) pass REFERENCE_MAX_SCORE_BYTES: the
   chunks XLA:GPU is compiled with (static slices, chosen by the lowering platform) need
   less than the whole scores and less than the loop XLA:CPU needs (which at 28 layers,
   64 prompts took 30.9 GB a GPU against 27.1 unchunked and 21.2 sliced)."""
-  gpu_compile = load_benchmark("gpu_compile")
-  _devices(1)
+  devices = _devices(1)
   chunked = attention.query_chunked
   total = {}
   for name, kwargs in (("default", {}), ("loop", dict(loop=True)),
                        ("whole", dict(max_score_bytes=1 << 40))):
     monkeypatch.setattr(attention, "query_chunked", functools.partial(chunked, **kwargs))
     jax.clear_caches()  # The prefill is traced again with this attention.
-    total[name] = gpu_compile.prefill("h100_sxm", "qwen3_0p6b", 16, 1024,
-                                      model_overrides=dict(num_layers=2))["total_gb"]
+    total[name] = step_cases.prefill_case("qwen3_0p6b", 16, 1024, device_list=devices,
+                                          model_overrides=dict(num_layers=2))["total_gb"]
   jax.clear_caches()
   assert total["default"] < total["loop"] and total["default"] < total["whole"], total
 
@@ -236,3 +235,18 @@ def test_the_check_passes_per_layer_weights_read_in_place():
   found, summary = _toy_decode(stacked=False)
   assert found == [], found
   assert summary["bytes_written"] < 0.1 * 3 * 256 * 256 * 2
+
+
+def test_gpu_compile_script_lists_its_cases():
+  # The script over the libraries: it imports (the package, hlo_stats and step_cases) with
+  # flags of its own, and names every case, the paper's model on 64 GPUs among them.
+  root = str(TARGETS.parent.parent)
+  env = dict(os.environ, PYTHONPATH=root)
+  r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "gpu_compile.py"),
+                      "--list", "--target=h800"], cwd=root, env=env, capture_output=True,
+                     text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  cases = r.stdout.split()
+  assert {"update/qwen3_30b_a3b/main", "decode/qwen3_30b_a3b/b64", "decode/qwen3_1p7b/b256+f32",
+          "prefill/qwen3_0p6b/b64x1024"} <= set(cases), cases
+  assert len(cases) == 22, cases

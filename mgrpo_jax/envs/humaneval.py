@@ -120,7 +120,7 @@ def _problem(record, where) -> Problem:
                        f"{fields['entry_point']!r}")
   problem = Problem(**fields)
   try:
-    _cases(problem)
+    check_cases(problem)
   except ValueError as e:
     raise ProblemError(f"{where}: field 'test': {e}") from None
   return problem
@@ -129,20 +129,16 @@ def _problem(record, where) -> Problem:
 # ---------------------------------------------------------------- tests from `check`
 
 
-def test_statements(problem: Problem) -> list[str]:
-  """The asserts of `check(candidate)` as separate programs, each with `candidate` bound.
+@functools.lru_cache(maxsize=4096)
+def check_cases(problem: Problem) -> tuple[tuple[str, str], ...]:
+  """(code, display) per test: the asserts of `check(candidate)` as separate programs.
 
-  Each statement repeats the test source's setup (imports, helpers, METADATA), then runs one
+  Each code repeats the test source's setup (imports, helpers, METADATA), then runs one
   assert (or one loop holding asserts) inside `check`'s own scope with the entry point as
   candidate, after the non-assert statements that precede it. Constant asserts (`assert True`)
-  are dropped: they would reward any program that merely loads.
+  are dropped: they would reward any program that merely loads. The display is the assert
+  with candidate renamed, for feedback.
   """
-  return [code for code, _ in _cases(problem)]
-
-
-@functools.lru_cache(maxsize=4096)
-def _cases(problem: Problem) -> tuple[tuple[str, str], ...]:
-  """(code, display) per test; display is the assert with candidate renamed, for feedback."""
   try:
     module = ast.parse(problem.test)
   except _PARSE_ERRORS as e:
@@ -227,14 +223,9 @@ def agent_prompts(problem: Problem, *, feedback: str = "") -> tuple[str, str]:
   return helper, main
 
 
-def extract_function(text: str, name: str) -> str:
-  """The source of `def name(...)` in a completion, dedented; "" if absent or unparseable."""
-  source, parsed = _find_def(text, name)
-  return source if parsed else ""
-
-
-def _find_def(text, name) -> tuple[str, bool]:
-  """(source, parses): the last fenced block holding a parseable def wins, then the raw text.
+def find_def(text: str, name: str) -> tuple[str, bool]:
+  """(source, parses) of `def name(...)` in a completion, dedented ("" if absent): the last
+  fenced block holding a parseable def wins, then the raw text.
 
   When no def parses, returns the first def found as written (so level 1 can still credit it
   and level 2 reports its syntax error), with parses=False.
@@ -307,18 +298,14 @@ def _defined_with_return(source, parsed) -> bool:
 # ---------------------------------------------------------------- cooperation
 
 
-def cooperation_score(main_source: str) -> float:
-  """Level 4 for a parsed main function (its first def): 0, 0.5, 1.0 or 1.5."""
-  return _cooperation(ast.parse(main_source).body[0])[0]
-
-
 def _calls_aux(node) -> bool:
   return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == AUX
              for n in ast.walk(node))
 
 
-def _cooperation(fn) -> tuple[float, str]:
-  """(score, note for the feedback) of main's use of aux."""
+def cooperation_level(fn) -> tuple[float, str]:
+  """Level 4 of main's function node (`ast.FunctionDef`): its use of aux, scored 0, 0.5, 1.0
+  or 1.5, and a note for the feedback."""
   if not _calls_aux(fn):
     return 0.0, f"`{fn.name}` does not call `{AUX}`."
   body = fn.body
@@ -366,9 +353,9 @@ def code_reward(problem: Problem, aux_text: str, main_text: str, *,
 
   Raises sandbox.SandboxError when the sandbox itself fails: that is never a wrong answer.
   """
-  ep, num_tests = problem.entry_point, len(_cases(problem))
-  aux, aux_parsed = _find_def(aux_text, AUX)
-  main, main_parsed = _find_def(main_text, ep)
+  ep, num_tests = problem.entry_point, len(check_cases(problem))
+  aux, aux_parsed = find_def(aux_text, AUX)
+  main, main_parsed = find_def(main_text, ep)
   structure = 0.4 if aux and _defined_with_return(aux, aux_parsed) else 0.0
   aux_note = "" if structure else f" No `{AUX}` with a return was found."
   if not (main and _defined_with_return(main, main_parsed)):
@@ -380,14 +367,14 @@ def code_reward(problem: Problem, aux_text: str, main_text: str, *,
   error = _compile_error(program, [(AUX, aux), (ep, main)])
   if error:
     return CodeReward(structure, structure, 0.0, 0.0, 0.0, 0, num_tests, error)
-  cases = _cases(problem)
+  cases = check_cases(problem)
   suite = sandbox.run_tests(program, [code for code, _ in cases],
                             timeout_per_test_s=timeout_per_test_s, stop_after_timeouts=3,
                             memory_mb=memory_mb)
   tests = suite.passed / suite.total
   cooperation, coop_note = 0.0, ""
   if suite.passed and aux:
-    cooperation, coop_note = _cooperation(ast.parse(main).body[0])
+    cooperation, coop_note = cooperation_level(ast.parse(main).body[0])
   feedback = _test_feedback(suite, [display for _, display in cases], timeout_per_test_s)
   feedback = "\n".join(s for s in (feedback, coop_note, aux_note.strip()) if s)
   total = structure + 0.5 + tests + cooperation

@@ -1,5 +1,6 @@
 """HumanEval code collaboration: problems, test statements, extraction and the joint reward."""
 
+import ast
 import dataclasses
 import json
 
@@ -148,9 +149,10 @@ def test_feedback_is_short_and_counts_the_rest():
     ("total = 0\nfor v in (a, b):\n  total += aux(v)\nreturn total", 1.5),
     ("aux(a)\nreturn aux(a) + aux(b)", 1.0),
 ])
-def test_cooperation_score(main, expected):
+def test_cooperation_level(main, expected):
   body = "".join(f"  {line}\n" for line in main.splitlines())
-  assert humaneval.cooperation_score(f"def add_sq(a, b):\n{body}") == expected
+  fn = ast.parse(f"def add_sq(a, b):\n{body}").body[0]
+  assert humaneval.cooperation_level(fn)[0] == expected
 
 
 GOOD = "def aux(x):\n    return x * x"
@@ -175,8 +177,9 @@ GOOD = "def aux(x):\n    return x * x"
     ("def aux(x):\n    return x +\n", ""),  # Unparseable.
     ("no code here", ""),
 ])
-def test_extract_function(text, expected):
-  assert humaneval.extract_function(text, "aux") == expected
+def test_find_def(text, expected):
+  source, parses = humaneval.find_def(text, "aux")
+  assert parses == bool(expected) and (source if parses else "") == expected
 
 
 def _statements_problem():
@@ -198,7 +201,7 @@ def _statements_problem():
 ])
 def test_statements_run_separately_with_their_setup(body, outcomes):
   problem = _statements_problem()
-  statements = humaneval.test_statements(problem)
+  statements = [code for code, _ in humaneval.check_cases(problem)]
   assert len(statements) == 3  # `assert True` is dropped; the loop is one test.
   assert all("check(length_text)" not in s.replace("_check_one(", "") for s in statements)
   # The loop assigns `str` as check did; it must not shadow `str` for the solution.
@@ -257,7 +260,7 @@ def test_humaneval_from_the_package():
   problems = humaneval.load_problems()
   assert len(problems) == 164 and problems[0].task_id == "HumanEval/0"
   assert [p.task_id for p in humaneval.load_problems(limit=3)] == [p.task_id for p in problems[:3]]
-  assert all(humaneval.test_statements(p) for p in problems)
+  assert all(humaneval.check_cases(p) for p in problems)
 
 
 @pytest.mark.slow
