@@ -9,7 +9,7 @@ program. XLA flags come from the environment, so compiler options compare as:
       python benchmarks/compile_time.py
   XLA_FLAGS="... --xla_cpu_use_thunk_runtime=false" python benchmarks/compile_time.py
 
-(tests/conftest.py's flags are the first line.) Measured in session 20, 2 runs per flag set
+(tests/conftest.py's flags are the first line.) Measured with 2 runs per flag set
 beside the hierarchy sweep (benchmarks/results/compile-flags-cpu.jsonl): the flags tried
 changed nothing beyond the runs' noise (docs/results/test-suite.md).
 """

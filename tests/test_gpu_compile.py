@@ -2,8 +2,8 @@
 this CPU (the CUDA plugin and compiler wheels of the `gpu` extra; no GPU, no driver), checked
 structurally with benchmarks/hlo_stats.py (definitions: docs/gpu-compile.md).
 
-Each check fails on the program it guards against (issues 34 and 35 made them pass: the
-decode loop reads per-layer weights and caches in place, the log-prob chunks gather nothing,
+Each check fails on the program it guards against (the fixes that made them pass:
+the decode loop reads per-layer weights and caches in place, the log-prob chunks gather nothing,
 the packed update runs cuDNN's fused attention); a toy loop shows the copy check catching one.
 Without the CUDA wheels the compiles fail with the install command: no silent skip.
 """
@@ -31,8 +31,8 @@ TARGETS = pathlib.Path(__file__).parent.parent / "benchmarks" / "gpu_targets"
 # bytes written to bytes read) with 2 of its 28 layers, so it compiles in seconds.
 PRESET, LAYERS, ROWS, REACHED, MAX_LEN = "qwen3_0p6b", dict(num_layers=2), 4, 256, 512
 # The attention kernel the packed update asks for on GPU: "cudnn" takes the fused kernel
-# where it applies (today not on packed rows, issue 34).
-FUSED_ATTENTION = "cudnn_packed"  # cuDNN fused attention over packed rows (issue 34).
+# where it applies (today not on packed rows).
+FUSED_ATTENTION = "cudnn_packed"  # cuDNN fused attention over packed rows.
 # One worker runs this file under `pytest -n 2 --dist loadgroup` (.ci/run): the fixtures'
 # compiles happen once.
 pytestmark = pytest.mark.xdist_group("gpu_compile")

@@ -588,7 +588,7 @@ def test_cache_len_buckets():
 
 
 def test_0p6b_kv_cache_for_1024_token_traces_is_under_10gb():
-    """Issue 21: max_len=32768, 64 rows of Qwen3-0.6B (bf16) whose traces reach 1024 tokens."""
+    """Real scale: max_len=32768, 64 rows of Qwen3-0.6B (bf16) whose traces reach 1024 tokens."""
     from mgrpo_jax.models import qwen3
 
     cfg = models.get_preset("qwen3_0p6b", compute_dtype="bfloat16", param_dtype="bfloat16")

@@ -1,4 +1,4 @@
-"""Issue 32's task: held-out parts of the world, the leak check over every page, the guesser."""
+"""The held-out task: held-out parts of the world, the leak check over every page, the guesser."""
 
 import dataclasses
 import re
