@@ -80,6 +80,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.init = args["init"]  # SFT workdir whose final weights start RL ("" = from the model).
   c.world = common.world(seed=0)
   c.retrieval = common.retrieval()
+  c.tools = common.tools()
   c.limits = common.limits()
   c.sampling = common.sampling()
   c.eval_sampling = common.sampling()

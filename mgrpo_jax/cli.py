@@ -25,7 +25,7 @@ from mgrpo_jax import checkpoint as ckpt_lib
 from mgrpo_jax import config_checks, metrics, plotting, sharding
 from mgrpo_jax import workdir as workdir_lib
 from mgrpo_jax.agents import protocol
-from mgrpo_jax.envs import datasets
+from mgrpo_jax.envs import datasets, tool_health
 from mgrpo_jax.magrpo import rollout
 from mgrpo_jax.models import config as model_config
 from mgrpo_jax.models import safetensors_io
@@ -38,7 +38,7 @@ USER_ERRORS = (config_checks.ConfigValueError, model_config.ConfigError,
                safetensors_io.CheckpointError, ckpt_lib.CorruptCheckpointError,
                datasets.DatasetError, exchange.ExchangeError, sharding.ShardingError,
                protocol.TemplateError, rollout.PromptTooLongError, plotting.UnknownMetricError,
-               workdir_lib.ConfigChangeError, FileNotFoundError, NotADirectoryError,
+               workdir_lib.ConfigChangeError, tool_health.ToolOutage, FileNotFoundError, NotADirectoryError,
                FileExistsError, app.UsageError)
 
 

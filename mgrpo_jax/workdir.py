@@ -74,7 +74,8 @@ CHANGES_FILE = "config_changes.jsonl"
 # Fields a resume may change freely (an SFT run's own schedule under `sft.` too).
 EXTENDS_OR_OBSERVES = ("num_steps", "eval_every", "checkpoint_every", "log_every",
                        "num_eval_questions", "sft.num_steps", "sft.eval_every",
-                       "sft.checkpoint_every")  # fmt: skip
+                       "sft.checkpoint_every", "tools.outage_s",
+                       "tools.max_error_rate")  # fmt: skip
 
 
 class ConfigChangeError(ValueError):
@@ -98,7 +99,9 @@ def _flatten(d, prefix: str = "") -> dict:
 
 # Fields added to the configs after runs were made, with the value that keeps an older run's
 # behaviour: a config.json without one is read as holding that value (`differences`).
-ADDED_FIELDS = {"rl_worlds": 0, "rl_hop_weights": [], "sft.trace_worlds": -1}
+ADDED_FIELDS = {"rl_worlds": 0, "rl_hop_weights": [], "sft.trace_worlds": -1,
+                "tools.outage_s": 300.0, "tools.max_error_rate": 0.5,
+                "data.skip_invalid": False}
 
 
 def differences(stored: dict, current: dict) -> dict[str, tuple]:

@@ -25,9 +25,10 @@ from typing import Any, Callable, Protocol, Sequence
 import jax
 import numpy as np
 
-from mgrpo_jax import distributed, sampling
+from mgrpo_jax import sampling
 from mgrpo_jax import tokenizer as tk
 from mgrpo_jax.agents import protocol
+from mgrpo_jax.envs import tool_health
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,7 +310,7 @@ def run_episodes(policy: TurnPolicy, episodes: list[Episode], tool_fn: ToolFn, *
     # On many hosts every process runs the tools; process 0's replies are the ones kept, so
     # a tool that is not a pure function of its input (a sandbox's time limit) cannot make
     # the processes' sequences, and so their next collective sampler calls, diverge.
-    replies = distributed.broadcast_object(tool_fn(pending))
+    replies = tool_health.shared_outcome(tool_fn, pending)
     tool_s = (time.perf_counter() - start) / len(pending)
     appended = {}
     for i, (ep, _), reply in zip(pending_rows, pending, replies):
@@ -325,6 +326,7 @@ def run_episodes(policy: TurnPolicy, episodes: list[Episode], tool_fn: ToolFn, *
       ep.logprobs += [0.0] * len(ids)
       appended[i] = ids
     policy.append(appended)
+  tool_health.check_error_rate()  # A step on a failing service stops before its update.
   return episodes
 
 
@@ -395,6 +397,16 @@ def _call_tool(tools: dict, turn: protocol.Turn) -> str:
   return tool(turn.argument) if tool else f"Error: no {turn.action} tool here."
 
 
+def _delegate(service: SubAgentService, requests: list) -> list[DelegationResult]:
+  """`service.delegate(requests)`, counted as `delegate` calls (an invalid result: an error)."""
+  start = time.perf_counter()
+  results = service.delegate(requests)
+  seconds = (time.perf_counter() - start) / len(requests)  # The wave's calls run together.
+  for res in results:
+    tool_health.HEALTH.record_call("delegate", seconds, error=not res.format_ok)
+  return results
+
+
 def main_tool_fn(service: SubAgentService, *, step: int, limits: Limits,
                  tools: dict | None = None) -> ToolFn:
   """The main agent's tools: each turn's delegations served as one batch; others by name."""
@@ -411,7 +423,7 @@ def main_tool_fn(service: SubAgentService, *, step: int, limits: Limits,
       requests.append((j, DelegationRequest(step, ep.q, ep.k, ep.delegations, turn.argument,
                                             turn.context)))
       ep.delegations += 1
-    results = service.delegate([r for _, r in requests]) if requests else []
+    results = _delegate(service, [r for _, r in requests]) if requests else []
     for (j, _), res in zip(requests, results):
       replies[j] = res.text
     return replies

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import http.client
 import json
 import os
 import shutil
 import time
+import urllib.error
 import urllib.request
 import uuid
 from typing import Iterable, Iterator, Sequence
@@ -30,7 +32,7 @@ import numpy as np
 from absl import logging
 from tqdm import auto as tqdm
 
-from mgrpo_jax.envs import search
+from mgrpo_jax.envs import search, tool_health
 from mgrpo_jax.envs.world import Document, World
 
 _TOKEN_PATTERN = r"[^\W_]+"  # search.tokenize's words, so queries and documents agree.
@@ -331,6 +333,19 @@ def _build_and_save(corpus: str, index_dir: str, manifest: dict, show_progress: 
 # -------------------------------------------------------------------------------- HTTP
 
 
+class _Malformed(ValueError):
+  """A server's answer that is not Search-R1's JSON (a proxy's error page, a cut answer)."""
+
+
+def is_transient(e: BaseException) -> bool:
+  """Whether a failed request may succeed when repeated: a 5xx, 408 or 429, a connection
+  refused, reset or cut, a timeout, a malformed answer. Another HTTP error (a 4xx) is the
+  server's answer to this request."""
+  if isinstance(e, urllib.error.HTTPError):
+    return e.code >= 500 or e.code in (408, 429)
+  return isinstance(e, (OSError, http.client.HTTPException, _Malformed))
+
+
 class HttpRetriever:
   """A retriever server speaking Search-R1's API (`POST /retrieve`), e.g. its
   `retrieval_server.py` or FlashRAG's, over any corpus and any retriever (BM25, e5, ...).
@@ -339,43 +354,45 @@ class HttpRetriever:
   `{"result": [[{"document": {"id", "contents"}, "score"}, ...]]}` (a list of documents
   without scores is accepted too). The API has no call to fetch one document, so `lookup`
   finds the documents of earlier results (the last `remember` of them), which is what a
-  visit of a doc id from a search reply needs. Failed requests are retried `retries` times;
-  the last error propagates, and the search tool turns it into an error message.
+  visit of a doc id from a search reply needs. A transient failure (5xx, 408, 429, a reset,
+  a timeout, an answer that is not the API's JSON) is retried under `health`'s policy
+  (`tool_health`: back-off with jitter, `ToolOutage` past `outage_s`); another HTTP error
+  (a 4xx: the server refused this request) propagates, and the search tool turns it into
+  an error message.
   """
 
-  def __init__(self, url: str, *, timeout_s: float = 30.0, retries: int = 2,
-               snippet_chars: int = 160, remember: int = 10_000):
+  def __init__(self, url: str, *, timeout_s: float = 30.0, snippet_chars: int = 160,
+               remember: int = 10_000, health: tool_health.Health | None = None,
+               tool: str = "search"):
     if not url.startswith(("http://", "https://")):
       raise ValueError(f"Retriever URL must start with http:// or https://, got {url!r}.")
-    self.url, self.timeout_s, self.retries = url, timeout_s, retries
+    self.url, self.timeout_s, self.tool = url, timeout_s, tool
     self.snippet_chars, self.remember = snippet_chars, remember
+    self.health = health or tool_health.HEALTH
     self._seen: collections.OrderedDict[str, Document] = collections.OrderedDict()
 
-  def _post(self, body: dict) -> dict:
-    data = json.dumps(body).encode("utf-8")
-    for attempt in range(self.retries + 1):
-      request = urllib.request.Request(self.url, data=data, method="POST",
-                                       headers={"Content-Type": "application/json"})  # fmt: skip
-      try:
-        with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-          return json.loads(response.read())
-      except OSError as e:  # URLError, HTTPError and timeouts are all OSErrors.
-        if attempt == self.retries:
-          raise
-        logging.warning("Retriever %s failed (%s); retrying.", self.url, e)
-        time.sleep(0.5 * 2**attempt)
-    raise AssertionError("unreachable")
+  def _attempt(self, data: bytes, timeout_s: float) -> list:
+    """One request; the answer's first result list (a malformed answer raises `_Malformed`)."""
+    request = urllib.request.Request(self.url, data=data, method="POST",
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+      raw = response.read()
+    try:
+      results = json.loads(raw)["result"][0]
+      if not isinstance(results, list):
+        raise TypeError(type(results).__name__)
+    except (ValueError, KeyError, IndexError, TypeError) as e:
+      raise _Malformed(f"the answer is not {{'result': [[...]]}} ({type(e).__name__}): "
+                       f"{raw[:120]!r}") from None  # fmt: skip
+    return results
 
   def search(self, query: str, k: int = 3) -> list[search.Hit]:
     """The server's top `k` documents for `query`, best first."""
     if k <= 0:
       return []
-    reply = self._post({"queries": [query], "topk": k, "return_scores": True})
-    try:
-      results = reply["result"][0]
-    except (KeyError, IndexError, TypeError):
-      raise ValueError(f"Retriever {self.url} answered without result[0]: "
-                       f"{str(reply)[:200]}") from None  # fmt: skip
+    data = json.dumps({"queries": [query], "topk": k, "return_scores": True}).encode("utf-8")
+    results = self.health.request(self.tool, self.url, lambda t: self._attempt(data, t),
+                                  transient=is_transient, timeout_s=self.timeout_s)  # fmt: skip
     terms, hits = search.tokenize(query), []
     for rank, item in enumerate(results[:k]):
       record = item.get("document", item) if isinstance(item, dict) else item

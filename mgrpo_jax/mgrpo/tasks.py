@@ -17,7 +17,8 @@ from mgrpo_jax import config_checks as checks
 from mgrpo_jax import keys
 from mgrpo_jax import tokenizer as tk
 from mgrpo_jax.agents import protocol
-from mgrpo_jax.envs import datasets, multihop, python_tool, qa, retrieval, search, world
+from mgrpo_jax.envs import datasets, multihop, python_tool, qa, retrieval, search, tool_health
+from mgrpo_jax.envs import world
 
 
 @dataclasses.dataclass
@@ -36,6 +37,7 @@ class Env:
 
 def build_env(c: ml_collections.ConfigDict) -> Env:
   """The offline research world with its train/test split and tools (or the QA data's)."""
+  tool_health.configure(c)  # A new run's tool counts and retry policy (config.tools).
   if is_qa(c):
     return build_qa_env(c)
   w = c.world
