@@ -52,6 +52,7 @@ def train_loop(workdir: str, agents: dict, ckpt: ckpt_lib.Checkpointer, schedule
                                   log_every=schedule.log_every)
   name, t_start = desc or "run", time.perf_counter()
   last, first, shown = {}, dict(first or {}), {}
+  tool_health.step_metrics()  # The set-up's tool calls (a warm start's traces) are no step's.
   for step in range(start, schedule.num_steps + 1):
     m, first = first, {}
     if schedule.evaluates(step):

@@ -35,7 +35,7 @@ def test_a_transient_failure_is_retried_and_the_agent_sees_the_hits(world, kind)
           m["tools/search/failures"]) == (2, 1, 1)  # fmt: skip
   calls = tool_health.step_metrics()
   assert calls["tools/search/calls"] == 1 and calls["tools/search/errors"] == 0
-  assert calls["tools/search/latency_ms_p50"] > 0
+  assert calls["time/tools/search/latency_ms_p50"] > 0
   assert health.step_metrics() == {}  # A new step counts from zero.
 
 
