@@ -308,6 +308,10 @@ def _qa(c, size: str):
       # {"id", "contents"} JSONL corpus (indexed with bm25s); http(s)://...: a Search-R1
       # /retrieve server. A "jsonl" dataset has no paragraphs: name a corpus.
       corpus="",
+      # False: a bad record of the data or corpus (not UTF-8 or JSON, a missing field, an
+      # empty answer, a duplicate id, a hop whose supporting paragraph the corpus lacks)
+      # stops the program before the first step, listing them; True: they are left out.
+      skip_invalid=False,
   ))
   c.world.update(search_k=5, visit_chars=1500, system_prompt=True)
   c.limits.update(max_turns=8, max_new_tokens=512, max_len=8192, max_delegations=6)

@@ -32,7 +32,7 @@ import numpy as np
 from absl import logging
 from tqdm import auto as tqdm
 
-from mgrpo_jax.envs import search, tool_health
+from mgrpo_jax.envs import data_checks, search, tool_health
 from mgrpo_jax.envs.world import Document, World
 
 _TOKEN_PATTERN = r"[^\W_]+"  # search.tokenize's words, so queries and documents agree.
@@ -147,10 +147,13 @@ class Bm25Retriever:
 
   @classmethod
   def from_jsonl(cls, corpus: str, *, index_dir: str | None = None, k1: float = 1.2,
-                 b: float = 0.75, snippet_chars: int = 160,
-                 show_progress: bool = True) -> "Bm25Retriever":
+                 b: float = 0.75, snippet_chars: int = 160, show_progress: bool = True,
+                 skip_invalid: bool = False) -> "Bm25Retriever":
     """The index of a JSONL corpus: loaded (memory-mapped) when saved and current, else built
-    and saved first. `index_dir` defaults to `<corpus>.bm25s` beside the corpus."""
+    and saved first. `index_dir` defaults to `<corpus>.bm25s` beside the corpus.
+
+    Before an index is built every line is checked (`data_checks.check_corpus`): bad lines
+    raise `DataErrors` naming each, or with `skip_invalid` are left out of the index."""
     corpus = os.path.abspath(corpus)
     if not os.path.isfile(corpus):
       raise FileNotFoundError(f"Retrieval corpus {corpus!r} does not exist.")
@@ -160,7 +163,7 @@ class Bm25Retriever:
       if os.path.exists(index_dir):
         logging.warning("Index %s does not match %s (changed corpus or settings); rebuilding.",
                         index_dir, corpus)  # fmt: skip
-      _build_and_save(corpus, index_dir, manifest, show_progress)
+      _build_and_save(corpus, index_dir, manifest, show_progress, skip_invalid)
     return cls._load(corpus, index_dir, snippet_chars)
 
   @classmethod
@@ -268,15 +271,17 @@ def _read_manifest(index_dir: str) -> dict | None:
     return None
 
 
-def _scan(corpus: str, offsets: list, ids: list, titles: list, show_progress: bool) -> Iterator[str]:
-  """Yields each line's contents, recording its byte offset and key hashes on the way."""
+def _scan(corpus: str, offsets: list, ids: list, titles: list, show_progress: bool,
+          skip: set[int] = frozenset()) -> Iterator[str]:  # fmt: skip
+  """Yields each line's contents, recording its byte offset and key hashes on the way;
+  lines numbered in `skip` (checked bad and left out) are passed over."""
   seen = set()
   with open(corpus, "rb") as f, tqdm.tqdm(total=os.path.getsize(corpus), unit="B",
                                           unit_scale=True, desc=f"Reading {corpus}",
                                           disable=not show_progress) as bar:  # fmt: skip
     offset = 0
     for number, line in enumerate(f, 1):
-      if line.strip():
+      if line.strip() and number not in skip:
         try:
           doc = from_record(json.loads(line), number)
         except json.JSONDecodeError as e:
@@ -293,13 +298,17 @@ def _scan(corpus: str, offsets: list, ids: list, titles: list, show_progress: bo
       bar.update(len(line))
 
 
-def _build_and_save(corpus: str, index_dir: str, manifest: dict, show_progress: bool) -> None:
-  """Indexes `corpus` into a fresh directory renamed to `index_dir` when complete."""
+def _build_and_save(corpus: str, index_dir: str, manifest: dict, show_progress: bool,
+                    skip_invalid: bool = False) -> None:  # fmt: skip
+  """Checks `corpus`, then indexes it into a fresh directory renamed to `index_dir` when
+  complete."""
   start = time.perf_counter()
-  with open(corpus, "rb") as f:
-    n = sum(1 for line in f if line.strip())
+  problems = data_checks.Problems()
+  skip = data_checks.check_corpus(corpus, problems)
+  problems.finish(skip_invalid=skip_invalid)
+  n = problems.total - len(skip)
   offsets, ids, titles = [], [], []
-  model = _index(_scan(corpus, offsets, ids, titles, show_progress), n, manifest["k1"],
+  model = _index(_scan(corpus, offsets, ids, titles, show_progress, skip), n, manifest["k1"],
                  manifest["b"], show_progress)  # fmt: skip
   keys = _Keys.build(ids, titles)
   tmp = f"{index_dir}.tmp-{uuid.uuid4().hex[:8]}"

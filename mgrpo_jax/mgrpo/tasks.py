@@ -17,8 +17,7 @@ from mgrpo_jax import config_checks as checks
 from mgrpo_jax import keys
 from mgrpo_jax import tokenizer as tk
 from mgrpo_jax.agents import protocol
-from mgrpo_jax.envs import datasets, multihop, python_tool, qa, retrieval, search, tool_health
-from mgrpo_jax.envs import world
+from mgrpo_jax.envs import multihop, python_tool, qa, retrieval, search, tool_health, world
 
 
 @dataclasses.dataclass
@@ -221,9 +220,7 @@ def build_qa_env(c: ml_collections.ConfigDict) -> Env:
   """Real multi-hop QA: `data.train` / `data.eval` questions, tools over `data.corpus`."""
   checks.check_qa_data(c)
   d = c.data
-  load = lambda path: datasets.load_qa(path, d.format, fields=dict(d.fields)) if path else []
-  train, test = load(d.train), load(d.eval)
-  index, documents = qa.make_retriever(d.corpus, c.retrieval, train + test)
+  train, test, index, documents = qa.load_data(d, c.retrieval)  # Every record checked.
   tools = dict(search.local_tools(index, k=c.world.search_k, max_chars=c.world.visit_chars),
                python=python_tool.PythonTool())
   return Env(tk.load_tokenizer(tokenizer_spec(c)), train, test, index, tools, documents)

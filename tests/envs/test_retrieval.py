@@ -105,10 +105,10 @@ def test_jsonl_index_is_saved_memory_mapped_and_rebuilt_when_stale(world, tmp_pa
 def test_jsonl_errors_name_the_line(tmp_path):
   bad = tmp_path / "bad.jsonl"
   bad.write_text('{"id": "a", "contents": "A\\ntext"}\n\n{"id": "a", "contents": "B"}\n')
-  with pytest.raises(ValueError, match="line 3: document id 'a' repeats"):
+  with pytest.raises(ValueError, match="bad.jsonl:3: duplicate id 'a'"):
     retrieval.Bm25Retriever.from_jsonl(str(bad))
   bad.write_text('{"id": "a", "contents": "A"}\nnot json\n')
-  with pytest.raises(ValueError, match="line 2 is not JSON"):
+  with pytest.raises(ValueError, match="bad.jsonl:2: not valid JSON"):
     retrieval.Bm25Retriever.from_jsonl(str(bad))
   with pytest.raises(FileNotFoundError, match="does not exist"):
     retrieval.Bm25Retriever.from_jsonl(str(tmp_path / "missing.jsonl"))
