@@ -309,7 +309,8 @@ def run_episodes(policy: TurnPolicy, episodes: list[Episode], tool_fn: ToolFn, *
     start = time.perf_counter()
     # On many hosts every process runs the tools; process 0's replies are the ones kept, so
     # a tool that is not a pure function of its input (a sandbox's time limit) cannot make
-    # the processes' sequences, and so their next collective sampler calls, diverge.
+    # the processes' sequences, and so their next collective sampler calls, diverge; a
+    # service outage (tool_health.ToolOutage) is process 0's too, raised on every process.
     replies = tool_health.shared_outcome(tool_fn, pending)
     tool_s = (time.perf_counter() - start) / len(pending)
     appended = {}
