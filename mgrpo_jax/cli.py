@@ -38,8 +38,8 @@ USER_ERRORS = (config_checks.ConfigValueError, model_config.ConfigError,
                safetensors_io.CheckpointError, ckpt_lib.CorruptCheckpointError,
                datasets.DatasetError, exchange.ExchangeError, sharding.ShardingError,
                protocol.TemplateError, rollout.PromptTooLongError, plotting.UnknownMetricError,
-               workdir_lib.ConfigChangeError, tool_health.ToolOutage, FileNotFoundError, NotADirectoryError,
-               FileExistsError, app.UsageError)
+               workdir_lib.ConfigChangeError, FileNotFoundError, NotADirectoryError,
+               FileExistsError, app.UsageError, tool_health.ToolOutage)
 
 
 def start(devices: bool = True):

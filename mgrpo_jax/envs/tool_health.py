@@ -31,6 +31,7 @@ import threading
 import time
 from typing import Callable, TypeVar
 
+import jax
 import numpy as np
 from absl import logging
 
@@ -218,7 +219,7 @@ def shared_outcome(fn: Callable[..., T], *args) -> T:
   try:
     outcome = ("ok", fn(*args))
   except ToolOutage as e:
-    if distributed.jax.process_count() == 1:
+    if jax.process_count() == 1:
       raise
     outcome = ("outage", str(e))
   kind, value = distributed.broadcast_object(outcome)

@@ -1,4 +1,5 @@
-"""Tool health against real faults: a retriever on 127.0.0.1 failing on a schedule, a broken sandbox."""
+"""Tool health against real faults: a retriever on 127.0.0.1 failing on a schedule, a broken
+sandbox."""
 
 import time
 
