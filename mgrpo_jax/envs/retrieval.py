@@ -159,7 +159,13 @@ class Bm25Retriever:
       raise FileNotFoundError(f"Retrieval corpus {corpus!r} does not exist.")
     index_dir = os.path.abspath(index_dir or corpus + ".bm25s")
     manifest = _manifest(corpus, k1, b)
-    if _read_manifest(index_dir) != manifest:
+    saved = _read_manifest(index_dir)
+    current = _indexes(saved, manifest)
+    if current and saved.get("skipped") and not skip_invalid:  # Bad lines left out: name them.
+      problems = data_checks.Problems()
+      data_checks.check_corpus(corpus, problems)
+      problems.finish(skip_invalid=False)
+    if not current:
       if os.path.exists(index_dir):
         logging.warning("Index %s does not match %s (changed corpus or settings); rebuilding.",
                         index_dir, corpus)  # fmt: skip
@@ -263,6 +269,12 @@ def _manifest(corpus: str, k1: float, b: float) -> dict:
           "mtime_ns": stat.st_mtime_ns, "k1": k1, "b": b, "tokens": _TOKEN_PATTERN}  # fmt: skip
 
 
+def _indexes(saved: dict | None, manifest: dict) -> bool:
+  """Whether a saved manifest is that of an index of `manifest`'s corpus and settings (it
+  also says how many bad lines the index left out)."""
+  return saved is not None and {k: v for k, v in saved.items() if k != "skipped"} == manifest
+
+
 def _read_manifest(index_dir: str) -> dict | None:
   try:
     with open(os.path.join(index_dir, "manifest.json")) as f:
@@ -323,8 +335,8 @@ def _build_and_save(corpus: str, index_dir: str, manifest: dict, show_progress: 
   if model is not None:
     model.save(os.path.join(tmp, "bm25s"), show_progress=False)
   with open(os.path.join(tmp, "manifest.json"), "w") as f:
-    json.dump(manifest, f)  # Written last: a directory without it is not an index.
-  if _read_manifest(index_dir) == manifest:  # Another process built it meanwhile: keep theirs.
+    json.dump({**manifest, "skipped": len(skip)}, f)  # Last: without it, it is no index.
+  if _indexes(_read_manifest(index_dir), manifest):  # Built meanwhile by another: keep theirs.
     shutil.rmtree(tmp, ignore_errors=True)
     return
   if os.path.exists(index_dir):  # Stale: moved aside first, so no reader sees it half-deleted.

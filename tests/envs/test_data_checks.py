@@ -114,6 +114,10 @@ def test_a_corpus_line_without_contents_is_named(tmp_path):
   assert not os.path.exists(f"{corpus}.bm25s")  # Nothing indexed.
   index = retrieval.Bm25Retriever.from_jsonl(str(corpus), skip_invalid=True)
   assert index.num_docs == 1 and index.lookup("a").text == "Text a."
+  # The saved index left lines out: loading it without skip_invalid names them again.
+  with pytest.raises(DataErrors, match="4 of 5 records"):
+    retrieval.Bm25Retriever.from_jsonl(str(corpus))
+  assert retrieval.Bm25Retriever.from_jsonl(str(corpus), skip_invalid=True).num_docs == 1
 
 
 def test_a_question_whose_support_the_corpus_lacks_is_named(tmp_path):
