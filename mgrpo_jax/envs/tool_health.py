@@ -53,7 +53,7 @@ class Policy:
   max_error_rate: float = 0.5  # Failed / all requests of a service in a step, at most.
   min_requests: int = 20  # Requests in a step before its error rate is judged.
   backoff_s: float = 0.25  # The first retry's delay; doubled per retry, jittered.
-  max_backoff_s: float = 8.0
+  max_backoff_s: float = 8.0  # The longest delay between two requests of one call.
 
 
 def policy_from_config(c) -> Policy:
@@ -138,8 +138,9 @@ class Health:
           raise ToolOutage(f"{tool}: the service at {service} failed for {waited:.0f} s "
                            f"(config.tools.outage_s={self.policy.outage_s:g}); last error: "
                            f"{what}") from None  # fmt: skip
-        logging.warning("%s: %s failed (%s); retry %d in %.2f s.", tool, service, what,
-                        tries + 1, delay)  # fmt: skip
+        # At most a line every 10 s: a flaky service at scale fails many requests a second.
+        logging.log_every_n_seconds(logging.WARNING, "%s: %s failed (%s); retry %d in %.2f s.",
+                                    10, tool, service, what, tries + 1, delay)  # fmt: skip
         time.sleep(min(delay, max(self.policy.outage_s - waited, 0.0)))
         tries += 1
         continue
