@@ -169,3 +169,32 @@ def test_tools_config_is_checked_and_optional():
     tool_health.policy_from_config(c)
   del c["tools"]  # A run's config.json from before the block.
   assert tool_health.policy_from_config(c) == tool_health.Policy()
+
+
+def test_on_many_processes_process_0s_outcome_is_everyones(monkeypatch):
+  """Simulated as process 1 of 2: its own outage is an error reply (replaced by process 0's
+  replies), and process 0's outage is raised here too, at the same point."""
+  from mgrpo_jax import distributed
+
+  monkeypatch.setattr(tool_health.jax, "process_count", lambda: 2)
+  monkeypatch.setattr(distributed, "is_primary", lambda: False)
+
+  def down(query, k=3):
+    raise tool_health.ToolOutage("search: the service at http://x failed for 9 s")
+
+  index = type("Down", (), {"search": staticmethod(down), "lookup": lambda self, key: None})()
+  tool_health.configure()
+  assert search.SearchTool(index)("q") == "Error: search is unavailable."
+  sent = []
+  monkeypatch.setattr(distributed, "broadcast_object",
+                      lambda obj: sent.append(obj) or ("ok", ["process 0's reply"]))
+  assert tool_health.shared_outcome(lambda: (_ for _ in ()).throw(
+      tool_health.ToolOutage("here only"))) == ["process 0's reply"]
+  assert sent == [("outage", "here only")]
+  monkeypatch.setattr(distributed, "broadcast_object", lambda obj: ("outage", "at process 0"))
+  with pytest.raises(tool_health.ToolOutage, match="at process 0"):
+    tool_health.shared_outcome(lambda: ["my reply"])
+  # The error-rate verdict too: process 0's, whatever this process counted (nothing here).
+  monkeypatch.setattr(distributed, "broadcast_object", lambda verdict: "search: at process 0")
+  with pytest.raises(tool_health.ToolOutage, match="^search: at process 0$"):
+    tool_health.check_error_rate()
