@@ -120,7 +120,20 @@ def retrieval() -> ml_collections.ConfigDict:
       index_dir="",  # Where the corpus's index is saved; "" = beside it, <corpus>.bm25s.
       k1=1.2, b=0.75,  # BM25 parameters.
       url="",  # http: the server's endpoint, e.g. http://127.0.0.1:8000/retrieve.
-      timeout_s=30.0,  # http: per request, retried twice.
+      # http: seconds per request; a failed one is retried within config.tools.outage_s.
+      timeout_s=30.0,
+  ))
+
+
+def tools() -> ml_collections.ConfigDict:
+  """Tool health (mgrpo_jax/envs/tool_health.py): when a failing service stops the run."""
+  return ml_collections.ConfigDict(dict(
+      # Seconds a tool call retries a service's transient failures (5xx, resets, timeouts,
+      # malformed answers) before the service counts as down and the run stops.
+      outage_s=300.0,
+      # Fraction (0-1) of a service's requests in one step that may fail (retried or not)
+      # before the run stops; judged once a step has made 20 requests.
+      max_error_rate=0.5,
   ))
 
 

@@ -96,6 +96,7 @@ def _config(arg: str | None) -> ml_collections.ConfigDict:
   c.init = args["init"]  # SFT workdir whose final weights start RL ("" = from the model).
   c.world = common.world(seed=0)
   c.retrieval = common.retrieval()
+  c.tools = common.tools()
   c.limits = common.limits()
   c.sampling = common.sampling()
   c.eval_sampling = common.sampling()
@@ -328,6 +329,10 @@ def _qa(c, size: str):
       # {"id", "contents"} JSONL corpus (indexed with bm25s); http(s)://...: a Search-R1
       # /retrieve server. A "jsonl" dataset has no paragraphs: name a corpus.
       corpus="",
+      # False: a bad record of the data or corpus (not UTF-8 or JSON, a missing field, an
+      # empty answer, a duplicate id, a hop whose supporting paragraph the corpus lacks)
+      # stops the program before the first step, listing them; True: they are left out.
+      skip_invalid=False,
   ))
   c.world.update(search_k=5, visit_chars=1500, system_prompt=True)
   c.limits.update(max_turns=8, max_new_tokens=512, max_len=8192, max_delegations=6)

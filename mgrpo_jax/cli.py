@@ -25,7 +25,7 @@ from mgrpo_jax import checkpoint as ckpt_lib
 from mgrpo_jax import config_checks, metrics, plotting, sharding
 from mgrpo_jax import workdir as workdir_lib
 from mgrpo_jax.agents import continuation
-from mgrpo_jax.envs import datasets
+from mgrpo_jax.envs import datasets, tool_health
 from mgrpo_jax.magrpo import rollout
 from mgrpo_jax.models import config as model_config
 from mgrpo_jax.models import safetensors_io
@@ -39,7 +39,7 @@ USER_ERRORS = (config_checks.ConfigValueError, model_config.ConfigError,
                datasets.DatasetError, exchange.ExchangeError, sharding.ShardingError,
                continuation.TemplateError, rollout.PromptTooLongError, plotting.UnknownMetricError,
                workdir_lib.ConfigChangeError, FileNotFoundError, NotADirectoryError,
-               FileExistsError, app.UsageError)
+               FileExistsError, app.UsageError, tool_health.ToolOutage)
 
 
 def start(devices: bool = True):

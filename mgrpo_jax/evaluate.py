@@ -13,6 +13,7 @@ from mgrpo_jax import checkpoint as ckpt_lib
 from mgrpo_jax import config_checks as checks
 from mgrpo_jax import distributed, sharding
 from mgrpo_jax import workdir as workdir_lib
+from mgrpo_jax.envs import tool_health
 from mgrpo_jax.mgrpo import delegation, play, setup, tasks
 from mgrpo_jax.magrpo import step as magrpo_step
 
@@ -97,6 +98,7 @@ def run(c: ml_collections.ConfigDict, workdir: str, *, run_location=None) -> dic
                                   "drop --run.")
   metrics = play.evaluate(c, w, env, agents, step=step,
                           questions_file=os.path.join(workdir, QUESTIONS_FILE))
+  metrics.update(tool_health.step_metrics())
   result = {"accuracy": metrics["eval/accuracy"], "step": step, "policy": c.policy,
             "variant": c.variant, "num_questions": min(c.num_eval_questions, len(env.test)),
             **{k.removeprefix("eval/"): v for k, v in metrics.items()}}

@@ -17,6 +17,7 @@ from absl import logging
 from mgrpo_jax import checkpoint as ckpt_lib
 from mgrpo_jax import metrics as metrics_lib
 from mgrpo_jax import workdir as workdir_lib
+from mgrpo_jax.envs import tool_health
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +52,7 @@ def train_loop(workdir: str, agents: dict, ckpt: ckpt_lib.Checkpointer, schedule
                                   log_every=schedule.log_every)
   name, t_start = desc or "run", time.perf_counter()
   last, first, shown = {}, dict(first or {}), {}
+  tool_health.step_metrics()  # The set-up's tool calls (a warm start's traces) are no step's.
   for step in range(start, schedule.num_steps + 1):
     m, first = first, {}
     if schedule.evaluates(step):
@@ -59,7 +61,7 @@ def train_loop(workdir: str, agents: dict, ckpt: ckpt_lib.Checkpointer, schedule
                      name, step)
       m.update(evaluate(step))
     if step == schedule.num_steps:
-      writer.write(step, m)
+      writer.write(step, {**m, **tool_health.step_metrics()})
       break
     if step == start:
       logging.info("%s: step %d of %d; the first update compiles the step (minutes for a "
@@ -67,6 +69,7 @@ def train_loop(workdir: str, agents: dict, ckpt: ckpt_lib.Checkpointer, schedule
     t0 = time.perf_counter()
     m.update(update(step))
     m["time/step_s"] = time.perf_counter() - t0
+    m.update(tool_health.step_metrics())  # The step's tool calls, its evaluation's included.
     m.update(metrics_lib.device_memory())  # GPU only: the allocator's peak so far.
     writer.write(step, m)
     last = m

@@ -75,7 +75,7 @@ CHANGES_FILE = "config_changes.jsonl"
 EXTENDS_OR_OBSERVES = ("num_steps", "eval_every", "checkpoint_every", "log_every",
                        "num_eval_questions", "sft.num_steps", "sft.eval_every",
                        "sft.checkpoint_every", "log_to", "wandb.project", "wandb.name",
-                       "wandb.entity")  # fmt: skip
+                       "wandb.entity", "tools.outage_s", "tools.max_error_rate")  # fmt: skip
 
 
 class ConfigChangeError(ValueError):
@@ -101,7 +101,8 @@ def _flatten(d, prefix: str = "") -> dict:
 # behaviour: a config.json without one is read as holding that value (`differences`).
 ADDED_FIELDS = {"rl_worlds": 0, "rl_hop_weights": [], "sft.trace_worlds": -1,
                 "log_to": "jsonl,tensorboard", "wandb.project": "mgrpo_jax", "wandb.name": "",
-                "wandb.entity": "", "protocol": "tags"}
+                "wandb.entity": "", "protocol": "tags", "tools.outage_s": 300.0,
+                "tools.max_error_rate": 0.5, "data.skip_invalid": False}
 
 
 def differences(stored: dict, current: dict) -> dict[str, tuple]:

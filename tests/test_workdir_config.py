@@ -11,7 +11,8 @@ import pytest
 from configs import mgrpo
 from configs import sft as sft_config
 from mgrpo_jax import workdir
-from mgrpo_jax.mgrpo import setup, sft
+from mgrpo_jax.envs import tool_health
+from mgrpo_jax.mgrpo import setup, sft, tasks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -92,6 +93,27 @@ def test_a_warm_start_from_before_trace_worlds_resumes(tmp_path):
   with pytest.raises(workdir.ConfigChangeError, match=r"sft\.trace_worlds: -1 -> 5"):
     workdir.check_resume(str(tmp_path), current)
   sft.check_trace_worlds(workdir.load_config(str(tmp_path)))
+
+
+def test_a_qa_run_from_before_tool_health_and_skip_invalid_resumes(tmp_path):
+  """A task=qa config.json from before `tools` and `data.skip_invalid` reads as their
+  defaults; the tool-health limits may change on a resume (they stop a run, never change
+  one), skipping records may not, and the stored config builds the task as it is."""
+  musique = os.path.join(REPO, "tests", "data", "qa", "musique.jsonl")
+  current = mgrpo.get_config("task=qa,smoke")
+  current.data.update(format="musique", train=musique, eval=musique)
+  old = json.loads(current.to_json_best_effort())
+  del old["tools"], old["data"]["skip_invalid"]
+  (tmp_path / workdir.CONFIG_FILE).write_text(json.dumps(old))
+  assert workdir.check_resume(str(tmp_path), current) == {}
+  current.tools.outage_s = 60.0
+  assert workdir.check_resume(str(tmp_path), current) == {"tools.outage_s": (300.0, 60.0)}
+  current.data.skip_invalid = True
+  with pytest.raises(workdir.ConfigChangeError, match=r"data\.skip_invalid: False -> True"):
+    workdir.check_resume(str(tmp_path), current)
+  (tmp_path / workdir.CONFIG_FILE).write_text(json.dumps(old))
+  env = tasks.build_env(workdir.load_config(str(tmp_path)))
+  assert len(env.train) == 12 and tool_health.HEALTH.policy == tool_health.Policy()
 
 
 def test_load_without_a_run_names_the_file(tmp_path):

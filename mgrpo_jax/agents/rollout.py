@@ -25,10 +25,11 @@ from typing import Any, Callable, Protocol, Sequence
 import jax
 import numpy as np
 
-from mgrpo_jax import distributed, kv_cache_plan, sampling
+from mgrpo_jax import kv_cache_plan, sampling
 from mgrpo_jax import tokenizer as tk
 from mgrpo_jax.agents import native, protocol
 from mgrpo_jax.agents.validator import EpisodeValidator
+from mgrpo_jax.envs import tool_health
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,8 +326,9 @@ def run_episodes(policy: TurnPolicy, episodes: list[Episode], tool_fn: ToolFn, *
     start = time.perf_counter()
     # On many hosts every process runs the tools; process 0's replies are the ones kept, so
     # a tool that is not a pure function of its input (a sandbox's time limit) cannot make
-    # the processes' sequences, and so their next collective sampler calls, diverge.
-    replies = distributed.broadcast_object(tool_fn(pending))
+    # the processes' sequences, and so their next collective sampler calls, diverge; a
+    # service outage (tool_health.ToolOutage) is process 0's too, raised on every process.
+    replies = tool_health.shared_outcome(tool_fn, pending)
     tool_s = (time.perf_counter() - start) / len(pending)
     appended = {}
     for i, (ep, _), reply in zip(pending_rows, pending, replies):
@@ -343,6 +345,7 @@ def run_episodes(policy: TurnPolicy, episodes: list[Episode], tool_fn: ToolFn, *
       ep.logprobs += [0.0] * len(ids)
       appended[i] = ids
     policy.append(appended)
+  tool_health.check_error_rate()  # A step on a failing service stops before its update.
   return episodes
 
 
@@ -415,6 +418,16 @@ def _call_tool(tools: dict, turn: protocol.Turn) -> str:
   return tool(turn.argument) if tool else f"Error: no {turn.action} tool here."
 
 
+def _delegate(service: SubAgentService, requests: list) -> list[DelegationResult]:
+  """`service.delegate(requests)`, counted as `delegate` calls (an invalid result: an error)."""
+  start = time.perf_counter()
+  results = service.delegate(requests)
+  seconds = (time.perf_counter() - start) / len(requests)  # The wave's calls run together.
+  for res in results:
+    tool_health.HEALTH.record_call("delegate", seconds, error=not res.format_ok)
+  return results
+
+
 def main_tool_fn(service: SubAgentService, *, step: int, limits: Limits,
                  tools: dict | None = None) -> ToolFn:
   """The main agent's tools: each turn's delegations served as one batch; others by name."""
@@ -431,7 +444,7 @@ def main_tool_fn(service: SubAgentService, *, step: int, limits: Limits,
       requests.append((j, DelegationRequest(step, ep.q, ep.k, ep.delegations, turn.argument,
                                             turn.context)))
       ep.delegations += 1
-    results = service.delegate([r for _, r in requests]) if requests else []
+    results = _delegate(service, [r for _, r in requests]) if requests else []
     for (j, _), res in zip(requests, results):
       replies[j] = res.text
     return replies

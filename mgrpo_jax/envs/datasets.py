@@ -10,16 +10,21 @@ the file, the line number and the field. The benchmarks' questions need live web
 
 `load_qa` reads multi-hop QA (task=qa): MuSiQue (its decomposition: one `QAHop` per
 sub-question), HotpotQA's distractor setting (hops from the supporting facts) or "jsonl" (any
-file of questions and answers, no gold structure), each with its records' paragraphs.
+file of questions and answers, no gold structure), each with its records' paragraphs. It
+checks every record before returning (`envs.data_checks`): all the bad ones are named at
+once, or left out with `skip_invalid`.
 """
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import json
 import os
 from typing import Any, Iterator, Mapping, Sequence
 
+from mgrpo_jax.envs import data_checks
+from mgrpo_jax.envs.data_checks import DatasetError
 from mgrpo_jax.envs.world import Question
 from mgrpo_jax.rl.rewards import normalize_answer
 
@@ -31,10 +36,6 @@ XBENCH_FIELDS = {"id": ("id",), "text": ("prompt", "question"), "answer": ("answ
                  "difficulty": ()}  # fmt: skip
 WEBWALKER_FIELDS = {"id": ("id",), "text": ("question",), "answer": ("answer",),
                     "difficulty": ("difficulty_level", "info.difficulty_level")}  # fmt: skip
-
-
-class DatasetError(ValueError):
-  """A question file has a line that is not a usable record."""
 
 
 def _get(record: Mapping[str, Any], name: str) -> Any:
@@ -185,31 +186,60 @@ class QAQuestion(Question):
   final: str = "last"
 
 
-def _records(path: str | os.PathLike) -> Iterator[tuple[str, Any]]:
-  """(where, record) of a `.json` list or a `.jsonl` file; `where` names file and line/index."""
+def _records(path: str | os.PathLike, problems: data_checks.Problems) -> Iterator[tuple[str, Any]]:
+  """(where, record) of a `.json` list or a `.jsonl` file; `where` names file and line/index.
+
+  A `.jsonl` file is streamed: a line that is not UTF-8 or not JSON is a problem of its own
+  and the others are still read. A `.json` list is read whole (one problem ends it)."""
   path = os.fspath(path)
   if not os.path.isfile(path):
     raise DatasetError(f"{path}: no such file")
-  with open(path, encoding="utf-8") as f:
-    head = f.read(4096).lstrip()
-    f.seek(0)
-    if path.endswith(".json") or head.startswith("["):
-      try:
-        data = json.load(f)
-      except json.JSONDecodeError as e:
-        raise DatasetError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
-      if not isinstance(data, list):
-        raise DatasetError(f"{path}: a .json file must hold a list of records, "
-                           f"got {type(data).__name__}")  # fmt: skip
-      for i, record in enumerate(data):
-        yield f"{path}: record {i}", record
-      return
-    for line_no, line in enumerate(f, start=1):
-      if line.strip():
-        try:
-          yield f"{path}:{line_no}", json.loads(line)
-        except json.JSONDecodeError as e:
-          raise DatasetError(f"{path}:{line_no}: not valid JSON ({e.msg})") from None
+  with open(path, "rb") as f:
+    head = f.read(4096)
+  if path.endswith(".json") or head.lstrip(codecs.BOM_UTF8).lstrip().startswith(b"["):
+    yield from _json_list(path, problems)
+    return
+  for line_no, text, why in data_checks.lines(path):
+    problems.read(path)
+    where = f"{path}:{line_no}"
+    if why is not None:
+      problems.add(where, why)
+      continue
+    try:
+      yield where, json.loads(text.rstrip("\r\n"))
+    except json.JSONDecodeError as e:
+      problems.add(where, f"not valid JSON ({e.msg} at column {e.colno})")
+
+
+def _json_list(path: str, problems: data_checks.Problems) -> Iterator[tuple[str, Any]]:
+  with open(path, "rb") as f:
+    raw = f.read()
+  problems.read(path, 0)
+  text, why = None, data_checks.encoding_problem(raw[:4])
+  line = 1
+  if why is None:
+    try:
+      text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+      line = raw[:e.start].count(b"\n") + 1
+      why = data_checks.decode(raw[raw.rfind(b"\n", 0, e.start) + 1:e.end])[1]
+  if why is not None:
+    problems.read(path)
+    problems.add(f"{path}:{line}", why)
+    return
+  try:
+    data = json.loads(text.lstrip("\ufeff"))
+  except json.JSONDecodeError as e:
+    problems.read(path)
+    problems.add(f"{path}:{e.lineno}", f"not valid JSON ({e.msg})")
+    return
+  if not isinstance(data, list):
+    problems.read(path)
+    problems.add(path, f"a .json file must hold a list of records, got {type(data).__name__}")
+    return
+  problems.read(path, len(data))
+  for i, record in enumerate(data):
+    yield f"{path}: record {i}", record
 
 
 def _need(record: Any, name: str, where: str, kind: type | tuple) -> Any:
@@ -333,14 +363,11 @@ def _plain(record: Any, where: str, fields: Mapping[str, str], index: int,
                     answer=answers[0], aliases=answers[1:], source=source)
 
 
-def load_qa(path: str | os.PathLike, fmt: str, *,
-            fields: Mapping[str, str] | None = None) -> list[QAQuestion]:  # fmt: skip
-  """The questions of a QA file: `fmt` "musique", "hotpotqa" or "jsonl" (`fields`: the keys
-  "id", "question", "answer" -> the file's names; an answer may be a list of aliases).
-
-  `.json` lists and `.jsonl` files are both read. Ids must be unique within a file. A bad
-  record raises `DatasetError` naming the file, the line (or record index) and the field.
-  """
+def read_qa(path: str | os.PathLike, fmt: str, problems: data_checks.Problems, *,
+            fields: Mapping[str, str] | None = None,
+            where_of: dict | None = None) -> list[QAQuestion]:  # fmt: skip
+  """The usable questions of a QA file, each bad record added to `problems` (see `load_qa`);
+  `where_of` (when given) gets each question's file and line, by id."""
   if fmt not in QA_FORMATS:
     raise ValueError(f"QA format {fmt!r}; expected one of {QA_FORMATS}")
   bad = sorted(set(fields or {}) - {"id", "question", "answer"})
@@ -348,19 +375,42 @@ def load_qa(path: str | os.PathLike, fmt: str, *,
     raise ValueError(f"data.fields keys must be among id, question, answer; got {bad}")
   out, first = [], {}
   source = os.path.splitext(os.path.basename(os.fspath(path)))[0]
-  for where, record in _records(path):
-    if fmt == "musique":
-      q = _musique(record, where)
-    elif fmt == "hotpotqa":
-      q = _hotpotqa(record, where)
-    else:
-      q = _plain(record, where, fields or {}, len(out), source)
+  for where, record in _records(path, problems):
+    try:
+      if fmt == "musique":
+        q = _musique(record, where)
+      elif fmt == "hotpotqa":
+        q = _hotpotqa(record, where)
+      else:
+        q = _plain(record, where, fields or {}, len(out), source)
+    except DatasetError as e:  # The record's first problem; the next records are read.
+      where_, _, what = str(e).partition(f"{where}: ")
+      problems.add(where, what or where_)
+      continue
     if q is None:
       continue
     if q.id in first:
-      raise DatasetError(f"{where}: duplicate id {q.id!r} (first at {first[q.id]})")
+      problems.add(where, f"duplicate id {q.id!r} (first at {first[q.id]})")
+      continue
     first[q.id] = where
     out.append(q)
+  if where_of is not None:
+    where_of.update(first)
+  return out
+
+
+def load_qa(path: str | os.PathLike, fmt: str, *, fields: Mapping[str, str] | None = None,
+            skip_invalid: bool = False) -> list[QAQuestion]:  # fmt: skip
+  """The questions of a QA file: `fmt` "musique", "hotpotqa" or "jsonl" (`fields`: the keys
+  "id", "question", "answer" -> the file's names; an answer may be a list of aliases).
+
+  `.json` lists and `.jsonl` files are both read. Every record is checked: bad ones (not
+  UTF-8, not JSON, a missing or empty field, a duplicate id) raise one `DataErrors` naming
+  each with its file, line (or record index) and field, unless `skip_invalid` leaves them out.
+  """
+  problems = data_checks.Problems()
+  out = read_qa(path, fmt, problems, fields=fields)
+  problems.finish(skip_invalid=skip_invalid)
   if not out:
     raise DatasetError(f"{os.fspath(path)}: no {fmt} questions")
   return out

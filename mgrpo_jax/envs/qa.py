@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 from typing import Iterable, Sequence
 
-from mgrpo_jax.envs import retrieval
+from mgrpo_jax.envs import data_checks, datasets, retrieval
 from mgrpo_jax.envs import search as search_lib
 from mgrpo_jax.envs.datasets import Paragraph, QAQuestion
 from mgrpo_jax.envs.world import Document
@@ -46,11 +46,13 @@ def is_url(corpus: str) -> bool:
   return corpus.startswith(("http://", "https://"))
 
 
-def make_retriever(corpus: str, r, questions: Sequence[QAQuestion]) -> tuple[
+def make_retriever(corpus: str, r, questions: Sequence[QAQuestion], *,
+                   skip_invalid: bool = False) -> tuple[
     search_lib.Retriever, tuple[Document, ...]]:  # fmt: skip
   """The retriever over `corpus` (`config.data.corpus`), with `r` the config's `retrieval`
   block (how to search: BM25's k1 and b, the index directory, the server's timeout), and the
-  documents it holds where they are known here (the data corpus's; else empty)."""
+  documents it holds where they are known here (the data corpus's; else empty). A JSONL
+  corpus's bad lines raise, or with `skip_invalid` are left out of its index."""
   if not corpus:
     docs = corpus_documents(questions)
     if not docs:
@@ -61,7 +63,58 @@ def make_retriever(corpus: str, r, questions: Sequence[QAQuestion]) -> tuple[
   if is_url(corpus):
     return retrieval.HttpRetriever(corpus, timeout_s=r.timeout_s), ()
   return retrieval.Bm25Retriever.from_jsonl(corpus, index_dir=r.index_dir or None, k1=r.k1,
-                                            b=r.b, show_progress=False), ()  # fmt: skip
+                                            b=r.b, show_progress=False,
+                                            skip_invalid=skip_invalid), ()  # fmt: skip
+
+
+def load_data(d, r) -> tuple[list[QAQuestion], list[QAQuestion], search_lib.Retriever,
+                             tuple[Document, ...]]:  # fmt: skip
+  """`config.data`'s questions (train, eval) and the retriever over its corpus (`r`: the
+  `retrieval` block), every record checked before any training: the question files',
+  then the corpus's lines, then that each hop's supporting paragraph is in a JSONL corpus
+  (a document of its title). Bad records raise one `DataErrors` per stage naming each, or
+  with `d.skip_invalid` are left out (a config from before the field: False)."""
+  skip = bool(d.get("skip_invalid", False))
+  problems, where = data_checks.Problems(), {}
+  read = lambda path: datasets.read_qa(path, d.format, problems, fields=dict(d.fields),
+                                       where_of=where) if path else []  # fmt: skip
+  train, test = read(d.train), read(d.eval)
+  problems.finish(skip_invalid=skip)
+  for path, questions in ((d.train, train), (d.eval, test)):
+    if path and not questions:
+      raise datasets.DatasetError(f"{path}: no usable {d.format} questions")
+  index, documents = make_retriever(d.corpus, r, train + test, skip_invalid=skip)
+  if d.corpus and not is_url(d.corpus):  # The data's own corpus holds them by construction.
+    problems = data_checks.Problems()
+    train, test = (_supported(q, index, d.corpus, where, problems) for q in (train, test))
+    problems.finish(skip_invalid=skip)
+  return train, test, index, documents
+
+
+def _supported(questions, index, corpus: str, where: dict, problems) -> list[QAQuestion]:
+  """The questions each of whose hops has a supporting paragraph's title in the corpus."""
+  kept = []
+  for q in questions:
+    problems.read(where[q.id].rpartition(":")[0] or where[q.id])
+    missing = [(n, hop.support[0].title) for n, hop in enumerate(q.hops, 1)
+               if hop.support and not any(_has_title(index, p.title) for p in hop.support)]
+    if missing:
+      n, title = missing[0]
+      problems.add(where[q.id], f"question {q.id!r}: hop {n}'s supporting paragraph "
+                   f"{title!r} is not in the corpus {corpus} (no document of that title)")
+    else:
+      kept.append(q)
+  return kept
+
+
+def _has_title(index: search_lib.Retriever, title: str) -> bool:
+  """Whether `index` holds a document titled `title` (any case)."""
+  keys = getattr(index, "keys", None)
+  if keys is None:
+    return index.lookup(title) is not None
+  want = title.strip().lower()
+  return any(index.docs[int(row)].title.strip().lower() == want
+             for row in keys.rows("title", want))
 
 
 def scores(prediction: str | None, q: QAQuestion) -> tuple[float, float]:

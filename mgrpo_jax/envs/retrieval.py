@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import http.client
 import json
 import os
 import shutil
 import time
+import urllib.error
 import urllib.request
 import uuid
 from typing import Iterable, Iterator, Sequence
@@ -30,7 +32,7 @@ import numpy as np
 from absl import logging
 from tqdm import auto as tqdm
 
-from mgrpo_jax.envs import search
+from mgrpo_jax.envs import data_checks, search, tool_health
 from mgrpo_jax.envs.world import Document, World
 
 _TOKEN_PATTERN = r"[^\W_]+"  # search.tokenize's words, so queries and documents agree.
@@ -145,20 +147,29 @@ class Bm25Retriever:
 
   @classmethod
   def from_jsonl(cls, corpus: str, *, index_dir: str | None = None, k1: float = 1.2,
-                 b: float = 0.75, snippet_chars: int = 160,
-                 show_progress: bool = True) -> "Bm25Retriever":
+                 b: float = 0.75, snippet_chars: int = 160, show_progress: bool = True,
+                 skip_invalid: bool = False) -> "Bm25Retriever":
     """The index of a JSONL corpus: loaded (memory-mapped) when saved and current, else built
-    and saved first. `index_dir` defaults to `<corpus>.bm25s` beside the corpus."""
+    and saved first. `index_dir` defaults to `<corpus>.bm25s` beside the corpus.
+
+    Before an index is built every line is checked (`data_checks.check_corpus`): bad lines
+    raise `DataErrors` naming each, or with `skip_invalid` are left out of the index."""
     corpus = os.path.abspath(corpus)
     if not os.path.isfile(corpus):
       raise FileNotFoundError(f"Retrieval corpus {corpus!r} does not exist.")
     index_dir = os.path.abspath(index_dir or corpus + ".bm25s")
     manifest = _manifest(corpus, k1, b)
-    if _read_manifest(index_dir) != manifest:
+    saved = _read_manifest(index_dir)
+    current = _indexes(saved, manifest)
+    if current and saved.get("skipped") and not skip_invalid:  # Bad lines left out: name them.
+      problems = data_checks.Problems()
+      data_checks.check_corpus(corpus, problems)
+      problems.finish(skip_invalid=False)
+    if not current:
       if os.path.exists(index_dir):
         logging.warning("Index %s does not match %s (changed corpus or settings); rebuilding.",
                         index_dir, corpus)  # fmt: skip
-      _build_and_save(corpus, index_dir, manifest, show_progress)
+      _build_and_save(corpus, index_dir, manifest, show_progress, skip_invalid)
     return cls._load(corpus, index_dir, snippet_chars)
 
   @classmethod
@@ -258,6 +269,12 @@ def _manifest(corpus: str, k1: float, b: float) -> dict:
           "mtime_ns": stat.st_mtime_ns, "k1": k1, "b": b, "tokens": _TOKEN_PATTERN}  # fmt: skip
 
 
+def _indexes(saved: dict | None, manifest: dict) -> bool:
+  """Whether a saved manifest is that of an index of `manifest`'s corpus and settings (it
+  also says how many bad lines the index left out)."""
+  return saved is not None and {k: v for k, v in saved.items() if k != "skipped"} == manifest
+
+
 def _read_manifest(index_dir: str) -> dict | None:
   try:
     with open(os.path.join(index_dir, "manifest.json")) as f:
@@ -266,15 +283,17 @@ def _read_manifest(index_dir: str) -> dict | None:
     return None
 
 
-def _scan(corpus: str, offsets: list, ids: list, titles: list, show_progress: bool) -> Iterator[str]:
-  """Yields each line's contents, recording its byte offset and key hashes on the way."""
+def _scan(corpus: str, offsets: list, ids: list, titles: list, show_progress: bool,
+          skip: set[int] = frozenset()) -> Iterator[str]:  # fmt: skip
+  """Yields each line's contents, recording its byte offset and key hashes on the way;
+  lines numbered in `skip` (checked bad and left out) are passed over."""
   seen = set()
   with open(corpus, "rb") as f, tqdm.tqdm(total=os.path.getsize(corpus), unit="B",
                                           unit_scale=True, desc=f"Reading {corpus}",
                                           disable=not show_progress) as bar:  # fmt: skip
     offset = 0
     for number, line in enumerate(f, 1):
-      if line.strip():
+      if line.strip() and number not in skip:
         try:
           doc = from_record(json.loads(line), number)
         except json.JSONDecodeError as e:
@@ -291,13 +310,17 @@ def _scan(corpus: str, offsets: list, ids: list, titles: list, show_progress: bo
       bar.update(len(line))
 
 
-def _build_and_save(corpus: str, index_dir: str, manifest: dict, show_progress: bool) -> None:
-  """Indexes `corpus` into a fresh directory renamed to `index_dir` when complete."""
+def _build_and_save(corpus: str, index_dir: str, manifest: dict, show_progress: bool,
+                    skip_invalid: bool = False) -> None:  # fmt: skip
+  """Checks `corpus`, then indexes it into a fresh directory renamed to `index_dir` when
+  complete."""
   start = time.perf_counter()
-  with open(corpus, "rb") as f:
-    n = sum(1 for line in f if line.strip())
+  problems = data_checks.Problems()
+  skip = data_checks.check_corpus(corpus, problems)
+  problems.finish(skip_invalid=skip_invalid)
+  n = problems.total - len(skip)
   offsets, ids, titles = [], [], []
-  model = _index(_scan(corpus, offsets, ids, titles, show_progress), n, manifest["k1"],
+  model = _index(_scan(corpus, offsets, ids, titles, show_progress, skip), n, manifest["k1"],
                  manifest["b"], show_progress)  # fmt: skip
   keys = _Keys.build(ids, titles)
   tmp = f"{index_dir}.tmp-{uuid.uuid4().hex[:8]}"
@@ -312,8 +335,8 @@ def _build_and_save(corpus: str, index_dir: str, manifest: dict, show_progress: 
   if model is not None:
     model.save(os.path.join(tmp, "bm25s"), show_progress=False)
   with open(os.path.join(tmp, "manifest.json"), "w") as f:
-    json.dump(manifest, f)  # Written last: a directory without it is not an index.
-  if _read_manifest(index_dir) == manifest:  # Another process built it meanwhile: keep theirs.
+    json.dump({**manifest, "skipped": len(skip)}, f)  # Last: without it, it is no index.
+  if _indexes(_read_manifest(index_dir), manifest):  # Built meanwhile by another: keep theirs.
     shutil.rmtree(tmp, ignore_errors=True)
     return
   if os.path.exists(index_dir):  # Stale: moved aside first, so no reader sees it half-deleted.
@@ -331,6 +354,19 @@ def _build_and_save(corpus: str, index_dir: str, manifest: dict, show_progress: 
 # -------------------------------------------------------------------------------- HTTP
 
 
+class _Malformed(ValueError):
+  """A server's answer that is not Search-R1's JSON (a proxy's error page, a cut answer)."""
+
+
+def is_transient(e: BaseException) -> bool:
+  """Whether a failed request may succeed when repeated: a 5xx, 408 or 429, a connection
+  refused, reset or cut, a timeout, a malformed answer. Another HTTP error (a 4xx) is the
+  server's answer to this request."""
+  if isinstance(e, urllib.error.HTTPError):
+    return e.code >= 500 or e.code in (408, 429)
+  return isinstance(e, (OSError, http.client.HTTPException, _Malformed))
+
+
 class HttpRetriever:
   """A retriever server speaking Search-R1's API (`POST /retrieve`), e.g. its
   `retrieval_server.py` or FlashRAG's, over any corpus and any retriever (BM25, e5, ...).
@@ -339,43 +375,45 @@ class HttpRetriever:
   `{"result": [[{"document": {"id", "contents"}, "score"}, ...]]}` (a list of documents
   without scores is accepted too). The API has no call to fetch one document, so `lookup`
   finds the documents of earlier results (the last `remember` of them), which is what a
-  visit of a doc id from a search reply needs. Failed requests are retried `retries` times;
-  the last error propagates, and the search tool turns it into an error message.
+  visit of a doc id from a search reply needs. A transient failure (5xx, 408, 429, a reset,
+  a timeout, an answer that is not the API's JSON) is retried under `health`'s policy
+  (`tool_health`: back-off with jitter, `ToolOutage` past `outage_s`); another HTTP error
+  (a 4xx: the server refused this request) propagates, and the search tool turns it into
+  an error message.
   """
 
-  def __init__(self, url: str, *, timeout_s: float = 30.0, retries: int = 2,
-               snippet_chars: int = 160, remember: int = 10_000):
+  def __init__(self, url: str, *, timeout_s: float = 30.0, snippet_chars: int = 160,
+               remember: int = 10_000, health: tool_health.Health | None = None,
+               tool: str = "search"):
     if not url.startswith(("http://", "https://")):
       raise ValueError(f"Retriever URL must start with http:// or https://, got {url!r}.")
-    self.url, self.timeout_s, self.retries = url, timeout_s, retries
+    self.url, self.timeout_s, self.tool = url, timeout_s, tool
     self.snippet_chars, self.remember = snippet_chars, remember
+    self.health = health or tool_health.HEALTH
     self._seen: collections.OrderedDict[str, Document] = collections.OrderedDict()
 
-  def _post(self, body: dict) -> dict:
-    data = json.dumps(body).encode("utf-8")
-    for attempt in range(self.retries + 1):
-      request = urllib.request.Request(self.url, data=data, method="POST",
-                                       headers={"Content-Type": "application/json"})  # fmt: skip
-      try:
-        with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-          return json.loads(response.read())
-      except OSError as e:  # URLError, HTTPError and timeouts are all OSErrors.
-        if attempt == self.retries:
-          raise
-        logging.warning("Retriever %s failed (%s); retrying.", self.url, e)
-        time.sleep(0.5 * 2**attempt)
-    raise AssertionError("unreachable")
+  def _attempt(self, data: bytes, timeout_s: float) -> list:
+    """One request; the answer's first result list (a malformed answer raises `_Malformed`)."""
+    request = urllib.request.Request(self.url, data=data, method="POST",
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+      raw = response.read()
+    try:
+      results = json.loads(raw)["result"][0]
+      if not isinstance(results, list):
+        raise TypeError(type(results).__name__)
+    except (ValueError, KeyError, IndexError, TypeError) as e:
+      raise _Malformed(f"the answer is not {{'result': [[...]]}} ({type(e).__name__}): "
+                       f"{raw[:120]!r}") from None  # fmt: skip
+    return results
 
   def search(self, query: str, k: int = 3) -> list[search.Hit]:
     """The server's top `k` documents for `query`, best first."""
     if k <= 0:
       return []
-    reply = self._post({"queries": [query], "topk": k, "return_scores": True})
-    try:
-      results = reply["result"][0]
-    except (KeyError, IndexError, TypeError):
-      raise ValueError(f"Retriever {self.url} answered without result[0]: "
-                       f"{str(reply)[:200]}") from None  # fmt: skip
+    data = json.dumps({"queries": [query], "topk": k, "return_scores": True}).encode("utf-8")
+    results = self.health.request(self.tool, self.url, lambda t: self._attempt(data, t),
+                                  transient=is_transient, timeout_s=self.timeout_s)  # fmt: skip
     terms, hits = search.tokenize(query), []
     for rank, item in enumerate(results[:k]):
       record = item.get("document", item) if isinstance(item, dict) else item

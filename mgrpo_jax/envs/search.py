@@ -16,6 +16,7 @@ import random
 import re
 from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
+from mgrpo_jax.envs import tool_health
 from mgrpo_jax.envs.world import Document
 
 _WORD = re.compile(r"[^\W_]+")  # letters and digits of any script; punctuation splits words
@@ -99,13 +100,24 @@ class Tool(Protocol):
 
 
 def _guarded(name: str, run: Callable[[str], str], argument: Any) -> str:
-  """Runs a tool body, turning any bad input or failure into an error message."""
+  """Runs a tool body, turning any bad input or failure into an error message; the call is
+  counted (`tool_health`). A service outage is no reply: it ends the step (on process 0;
+  elsewhere its reply is replaced by process 0's anyway)."""
+  return tool_health.timed(name, lambda: _reply(name, run, argument),
+                           lambda reply: reply.startswith("Error"))
+
+
+def _reply(name: str, run: Callable[[str], str], argument: Any) -> str:
   if not isinstance(argument, str):
     return f"Error: {name} expects text, got {type(argument).__name__}."
   if not argument.strip():
     return f"Error: {name} needs a non-empty argument."
   try:
     return run(argument)
+  except tool_health.ToolOutage:
+    if tool_health.raise_here():
+      raise
+    return f"Error: {name} is unavailable."
   except Exception as e:  # noqa: BLE001 - a policy's bad call must not end the rollout
     return f"Error: {name} failed ({type(e).__name__})."
 

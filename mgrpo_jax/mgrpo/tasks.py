@@ -17,7 +17,7 @@ from mgrpo_jax import config_checks as checks
 from mgrpo_jax import chat_format, hf_tokenizer, keys, tokenizer_io
 from mgrpo_jax import tokenizer as tk
 from mgrpo_jax.agents import prompts
-from mgrpo_jax.envs import datasets, multihop, python_tool, qa, retrieval, search, world
+from mgrpo_jax.envs import multihop, python_tool, qa, retrieval, search, tool_health, world
 
 
 @dataclasses.dataclass
@@ -36,6 +36,7 @@ class Env:
 
 def build_env(c: ml_collections.ConfigDict) -> Env:
   """The offline research world with its train/test split and tools (or the QA data's)."""
+  tool_health.configure(c)  # A new run's tool counts and retry policy (config.tools).
   if is_qa(c):
     return build_qa_env(c)
   w = c.world
@@ -219,9 +220,7 @@ def build_qa_env(c: ml_collections.ConfigDict) -> Env:
   """Real multi-hop QA: `data.train` / `data.eval` questions, tools over `data.corpus`."""
   checks.check_qa_data(c)
   d = c.data
-  load = lambda path: datasets.load_qa(path, d.format, fields=dict(d.fields)) if path else []
-  train, test = load(d.train), load(d.eval)
-  index, documents = qa.make_retriever(d.corpus, c.retrieval, train + test)
+  train, test, index, documents = qa.load_data(d, c.retrieval)  # Every record checked.
   tools = dict(search.local_tools(index, k=c.world.search_k, max_chars=c.world.visit_chars),
                python=python_tool.PythonTool())
   return Env(tokenizer_io.load_tokenizer(tokenizer_spec(c)), train, test, index, tools, documents)

@@ -12,7 +12,7 @@ import pytest
 from configs import mgrpo
 from mgrpo_jax.mgrpo import tasks
 from mgrpo_jax.agents import experts as ex
-from mgrpo_jax.envs import retrieval, search
+from mgrpo_jax.envs import retrieval, search, tool_health
 from mgrpo_jax.envs.world import Document, WorldConfig, generate_world
 
 # Titles are indexed with the text: doc a = [cat, cat, sat] (3 tokens), b = [dog, dog, sat, down]
@@ -105,10 +105,10 @@ def test_jsonl_index_is_saved_memory_mapped_and_rebuilt_when_stale(world, tmp_pa
 def test_jsonl_errors_name_the_line(tmp_path):
   bad = tmp_path / "bad.jsonl"
   bad.write_text('{"id": "a", "contents": "A\\ntext"}\n\n{"id": "a", "contents": "B"}\n')
-  with pytest.raises(ValueError, match="line 3: document id 'a' repeats"):
+  with pytest.raises(ValueError, match="bad.jsonl:3: duplicate id 'a'"):
     retrieval.Bm25Retriever.from_jsonl(str(bad))
   bad.write_text('{"id": "a", "contents": "A"}\nnot json\n')
-  with pytest.raises(ValueError, match="line 2 is not JSON"):
+  with pytest.raises(ValueError, match="bad.jsonl:2: not valid JSON"):
     retrieval.Bm25Retriever.from_jsonl(str(bad))
   with pytest.raises(FileNotFoundError, match="does not exist"):
     retrieval.Bm25Retriever.from_jsonl(str(tmp_path / "missing.jsonl"))
@@ -172,7 +172,7 @@ def server(world):
 
 def test_http_backend_speaks_the_search_r1_api(world, server):
   url = f"http://127.0.0.1:{server.server_port}/retrieve"
-  remote = retrieval.HttpRetriever(url, retries=0)
+  remote = retrieval.HttpRetriever(url)
   entity = world.entities[3]
   hits = remote.search(entity.name, k=2)
   assert server.requests == [("/retrieve", {"queries": [entity.name], "topk": 2,
@@ -187,15 +187,20 @@ def test_http_backend_speaks_the_search_r1_api(world, server):
   assert remote.lookup(world.entities[40].doc_id) is None  # Never in a result.
 
 
-def test_http_backend_retries_then_reports_the_error(world, server):
+def test_http_backend_retries_failed_requests_unseen_by_the_agent(world, server):
   url = f"http://127.0.0.1:{server.server_port}/retrieve"
   server.fail = 1
-  remote = retrieval.HttpRetriever(url, retries=1)
+  health = tool_health.Health(tool_health.Policy(outage_s=30, backoff_s=0.01))
+  remote = retrieval.HttpRetriever(url, health=health)
   assert remote.search(world.entities[0].name, k=1)[0].doc_id == world.entities[0].doc_id
   assert len(server.requests) == 2  # One refused, one answered.
-  server.fail = 5
-  tools = search.local_tools(retrieval.HttpRetriever(url, retries=0))
-  assert tools["search"]("anything") == "Error: search failed (HTTPError)."
+  server.fail = 3
+  tools = search.local_tools(retrieval.HttpRetriever(url, health=health))
+  assert tools["search"](world.entities[0].name).startswith(f"[{world.entities[0].doc_id}]")
+  assert len(server.requests) == 6
+  m = health.step_metrics()
+  assert (m["tools/search/requests"], m["tools/search/retries"],
+          m["tools/search/failures"]) == (6, 4, 4)  # fmt: skip
   with pytest.raises(ValueError, match="http:// or https://"):
     retrieval.HttpRetriever("localhost:8000")
 
