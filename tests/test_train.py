@@ -207,33 +207,6 @@ def test_resume_is_bit_identical(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_copied_start_evaluation_changes_nothing(tmp_path, monkeypatch):
-  """start_evaluation_from: a run that copies the step-0 evaluation of another run from the
-  same weights (frozen_sub, same seed: the same initial weights; greedy) instead of
-  evaluating writes the lines and per-question record of the run that evaluated itself, and
-  names its source; without one to copy it evaluates. A copy is never copied again."""
-  frozen, copied, own, lost = (str(tmp_path / n) for n in ("frozen", "copied", "own", "lost"))
-  colocated.train_and_evaluate(_config("smoke,variant=frozen_sub", num_steps=1), frozen)
-  evaluated, evaluate = [], play.evaluate
-  monkeypatch.setattr(play, "evaluate", lambda *a, **kw: evaluated.append(kw["step"]) or
-                      evaluate(*a, **kw))
-  colocated.train_and_evaluate(_config(num_steps=2), copied, start_evaluation_from=frozen)
-  assert evaluated == [1, 2]  # Not step 0 (eval_every=1).
-  colocated.train_and_evaluate(_config(num_steps=2), own)
-  assert _lines(copied) == _lines(own) and "eval/accuracy" in _lines(own)[0]
-  read = lambda run: Path(play.questions_path(run, 0)).read_text()
-  assert read(copied) == read(own)
-  assert play.copied_from(copied, 0) == frozen and play.copied_from(own, 0) is None
-  with pytest.raises(ValueError, match="itself a copy"):
-    play.copy_evaluation(copied, str(tmp_path / "x"), 0)
-  with pytest.raises(FileNotFoundError, match="no evaluation of step 0"):
-    play.copy_evaluation(str(tmp_path / "nothing"), str(tmp_path / "x"), 0)
-  evaluated.clear()
-  colocated.train_and_evaluate(_config(num_steps=1), lost, start_evaluation_from=own + "x")
-  assert evaluated == [0, 1] and play.copied_from(lost, 0) is None
-
-
-@pytest.mark.slow
 @pytest.mark.devices(8)
 def test_moe_step_on_an_expert_mesh_replays_the_samplers_routes(tmp_path):
   # The whole pipeline: the MoE sampler under the agent's 2 data x 4 expert mesh records

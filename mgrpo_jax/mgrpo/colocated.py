@@ -12,7 +12,6 @@ import time
 
 import jax
 import ml_collections
-from absl import logging
 
 from mgrpo_jax import checkpoint as ckpt_lib
 from mgrpo_jax import config_checks as checks
@@ -22,16 +21,8 @@ from mgrpo_jax.mgrpo import play, setup, tasks
 from mgrpo_jax.mgrpo import step as mgrpo_step
 
 
-def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, *,
-                       start_evaluation_from: str = "") -> dict:
-  """Trains `c.variant` for `c.num_steps`, resuming from `workdir` if it holds a checkpoint.
-
-  `start_evaluation_from`: another run's workdir whose evaluation of step 0 this run copies
-  instead of evaluating again (`play.copy_evaluation`; evaluated after all, with a warning,
-  when it holds none): the caller vouches that both start from the same weights and evaluate
-  the same questions greedily (a sweep's seeds of one warm start:
-  benchmarks/hierarchy_sweep.py).
-  """
+def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict:
+  """Trains `c.variant` for `c.num_steps`, resuming from `workdir` if it holds a checkpoint."""
   w = setup.resolve_wiring(c)
   os.makedirs(workdir, exist_ok=True)
   mesh = sharding.make_mesh(dict(c.mesh))
@@ -64,13 +55,6 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, *,
     return m
 
   def evaluate(step: int) -> dict:
-    if step == 0 and start_evaluation_from:
-      try:
-        m = play.copy_evaluation(start_evaluation_from, workdir, step)
-        logging.info("Step 0's evaluation copied from %s.", start_evaluation_from)
-        return m
-      except (FileNotFoundError, ValueError) as e:  # E.g. the source was started again.
-        logging.warning("%s; evaluating step 0 instead.", e)
     return play.evaluate(c, w, env, agents, step=step,
                          questions_file=play.questions_path(workdir, step))
 

@@ -7,13 +7,11 @@ Who serves the delegations is the caller's: the colocated program passes the in-
 
 import json
 import os
-import shutil
 
 import jax
 import numpy as np
 
 from mgrpo_jax import keys
-from mgrpo_jax import metrics as metrics_lib
 from mgrpo_jax.agents import experts, qa_experts, rollout
 from mgrpo_jax.config_checks import ConfigValueError
 from mgrpo_jax.envs import qa
@@ -128,8 +126,6 @@ def evaluate(c, w: Wiring, env: Env, agents: dict, *, step: int, questions=None,
     with open(questions_file + ".tmp", "w") as f:
       json.dump(record, f)
     os.replace(questions_file + ".tmp", questions_file)
-    if os.path.exists(copied_from_path(questions_file)):  # A copy an earlier attempt made.
-      os.remove(copied_from_path(questions_file))
   m = episode_metrics("eval", eps, outcome)
   m.update(breakdown("eval", eps, outcome.correct[:, 0], questions))
   if "data" in c:  # task=qa: token F1 and the retrieval recall of each hop's support.
@@ -138,41 +134,6 @@ def evaluate(c, w: Wiring, env: Env, agents: dict, *, step: int, questions=None,
     m["eval/sub_format"] = float(np.mean([e.format_ok for e in sub_eps]))
     m["eval/sub_overflow"] = float(np.mean([overflowed(e) for e in sub_eps]))
   return m
-
-
-def copy_evaluation(source: str, workdir: str, step: int) -> dict:
-  """The evaluation at `step` of the run in `source`, as `evaluate` returns it, its
-  per-question record copied into `workdir`: for a run whose evaluation at `step` is known
-  to be the same (greedy, same weights and questions; the caller's judgement). The copy
-  names its source (`copied_from`); a source's own copy is refused (copy the original)."""
-  lines, record = os.path.join(source, metrics_lib.METRICS_FILE), questions_path(source, step)
-  found = [r for r in metrics_lib.read_metrics(lines) if r["step"] == step and
-           "eval/accuracy" in r] if os.path.exists(lines) else []
-  if not found or not os.path.exists(record):
-    raise FileNotFoundError(f"{source} holds no evaluation of step {step} (its "
-                            f"{metrics_lib.METRICS_FILE} and {record}) to copy")
-  if copied_from(source, step):
-    raise ValueError(f"{record} is itself a copy of {copied_from(source, step)}'s: copy that")
-  if jax.process_index() == 0:
-    target = questions_path(workdir, step)
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    shutil.copyfile(record, target)
-    with open(copied_from_path(target), "w") as f:
-      f.write(os.path.abspath(source))
-  return {k: v for k, v in found[-1].items() if k.startswith("eval/")}
-
-
-def copied_from_path(questions_file: str) -> str:
-  return questions_file + ".copied_from"
-
-
-def copied_from(workdir: str, step: int) -> str | None:
-  """The run whose evaluation at `step` the run in `workdir` copied (None: its own)."""
-  path = copied_from_path(questions_path(workdir, step))
-  if not os.path.exists(path):
-    return None
-  with open(path) as f:
-    return f.read()
 
 
 def questions_path(workdir: str, step: int) -> str:
