@@ -44,13 +44,13 @@ def expert_episodes(c, w: setup.Wiring, env, *, seed: int, others=()) -> dict[st
 
   Without `others` they are the training questions' (cycled). With other worlds
   (`tasks.other_world_env`) the questions are shared evenly between the training split and
-  each other world's questions: a name is then seen in a few traces only, far more names
-  than a tiny model can memorise, so it learns to copy a name from its context rather than
-  to recall one (issue 32: with only the 140 training entities, the warm start wrote a
-  training name that began like the held-out question's). An other world's trace that names
-  one of `env.held_out_names` (two invented worlds can share a word) is dropped.
+  each other world's questions. An other world's trace that names one of
+  `env.held_out_names` (two invented worlds can share a word) is dropped.
   """
   sft = c.sft
+  # A name seen in a few traces only, among far more names than a tiny model can memorise,
+  # is copied from the context rather than recalled: with only the 140 training entities,
+  # the warm start wrote a training name that began like the held-out question's.
   sources = [(env, env.train)] + [(o, o.train + o.test) for o in others]
   counts = world.allocate(sft.num_questions, [1.0] * len(sources))
   names = tasks.names_pattern(env.held_out_names)
@@ -182,15 +182,15 @@ def visit_drills(eps, tokenizer, weight: float) -> list[TextRow]:
   """One drill per episode that visits a page: its tokens up to the end of its first
   generated turn that starts with `<visit>`, with loss weight `weight` on that turn only.
 
-  Choosing the hit whose title is the searched name and copying its doc id is one token of
-  a ~500-token episode whose other tokens the model learns long before (issue 32: after
-  1100 warm-start steps the sub-agent's probability of the right id was chance, while a
-  model of the same size trained on these cut episodes alone learnt it). The drills are
-  the same traces, so they add no information, only weight on that choice.
+  The drills are the same traces, so they add no information, only weight on that choice.
   """
   out = []
   for e in eps:
     for start, end, text in _generated_turns(e, tokenizer):
+      # Choosing the hit whose title is the searched name and copying its doc id is one
+      # token of a ~500-token episode whose other tokens the model learns long before: after
+      # 1100 warm-start steps the sub-agent's probability of the right id was chance, while a
+      # model of the same size trained on these cut episodes alone learnt it.
       if text.startswith("<visit>"):
         drill = np.zeros(end, np.float32)
         drill[start:end] = weight
@@ -206,15 +206,16 @@ def weigh_reports(eps, tokenizer, weight: float) -> list:
   """`eps` with loss weight `weight` on their generated turns that start with one of
   REPORT_TAGS: a sub-agent's result, copied from the page it read, and an answer.
 
-  Like the choice of page (`visit_drills`), copying the value from the page is a few tokens
-  of a ~500-token trace (issue 32: at step 900 the sub-agent visited the right page for 40%
-  of its calls, and reported another value of the same kind, "Kraevein Guild" for
-  "Kraevein Institute"). The episodes are copies; the tokens are unchanged.
+  The episodes are copies; the tokens are unchanged.
   """
   out = []
   for e in eps:
     mask = np.asarray(e.loss_mask, np.float32).copy()
     for start, end, text in _generated_turns(e, tokenizer):
+      # Like the choice of page (`visit_drills`), copying the value from the page is a few
+      # tokens of a ~500-token trace: at step 900 the sub-agent visited the right page for
+      # 40% of its calls, and reported another value of the same kind ("Kraevein Guild" for
+      # "Kraevein Institute").
       if text.startswith(REPORT_TAGS):
         mask[start:end] *= weight
     out.append(dataclasses.replace(e, loss_mask=mask))
@@ -293,7 +294,7 @@ def train_sft(c: ml_collections.ConfigDict, workdir: str) -> dict:
     workdir_lib.write_config(workdir, c)
 
   # An agent that plays several roles ('shared') gets batch_size rows of each role per step,
-  # as the pair's agents do (drawn from its mixed list it got ~1 main row in 4: issue 32).
+  # as the pair's agents do: drawn from its mixed list, it got about one main row in four.
   by_role = {name: [[e for e in eps if e.role == role] for role in dict.fromkeys(
       e.role for e in eps)] for name, eps in data.items()}
 
