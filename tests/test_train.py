@@ -137,7 +137,8 @@ def test_wiring_decides_who_learns(variant):
   before = {n: _flat(a.state) for n, a in agents.items()}
   eps, sub_eps = _expert_rollouts(c, w, env)
   assert sub_eps, "the experts delegate, so the sub-agent path is exercised"
-  batches, m = mgrpo_step.batches(c, w, env, eps, sub_eps, jax.random.key(1))
+  rollouts = play.Rollouts(env, env.train[:c.num_queries], eps, sub_eps)
+  batches, m = mgrpo_step.batches(c, w, rollouts, jax.random.key(1))
   assert batches["sub"].tokens.shape[0] == c.num_queries * c.num_rollouts * c.align_d
   assert 0 <= m["align/duplicate_rate"] <= 1
   out = mgrpo_step.update(w, agents, batches, step=0)
@@ -174,12 +175,13 @@ def test_colocated_step_equals_the_decoupled_protocol_over_an_in_memory_exchange
   assert [e.tokens for e in eps_b] == [e.tokens for e in eps_a]
   assert [e.tokens for e in sub_b] == [e.tokens for e in sub_a]
   assert len(loop.exchange.list("result")) == len(sub_b)
-  batches_a, m_a = mgrpo_step.batches(c, w, env, eps_a, sub_a, jax.random.key(1))
+  batches_a, m_a = mgrpo_step.batches(c, w, play.Rollouts(env, questions, eps_a, sub_a),
+                                      jax.random.key(1))
   # The loopback's sub side trains on R_M as it comes back over the exchange.
-  main_b, outcome, m_b = mgrpo_step.main_side(c, w, env, eps_b)
+  main_b, outcome, m_b = mgrpo_step.main_side(c, w, env, questions, eps_b)
   # As the decoupled sub program, which reads the step's questions (sub/call_accuracy).
-  sub_batch_b, sub_m = mgrpo_step.sub_side(c, env, sub_b, loop.relay_outcome(outcome),
-                                           jax.random.key(1), questions=questions)
+  sub_batch_b, sub_m = mgrpo_step.sub_side(c, w, env, questions, sub_b,
+                                           loop.relay_outcome(outcome), jax.random.key(1))
   m_b.update(sub_m)
   batches_b = {"main": main_b, "sub": sub_batch_b}
   assert loop.exchange.array_steps("main_reward") == [step]  # R_M went through it.

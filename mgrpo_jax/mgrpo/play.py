@@ -5,6 +5,7 @@ Who serves the delegations is the caller's: the colocated program passes the in-
 `ExchangeSubAgent` (`delegation`).
 """
 
+import dataclasses
 import json
 import os
 
@@ -19,6 +20,28 @@ from mgrpo_jax.rl import rewards
 from mgrpo_jax.mgrpo.tasks import Env, eval_questions
 from mgrpo_jax.mgrpo.setup import Wiring
 from mgrpo_jax.mgrpo import hierarchy
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollouts:
+  """A step's rollouts as the programs hand them to the step (`mgrpo.step.batches`).
+
+  `questions` are the step's, in the order asked: main episode (q, k) answers
+  `questions[q]`. A decoupled program holds one column: the main program no sub-agent
+  episodes (`service`: the exchange it delegated over), the sub program no main episodes
+  but the main program's `outcome` (R_M), read from the exchange.
+  """
+
+  env: Env  # The step's task: its tools served the episodes.
+  questions: list
+  episodes: list  # Main (or single) episodes in (q, k) order.
+  sub_episodes: list
+  service: object = None
+  outcome: hierarchy.MainOutcome | None = None
+
+  @property
+  def num_generated(self) -> int:
+    return sum(e.num_generated for e in self.episodes + self.sub_episodes)
 
 
 def limits(c) -> rollout.Limits:
@@ -93,6 +116,15 @@ def overflowed(ep) -> bool:
   return (ep.failure or "").startswith("aborted: context")
 
 
+def score(c, prefix: str, questions, episodes,
+          num_rollouts: int) -> tuple[hierarchy.MainOutcome, dict]:
+  """R_M[Q, K] of the main (or single) episodes of `questions` (algorithm.md 1.2), and the
+  metrics under `prefix` that say what the agents did: training's and evaluation's."""
+  outcome = hierarchy.main_outcomes(episodes, [q.answers for q in questions], len(questions),
+                                    num_rollouts, alpha=tuple(c.alpha))
+  return outcome, episode_metrics(prefix, episodes, outcome)
+
+
 def episode_metrics(prefix: str, eps, outcome=None) -> dict:
   """Rates and counts that say what the agents did."""
   m = {f"{prefix}/format": float(np.mean([e.format_ok for e in eps])) if eps else 0.0,
@@ -118,15 +150,13 @@ def evaluate(c, w: Wiring, env: Env, agents: dict, *, step: int, questions=None,
   policies = make_policies(c, w, env, agents, c.eval_sampling, version=step)
   eps, sub_eps = run_rollouts(c, w, env, policies, questions, num_rollouts=1,
                               key=keys.eval_key(c, step), step=step, service=service)
-  outcome = hierarchy.main_outcomes(eps, [q.answers for q in questions], len(questions), 1,
-                                    alpha=tuple(c.alpha))
+  outcome, m = score(c, "eval", questions, eps, 1)
   if questions_file and jax.process_index() == 0:
     record = dict(step=step, **question_record(questions, outcome.correct[:, 0], sub_eps))
     os.makedirs(os.path.dirname(questions_file) or ".", exist_ok=True)
     with open(questions_file + ".tmp", "w") as f:
       json.dump(record, f)
     os.replace(questions_file + ".tmp", questions_file)
-  m = episode_metrics("eval", eps, outcome)
   m.update(breakdown("eval", eps, outcome.correct[:, 0], questions))
   if "data" in c:  # task=qa: token F1 and the retrieval recall of each hop's support.
     m.update(qa.eval_metrics("eval", questions, eps, sub_eps, env.index))

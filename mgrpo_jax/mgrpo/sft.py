@@ -9,7 +9,6 @@ RL config starts from with `init=<workdir>`.
 """
 
 import dataclasses
-import os
 import re
 
 import jax
@@ -17,10 +16,8 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from mgrpo_jax import checkpoint as ckpt_lib
 from mgrpo_jax import config_checks as checks
-from mgrpo_jax import loop, sharding, trainable
-from mgrpo_jax import workdir as workdir_lib
+from mgrpo_jax import loop, trainable
 from mgrpo_jax.mgrpo import play, setup, tasks
 from mgrpo_jax.mgrpo import step as mgrpo_step
 from mgrpo_jax.envs import search, world
@@ -262,18 +259,21 @@ def warm_start_texts(c, w: setup.Wiring, env) -> tuple[dict[str, list], list[Tex
   return data, corpus
 
 
-def train_sft(c: ml_collections.ConfigDict, workdir: str) -> dict:
-  """Runs the warm start; resumes from `workdir` when it holds a checkpoint."""
-  w = setup.resolve_wiring(c, training=False)
+def _check(c) -> None:
+  """configs/sft.py's own section (the rest is configs/mgrpo.py's, checked with the wiring)."""
   checks.check_config(c, {}, _RANGES)
   check_trace_worlds(c)
-  os.makedirs(workdir, exist_ok=True)
+
+
+def train_sft(c: ml_collections.ConfigDict, workdir: str) -> dict:
+  """Runs the warm start; resumes from `workdir` when it holds a checkpoint."""
   sft = c.sft
-  mesh = sharding.make_mesh(dict(c.mesh))
-  checks.check_batch_divides_mesh(sft.batch_size, mesh, "config.sft.batch_size")
-  env = tasks.build_env(c)
-  setup.check_task(c, w, env)
-  data, corpus = warm_start_texts(c, w, env)
+  # The agents learn with the warm start's objective; one checkpoint is enough to resume.
+  p = setup.start(c, workdir, training=False, check=_check,
+                  batch_rows={"sft.batch_size": sft.batch_size}, agent_config=objective_config,
+                  agent_key=jax.random.key(c.seed), max_to_keep=1)
+  env, agents = p.env, p.agents
+  data, corpus = warm_start_texts(c, p.wiring, env)
   drills = {name: visit_drills(eps, env.tokenizer, sft.visit_drill_weight)
             if sft.visit_drill_weight else [] for name, eps in data.items()}
   if sft.report_weight != 1:
@@ -286,12 +286,6 @@ def train_sft(c: ml_collections.ConfigDict, workdir: str) -> dict:
     lens = [len(e.tokens) for e in eps]
     logging.info("SFT data %s: %d episodes, %d-%d tokens, %d visit drills.", name, len(eps),
                  min(lens), max(lens), len(drills[name]))
-  sft_cfg = objective_config(c)
-  agents = setup.build_agents(sft_cfg, w, env, mesh, jax.random.key(c.seed))
-  ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=1)
-  start = workdir_lib.restore_agents(ckpt, agents)
-  if not start:
-    workdir_lib.write_config(workdir, c)
 
   # An agent that plays several roles ('shared') gets batch_size rows of each role per step,
   # as the pair's agents do: drawn from its mixed list, it got about one main row in four.
@@ -316,15 +310,19 @@ def train_sft(c: ml_collections.ConfigDict, workdir: str) -> dict:
                                                sft.context_weight))
     return batch
 
-  def update(step: int) -> dict:
-    out = trainable.update_agents(agents, {n: batch_of(n, step) for n in agents}, step)
+  def learn(step: int, _) -> tuple[dict, dict]:
+    return {n: batch_of(n, step) for n in agents}, {}
+
+  def train(batches: dict, step: int) -> dict:
+    out = trainable.update_agents(agents, batches, step)
     return {f"sft/{n}/{k}": out[f"{n}/{m}"] for n in agents
             for k, m in (("nll", "loss"), ("grad_norm", "grad_norm"))}
 
-  schedule = loop.Schedule(sft.num_steps, sft.eval_every, sft.checkpoint_every, c.log_every)
-  return loop.train_loop(
-      workdir, agents, ckpt, schedule, start=start, update=update,
-      evaluate=lambda step: play.evaluate(c, w, env, agents, step=step,
-                                          questions_file=play.questions_path(workdir, step)),
-      tokenizer=env.tokenizer, desc="sft",
-      show=[f"sft/{n}/nll" for n in agents] + ["eval/accuracy"])
+  def evaluate(step: int) -> dict:
+    return play.evaluate(c, p.wiring, env, agents, step=step,
+                         questions_file=play.questions_path(workdir, step))
+
+  return p.run(workdir, rollout=None, learn=learn, train=train, evaluate=evaluate, desc="sft",
+               show=[f"sft/{n}/nll" for n in agents] + ["eval/accuracy"],
+               schedule=loop.Schedule(sft.num_steps, sft.eval_every, sft.checkpoint_every,
+                                      c.log_every))
