@@ -19,12 +19,6 @@ from mgrpo_jax import checkpoint as ckpt_lib
 from mgrpo_jax import metrics as metrics_lib
 from mgrpo_jax import workdir as workdir_lib
 
-# A program's phases (`step_driver`): step -> its rollouts; (step, rollouts) -> (a batch per
-# role or agent, metrics); (batches, step) -> the train step's metrics.
-Rollout = Callable[[int], Any]
-Learn = Callable[[int, Any], tuple[dict, dict]]
-Train = Callable[[dict, int], dict]
-
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
@@ -45,6 +39,13 @@ class Schedule:
   def of(cls, c) -> "Schedule":
     """The schedule of a config's top-level `num_steps`, `*_every` fields."""
     return cls(c.num_steps, c.eval_every, c.checkpoint_every, c.log_every)
+
+
+# A program's phases (`step_driver`): step -> its rollouts; (step, rollouts) -> (a batch per
+# role or agent, metrics); (batches, step) -> the train step's metrics.
+Rollout = Callable[[int], Any]
+Learn = Callable[[int, Any], tuple[dict, dict]]
+Train = Callable[[dict, int], dict]
 
 
 def resume(ckpt: ckpt_lib.Checkpointer, agents: dict, workdir: str, c) -> int:
