@@ -1,7 +1,8 @@
 """The one training loop: evaluate, update, write metrics, checkpoint, resume, final export.
 
-Every program (colocated M-GRPO, the decoupled main and sub programs, SFT, MAGRPO) runs it
-with its own `evaluate(step)` and `update(step)`. Step s evaluates before its update (step
+Every program (colocated M-GRPO, the decoupled main and sub programs, SFT, MAGRPO) resumes
+with `resume`, builds its update with `step_driver` from its own phases, and runs
+`train_loop` with it and its own `evaluate(step)`. Step s evaluates before its update (step
 0 = the starting weights) and the last step evaluates once more on its own line, so a
 resumed run rewrites exactly the lines an uninterrupted one writes.
 """
@@ -9,7 +10,7 @@ resumed run rewrites exactly the lines an uninterrupted one writes.
 import dataclasses
 import os
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 from absl import logging
@@ -34,6 +35,56 @@ class Schedule:
 
   def saves_after(self, step: int) -> bool:
     return (step + 1) % self.checkpoint_every == 0 or step + 1 == self.num_steps
+
+  @classmethod
+  def of(cls, c) -> "Schedule":
+    """The schedule of a config's top-level `num_steps`, `*_every` fields."""
+    return cls(c.num_steps, c.eval_every, c.checkpoint_every, c.log_every)
+
+
+# A program's phases (`step_driver`): step -> its rollouts; (step, rollouts) -> (a batch per
+# role or agent, metrics); (batches, step) -> the train step's metrics.
+Rollout = Callable[[int], Any]
+Learn = Callable[[int, Any], tuple[dict, dict]]
+Train = Callable[[dict, int], dict]
+
+
+def resume(ckpt: ckpt_lib.Checkpointer, agents: dict, workdir: str, c) -> int:
+  """The first step: the latest checkpoint's, restored into `agents` (0 without one).
+
+  A fresh run writes its config `c` to `workdir` here, after the program's start-up checks:
+  a refused start leaves nothing behind.
+  """
+  fresh = ckpt.latest_step() is None
+  start = workdir_lib.restore_agents(ckpt, agents)
+  if fresh:
+    workdir_lib.write_config(workdir, c)
+  return start
+
+
+def step_driver(*, rollout: Rollout | None, learn: Learn, train: Train) -> Callable[[int], dict]:
+  """The update of every program, from its phases: rollouts, learning, training.
+
+  `rollout(step)` plays the step (None: a program without rollouts, SFT); `learn(step,
+  rollouts)` turns them into batches and metrics; `train(batches, step)` runs the train
+  steps. Rollouts with `num_generated` (tokens) also give the engine's `tokens_per_s`.
+  """
+
+  def update(step: int) -> dict:
+    t0 = time.perf_counter()
+    # An exception before `train` (a tool outage during the rollouts) escapes the loop with
+    # no metrics line, no trained update and no checkpoint for this step: a restart redoes it.
+    rollouts = rollout(step) if rollout is not None else None
+    t_roll = time.perf_counter() - t0
+    batches, m = learn(step, rollouts)
+    m.update(train(batches, step))
+    if rollout is not None:
+      m["time/rollout_s"] = t_roll
+    if hasattr(rollouts, "num_generated"):
+      m["tokens_per_s"] = rollouts.num_generated / t_roll
+    return m
+
+  return update
 
 
 def train_loop(workdir: str, agents: dict, ckpt: ckpt_lib.Checkpointer, schedule: Schedule, *,

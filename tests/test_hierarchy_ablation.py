@@ -76,7 +76,7 @@ def test_seeds_differ_only_in_seed():
 def test_every_variant_has_a_wiring():
   assert set(mgrpo_config.VARIANTS) == set(setup.WIRINGS)
   w = setup.WIRINGS
-  assert w["unaligned"].align == "pad" and w["mgrpo"].align == "sample"
+  assert w["unaligned"].align.mode == "pad" and w["mgrpo"].align.mode == "sample"
   assert (w["unaligned"].roles, w["unaligned"].trained) == (w["mgrpo"].roles, w["mgrpo"].trained)
 
 
@@ -92,12 +92,14 @@ def test_unaligned_sub_batch_holds_every_episode_once():
   env = tasks.build_env(c)
   rows = {}
   for variant in ("unaligned", "mgrpo"):
-    w = setup.WIRINGS[variant]
+    c.variant = variant
+    w = setup.resolve_wiring(c)
     policies = play.expert_policies(c, w, env, noise=0.3, seed=1)
     eps, sub_eps = play.run_rollouts(c, w, env, policies, env.train[:c.num_queries],
                                      num_rollouts=c.num_rollouts, key=jax.random.key(0),
                                      step=0)
-    batches, m = mgrpo_step.batches(c, w, env, eps, sub_eps, jax.random.key(1))
+    rollouts = play.Rollouts(env, env.train[:c.num_queries], eps, sub_eps)
+    batches, m = mgrpo_step.batches(c, w, rollouts, jax.random.key(1))
     b, n = batches["sub"], len(sub_eps)
     rows[variant] = b.tokens.shape[0]
     assert n > c.num_queries * c.num_rollouts  # multi-hop: several calls per rollout

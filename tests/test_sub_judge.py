@@ -56,35 +56,38 @@ def expert_step():
   eps, sub_eps = play.run_rollouts(c, w, env, policies, env.train[:c.num_queries],
                                    num_rollouts=c.num_rollouts, key=jax.random.key(0), step=0)
   assert sub_eps and any(e.format_ok for e in sub_eps)
-  _, outcome, _ = mgrpo_step.main_side(c, w, env, eps)
-  return c, env, sub_eps, outcome
+  questions = env.train[:c.num_queries]
+  _, outcome, _ = mgrpo_step.main_side(c, w, env, questions, eps)
+  return c, env, questions, sub_eps, outcome
 
 
-def _sub_rewards(c, env, sub_eps, outcome, **overrides):
+def _sub_rewards(c, env, questions, sub_eps, outcome, **overrides):
   c = c.copy_and_resolve_references()
   c.update(overrides)
-  _, m = mgrpo_step.sub_side(c, env, sub_eps, outcome, jax.random.key(1))
+  w = setup.resolve_wiring(c)  # Loads the judge, as a program's set-up does.
+  _, m = mgrpo_step.sub_side(c, w, env, questions, sub_eps, outcome, jax.random.key(1))
   return m["sub/reward"]
 
 
 def test_beta3_puts_the_judge_in_the_sub_agents_rewards(expert_step):
-  c, env, sub_eps, outcome = expert_step
+  c, env, questions, sub_eps, outcome = expert_step
   judge = rewards.GroundedJudge()
   want = {}
   for beta in ((0.1, 0.9, 0.0), (0.1, 0.6, 0.3)):
     r = [e.format_ok * (beta[0] + beta[1] * outcome.correct[e.q, e.k] + beta[2] * judge(
         e.task.subtask, e.final or "", "\n".join(e.observations))) for e in sub_eps]
     want[beta] = float(np.mean(r))
-    assert _sub_rewards(c, env, sub_eps, outcome, beta=beta) == pytest.approx(want[beta])
+    got = _sub_rewards(c, env, questions, sub_eps, outcome, beta=beta)
+    assert got == pytest.approx(want[beta])
   assert want[(0.1, 0.6, 0.3)] != pytest.approx(want[(0.1, 0.9, 0.0)])
   # An LLM judge through a callable: every valid episode asked once.
   HalfJudge.calls = 0
-  got = _sub_rewards(c, env, sub_eps, outcome, beta=(0.1, 0.6, 0.3),
+  got = _sub_rewards(c, env, questions, sub_eps, outcome, beta=(0.1, 0.6, 0.3),
                      sub_judge="test_sub_judge:HalfJudge")
   r = [e.format_ok * (0.1 + 0.6 * outcome.correct[e.q, e.k] + 0.3 * 0.5) for e in sub_eps]
   assert got == pytest.approx(float(np.mean(r))) and HalfJudge.calls == len(sub_eps)
   # Built once, not at every step: a judge that loads a model must not reload it.
   made = HalfJudge.made
-  assert _sub_rewards(c, env, sub_eps, outcome, beta=(0.1, 0.6, 0.3),
+  assert _sub_rewards(c, env, questions, sub_eps, outcome, beta=(0.1, 0.6, 0.3),
                       sub_judge="test_sub_judge:HalfJudge") == pytest.approx(got)
   assert HalfJudge.made == made

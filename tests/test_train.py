@@ -137,7 +137,8 @@ def test_wiring_decides_who_learns(variant):
   before = {n: _flat(a.state) for n, a in agents.items()}
   eps, sub_eps = _expert_rollouts(c, w, env)
   assert sub_eps, "the experts delegate, so the sub-agent path is exercised"
-  batches, m = mgrpo_step.batches(c, w, env, eps, sub_eps, jax.random.key(1))
+  rollouts = play.Rollouts(env, env.train[:c.num_queries], eps, sub_eps)
+  batches, m = mgrpo_step.batches(c, w, rollouts, jax.random.key(1))
   assert batches["sub"].tokens.shape[0] == c.num_queries * c.num_rollouts * c.align_d
   assert 0 <= m["align/duplicate_rate"] <= 1
   out = mgrpo_step.update(w, agents, batches, step=0)
@@ -174,12 +175,13 @@ def test_colocated_step_equals_the_decoupled_protocol_over_an_in_memory_exchange
   assert [e.tokens for e in eps_b] == [e.tokens for e in eps_a]
   assert [e.tokens for e in sub_b] == [e.tokens for e in sub_a]
   assert len(loop.exchange.list("result")) == len(sub_b)
-  batches_a, m_a = mgrpo_step.batches(c, w, env, eps_a, sub_a, jax.random.key(1))
+  batches_a, m_a = mgrpo_step.batches(c, w, play.Rollouts(env, questions, eps_a, sub_a),
+                                      jax.random.key(1))
   # The loopback's sub side trains on R_M as it comes back over the exchange.
-  main_b, outcome, m_b = mgrpo_step.main_side(c, w, env, eps_b)
+  main_b, outcome, m_b = mgrpo_step.main_side(c, w, env, questions, eps_b)
   # As the decoupled sub program, which reads the step's questions (sub/call_accuracy).
-  sub_batch_b, sub_m = mgrpo_step.sub_side(c, env, sub_b, loop.relay_outcome(outcome),
-                                           jax.random.key(1), questions=questions)
+  sub_batch_b, sub_m = mgrpo_step.sub_side(c, w, env, questions, sub_b,
+                                           loop.relay_outcome(outcome), jax.random.key(1))
   m_b.update(sub_m)
   batches_b = {"main": main_b, "sub": sub_batch_b}
   assert loop.exchange.array_steps("main_reward") == [step]  # R_M went through it.
@@ -204,33 +206,6 @@ def test_resume_is_bit_identical(tmp_path):
     _, pb = models.load_hf(os.path.join(resumed, "hf", name))
     for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)):
       np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-
-
-@pytest.mark.slow
-def test_a_copied_start_evaluation_changes_nothing(tmp_path, monkeypatch):
-  """start_evaluation_from: a run that copies the step-0 evaluation of another run from the
-  same weights (frozen_sub, same seed: the same initial weights; greedy) instead of
-  evaluating writes the lines and per-question record of the run that evaluated itself, and
-  names its source; without one to copy it evaluates. A copy is never copied again."""
-  frozen, copied, own, lost = (str(tmp_path / n) for n in ("frozen", "copied", "own", "lost"))
-  colocated.train_and_evaluate(_config("smoke,variant=frozen_sub", num_steps=1), frozen)
-  evaluated, evaluate = [], play.evaluate
-  monkeypatch.setattr(play, "evaluate", lambda *a, **kw: evaluated.append(kw["step"]) or
-                      evaluate(*a, **kw))
-  colocated.train_and_evaluate(_config(num_steps=2), copied, start_evaluation_from=frozen)
-  assert evaluated == [1, 2]  # Not step 0 (eval_every=1).
-  colocated.train_and_evaluate(_config(num_steps=2), own)
-  assert _lines(copied) == _lines(own) and "eval/accuracy" in _lines(own)[0]
-  read = lambda run: Path(play.questions_path(run, 0)).read_text()
-  assert read(copied) == read(own)
-  assert play.copied_from(copied, 0) == frozen and play.copied_from(own, 0) is None
-  with pytest.raises(ValueError, match="itself a copy"):
-    play.copy_evaluation(copied, str(tmp_path / "x"), 0)
-  with pytest.raises(FileNotFoundError, match="no evaluation of step 0"):
-    play.copy_evaluation(str(tmp_path / "nothing"), str(tmp_path / "x"), 0)
-  evaluated.clear()
-  colocated.train_and_evaluate(_config(num_steps=1), lost, start_evaluation_from=own + "x")
-  assert evaluated == [0, 1] and play.copied_from(lost, 0) is None
 
 
 @pytest.mark.slow

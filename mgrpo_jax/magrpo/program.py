@@ -7,6 +7,7 @@ trains on the task's demonstrations with the same NLL objective as `sft.py`
 (`trainable.nll_objective`).
 """
 
+import functools
 import os
 import time
 
@@ -18,8 +19,8 @@ from absl import logging
 from mgrpo_jax import checkpoint as ckpt_lib
 from mgrpo_jax import config_checks as checks
 from mgrpo_jax import keys, loop, trainable
-from mgrpo_jax import workdir as workdir_lib
-from mgrpo_jax.magrpo import rollout, step as step_lib
+from mgrpo_jax.magrpo import rollout as rollout_lib
+from mgrpo_jax.magrpo import step as step_lib
 from mgrpo_jax.metrics import Progress
 
 
@@ -31,7 +32,7 @@ def _demonstrations(c, run: step_lib.Run, agent: int, rng: np.random.Generator) 
     prompt = tok.apply_chat_template([{"role": "user", "content": run.task.prompts(ex)[agent]}],
                                      add_generation_prompt=True)
     target = tok.encode(run.task.demonstration(ex, agent, rng)) + [tok.eos_id]
-    rows.append(rollout.Completion(prompt, target, [0.0] * len(target), "", "stop"))
+    rows.append(rollout_lib.Completion(prompt, target, [0.0] * len(target), "", "stop"))
   return rows
 
 
@@ -67,38 +68,35 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict:
   run = step_lib.setup(c)
   ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=c.max_to_keep)
   fresh = ckpt.latest_step() is None
-  start = workdir_lib.restore_agents(ckpt, run.agents)
+  start = loop.resume(ckpt, run.agents, workdir, c)
   first = {}
-  if fresh:
-    workdir_lib.write_config(workdir, c)
-    if c.warm_start.num_steps:
-      t0 = time.perf_counter()
-      first = warm_start(c, run)
-      first["time/warm_start_s"] = time.perf_counter() - t0
-      # The warm start is step 0's state: a restart never repeats it, and its metrics go
-      # with it, so step 0's record is rewritten whole.
-      ckpt.save(0, {n: a.state for n, a in run.agents.items()}, {"step": 0, "warm": first},
-                force=True)
-  elif start == 0:
+  if fresh and c.warm_start.num_steps:
+    t0 = time.perf_counter()
+    first = warm_start(c, run)
+    first["time/warm_start_s"] = time.perf_counter() - t0
+    # The warm start is step 0's state: a restart never repeats it, and its metrics go
+    # with it, so step 0's record is rewritten whole.
+    ckpt.save(0, {n: a.state for n, a in run.agents.items()}, {"step": 0, "warm": first},
+              force=True)
+  elif not fresh and start == 0:
     first = dict(ckpt.restore(0, abstract_states={n: a.state for n, a in run.agents.items()})[1]
                  .get("warm", {}))
 
-  def update(step: int) -> dict:
-    t0 = time.perf_counter()
+  def rollout(step: int) -> list:
     examples = keys.examples_for_step(run.task.train, step, c.num_prompts, c.seed)
-    turns = rollout.joint_rollout(run.task, step_lib.policies(c, run, c.sampling), examples,
-                                  group=c.group, mode=c.joint_mode, num_turns=c.num_turns,
-                                  key=keys.step_key(c, step), pipeline=c.pipeline)
-    t_roll = time.perf_counter() - t0
+    return rollout_lib.joint_rollout(run.task, step_lib.policies(c, run, c.sampling), examples,
+                                     group=c.group, mode=c.joint_mode, num_turns=c.num_turns,
+                                     key=keys.step_key(c, step), pipeline=c.pipeline)
+
+  def learn(step: int, turns: list) -> tuple[dict, dict]:
     m = step_lib.turn_metrics("train", run.task, turns)
     batches, bm = step_lib.batches(c, run, turns)
     m.update(bm)
-    m.update(trainable.update_agents(run.agents, batches, step))
-    m["time/rollout_s"] = t_roll
-    return m
+    return batches, m
 
-  schedule = loop.Schedule(c.num_steps, c.eval_every, c.checkpoint_every, c.log_every)
-  return loop.train_loop(workdir, run.agents, ckpt, schedule, start=start, update=update,
-                         evaluate=lambda step: step_lib.evaluate(c, run, step=step),
+  update = loop.step_driver(rollout=rollout, learn=learn,
+                            train=functools.partial(trainable.update_agents, run.agents))
+  return loop.train_loop(workdir, run.agents, ckpt, loop.Schedule.of(c), start=start,
+                         update=update, evaluate=lambda step: step_lib.evaluate(c, run, step=step),
                          tokenizer=run.tokenizer, desc=f"magrpo:{c.task.name}",
                          show=("train/reward", "eval/accuracy"), first=first)

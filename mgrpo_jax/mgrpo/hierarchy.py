@@ -61,6 +61,20 @@ def sub_rewards(sub_episodes: Sequence[Any], outcome: MainOutcome, *, beta=(0.1,
   return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Alignment:
+  """How a rollout's sub-agent calls become its rows (algorithm.md 1.4), one setting.
+
+  mode "sample": trajectory alignment, D rows drawn from the rollout's own calls; "pad" (the
+  `unaligned` variant): each call once, rows past a rollout's calls invalid, D the most calls
+  a rollout can make. `on_empty` ("mask" or "borrow"): the rows of a rollout without calls.
+  """
+
+  mode: str = "sample"
+  d: int = 0  # D, filled in from the config at set-up (`setup.resolve_wiring`).
+  on_empty: str = "mask"
+
+
 @dataclasses.dataclass
 class AlignedSub:
   """Sub-agent rows [Q, K, D]: episode per row (None = invalid) and its R_S."""
@@ -126,3 +140,11 @@ def align_sub(sub_episodes: Sequence[Any], sub_rewards_N: np.ndarray, q: int, k:
   index, valid = np.asarray(index), np.asarray(valid)
   stats = {f"align/{k_}": v for k_, v in alignment.alignment_stats(counts, d).items()}
   return _rows(calls, index, valid, src_k, stats)
+
+
+def align_rows(sub_episodes: Sequence[Any], sub_rewards_N: np.ndarray, q: int, k: int,
+               align: Alignment, key: jax.Array) -> AlignedSub:
+  """The sub-agent's rows [Q, K, D] as `align` says: drawn (`align_sub`) or padded (`pad_sub`)."""
+  if align.mode == "pad":
+    return pad_sub(sub_episodes, sub_rewards_N, q, k, align.d)
+  return align_sub(sub_episodes, sub_rewards_N, q, k, align.d, key, on_empty=align.on_empty)

@@ -5,15 +5,14 @@ Who serves the delegations is the caller's: the colocated program passes the in-
 `ExchangeSubAgent` (`delegation`).
 """
 
+import dataclasses
 import json
 import os
-import shutil
 
 import jax
 import numpy as np
 
 from mgrpo_jax import keys
-from mgrpo_jax import metrics as metrics_lib
 from mgrpo_jax.agents import experts, qa_experts, rollout
 from mgrpo_jax.config_checks import ConfigValueError
 from mgrpo_jax.envs import qa
@@ -21,6 +20,28 @@ from mgrpo_jax.rl import rewards
 from mgrpo_jax.mgrpo.tasks import Env, eval_questions
 from mgrpo_jax.mgrpo.setup import Wiring
 from mgrpo_jax.mgrpo import hierarchy
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollouts:
+  """A step's rollouts as the programs hand them to the step (`mgrpo.step.batches`).
+
+  `questions` are the step's, in the order asked: main episode (q, k) answers
+  `questions[q]`. A decoupled program holds one column: the main program no sub-agent
+  episodes (`service`: the exchange it delegated over), the sub program no main episodes
+  but the main program's `outcome` (R_M), read from the exchange.
+  """
+
+  env: Env  # The step's task: its tools served the episodes.
+  questions: list
+  episodes: list  # Main (or single) episodes in (q, k) order.
+  sub_episodes: list
+  service: object = None
+  outcome: hierarchy.MainOutcome | None = None
+
+  @property
+  def num_generated(self) -> int:
+    return sum(e.num_generated for e in self.episodes + self.sub_episodes)
 
 
 def limits(c) -> rollout.Limits:
@@ -97,6 +118,15 @@ def overflowed(ep) -> bool:
   return (ep.failure or "").startswith("aborted: context")
 
 
+def score(c, prefix: str, questions, episodes,
+          num_rollouts: int) -> tuple[hierarchy.MainOutcome, dict]:
+  """R_M[Q, K] of the main (or single) episodes of `questions` (algorithm.md 1.2), and the
+  metrics under `prefix` that say what the agents did: training's and evaluation's."""
+  outcome = hierarchy.main_outcomes(episodes, [q.answers for q in questions], len(questions),
+                                    num_rollouts, alpha=tuple(c.alpha))
+  return outcome, episode_metrics(prefix, episodes, outcome)
+
+
 def episode_metrics(prefix: str, eps, outcome=None) -> dict:
   """Rates and counts that say what the agents did."""
   m = {f"{prefix}/format": float(np.mean([e.format_ok for e in eps])) if eps else 0.0,
@@ -122,17 +152,13 @@ def evaluate(c, w: Wiring, env: Env, agents: dict, *, step: int, questions=None,
   policies = make_policies(c, w, env, agents, c.eval_sampling, version=step)
   eps, sub_eps = run_rollouts(c, w, env, policies, questions, num_rollouts=1,
                               key=keys.eval_key(c, step), step=step, service=service)
-  outcome = hierarchy.main_outcomes(eps, [q.answers for q in questions], len(questions), 1,
-                                    alpha=tuple(c.alpha))
+  outcome, m = score(c, "eval", questions, eps, 1)
   if questions_file and jax.process_index() == 0:
     record = dict(step=step, **question_record(questions, outcome.correct[:, 0], sub_eps))
     os.makedirs(os.path.dirname(questions_file) or ".", exist_ok=True)
     with open(questions_file + ".tmp", "w") as f:
       json.dump(record, f)
     os.replace(questions_file + ".tmp", questions_file)
-    if os.path.exists(copied_from_path(questions_file)):  # A copy an earlier attempt made.
-      os.remove(copied_from_path(questions_file))
-  m = episode_metrics("eval", eps, outcome)
   m.update(breakdown("eval", eps, outcome.correct[:, 0], questions))
   if "data" in c:  # task=qa: token F1 and the retrieval recall of each hop's support.
     m.update(qa.eval_metrics("eval", questions, eps, sub_eps, env.index))
@@ -140,41 +166,6 @@ def evaluate(c, w: Wiring, env: Env, agents: dict, *, step: int, questions=None,
     m["eval/sub_format"] = float(np.mean([e.format_ok for e in sub_eps]))
     m["eval/sub_overflow"] = float(np.mean([overflowed(e) for e in sub_eps]))
   return m
-
-
-def copy_evaluation(source: str, workdir: str, step: int) -> dict:
-  """The evaluation at `step` of the run in `source`, as `evaluate` returns it, its
-  per-question record copied into `workdir`: for a run whose evaluation at `step` is known
-  to be the same (greedy, same weights and questions; the caller's judgement). The copy
-  names its source (`copied_from`); a source's own copy is refused (copy the original)."""
-  lines, record = os.path.join(source, metrics_lib.METRICS_FILE), questions_path(source, step)
-  found = [r for r in metrics_lib.read_metrics(lines) if r["step"] == step and
-           "eval/accuracy" in r] if os.path.exists(lines) else []
-  if not found or not os.path.exists(record):
-    raise FileNotFoundError(f"{source} holds no evaluation of step {step} (its "
-                            f"{metrics_lib.METRICS_FILE} and {record}) to copy")
-  if copied_from(source, step):
-    raise ValueError(f"{record} is itself a copy of {copied_from(source, step)}'s: copy that")
-  if jax.process_index() == 0:
-    target = questions_path(workdir, step)
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    shutil.copyfile(record, target)
-    with open(copied_from_path(target), "w") as f:
-      f.write(os.path.abspath(source))
-  return {k: v for k, v in found[-1].items() if k.startswith("eval/")}
-
-
-def copied_from_path(questions_file: str) -> str:
-  return questions_file + ".copied_from"
-
-
-def copied_from(workdir: str, step: int) -> str | None:
-  """The run whose evaluation at `step` the run in `workdir` copied (None: its own)."""
-  path = copied_from_path(questions_path(workdir, step))
-  if not os.path.exists(path):
-    return None
-  with open(path) as f:
-    return f.read()
 
 
 def questions_path(workdir: str, step: int) -> str:

@@ -1,4 +1,5 @@
-"""M-GRPO's setup: the variant as wiring, the config and task checks, the agents.
+"""M-GRPO's setup: the variant as wiring, the config and task checks, the agents, and the
+set-up every program does once (`start`).
 
 The variant (`config.variant`) is resolved once, by `resolve_wiring`, into a frozen `Wiring`
 that the step and the programs take; nothing else reads it:
@@ -7,22 +8,26 @@ that the step and the programs take; nothing else reads it:
   shared      one set of weights plays both roles; one update on both roles' rows
   single      one agent with every tool (single-agent GRPO), no sub-agent
   unaligned   mgrpo without trajectory alignment: every sub-agent episode once
+The wiring also carries what the step would otherwise look up each time: the alignment
+(D, drawn or padded, what an empty rollout gives) and the sub-agent's judge.
 """
 
 import dataclasses
 import functools
 import importlib
+import os
 from typing import Callable, Mapping
 
 import jax
 import ml_collections
 
+from mgrpo_jax import checkpoint as ckpt_lib
 from mgrpo_jax import config_checks as checks
-from mgrpo_jax import trainable
+from mgrpo_jax import loop, sharding, trainable
 from mgrpo_jax.agents import native
 from mgrpo_jax.rl import rewards
 from mgrpo_jax.config_checks import ConfigValueError
-from mgrpo_jax.mgrpo import tasks
+from mgrpo_jax.mgrpo import hierarchy, tasks
 from mgrpo_jax.mgrpo.tasks import Env
 
 
@@ -35,8 +40,12 @@ class Wiring:
   trained: tuple[str, ...]  # Agents whose update runs.
   merge: bool  # One update on both roles' rows (one agent plays both).
   # Sub-agent rows: "sample" (trajectory alignment, algorithm.md 1.4: D per rollout, drawn) or
-  # "pad" (each rollout's calls once, none duplicated or dropped; padding rows masked).
-  align: str = "sample"
+  # "pad" (each rollout's calls once, none duplicated or dropped; padding rows masked). The
+  # variant names the mode; `resolve_wiring` fills in D and `on_empty` from the config.
+  align: hierarchy.Alignment = hierarchy.Alignment()
+  # r_expert(S) of a sub-agent episode, the judge loaded once (`expert_scorer`): None while
+  # beta3 = 0, and in the table (`resolve_wiring` sets it).
+  expert_score: Callable | None = None
 
   @property
   def lead(self) -> str:
@@ -59,7 +68,7 @@ WIRINGS = {
                      merge=True),
     "single": Wiring(("single",), {"single": "single"}, trained=("single",), merge=False),
     "unaligned": Wiring(("main", "sub"), _PAIR, trained=("main", "sub"), merge=False,
-                        align="pad"),
+                        align=hierarchy.Alignment(mode="pad")),
 }
 
 
@@ -100,7 +109,8 @@ def resolve_wiring(c: ml_collections.ConfigDict, *, training: bool = True) -> Wi
   checks.check_config(c, *_fields(training))
   checks.check_weights(c, "alpha", 2)
   checks.check_weights(c, "beta", 3)
-  expert_scorer(c)  # A judge that cannot be loaded fails here, not at the first update.
+  # Loaded here, once: a judge that cannot be loaded fails at start-up, not at an update.
+  expert_score = expert_scorer(c)
   checks.check_weights(c, "world.hop_weights")
   tasks.check_rl_worlds(c)
   checks.check_world(c)
@@ -114,7 +124,10 @@ def resolve_wiring(c: ml_collections.ConfigDict, *, training: bool = True) -> Wi
   if not w.has_sub and c.num_micro and rows % c.num_micro:
     raise ConfigValueError(f"config.num_micro={c.num_micro} does not divide the batch "
                                     f"of num_queries*num_rollouts={rows}.")
-  return w
+  # "pad" keeps every call: D is the most a rollout can make, no rollout has more.
+  d = c.limits.max_delegations if w.align.mode == "pad" else c.align_d
+  align = dataclasses.replace(w.align, d=d, on_empty=c.align_on_empty)
+  return dataclasses.replace(w, align=align, expert_score=expert_score)
 
 
 def check_task(c: ml_collections.ConfigDict, w: Wiring, env: Env, *,
@@ -190,3 +203,60 @@ def load_judge(spec: str) -> rewards.Judge:
                            f"\"module:callable\" ({e}).") from None
   return obj() if isinstance(obj, type) else obj
 
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """What an M-GRPO program sets up once (`start`): the config, its wiring, the mesh, the
+  task, the agents it owns, their checkpointer and the first step to run."""
+
+  c: ml_collections.ConfigDict
+  wiring: Wiring
+  mesh: jax.sharding.Mesh
+  env: Env
+  agents: dict
+  ckpt: ckpt_lib.Checkpointer
+  start: int
+
+  def run(self, workdir: str, *, rollout: loop.Rollout | None, learn: loop.Learn,
+          train: loop.Train, evaluate: Callable[[int], dict], desc: str, show,
+          schedule: loop.Schedule | None = None) -> dict:
+    """Runs the program's phases (`loop.step_driver`) from `start` in the one training loop;
+    the schedule is the config's unless given."""
+    return loop.train_loop(
+        workdir, self.agents, self.ckpt, schedule or loop.Schedule.of(self.c), start=self.start,
+        update=loop.step_driver(rollout=rollout, learn=learn, train=train), evaluate=evaluate,
+        tokenizer=self.env.tokenizer, desc=desc, show=show)
+
+
+def start(c: ml_collections.ConfigDict, workdir: str, *, only: str | None = None,
+          training: bool = True, check: Callable = lambda c: None,
+          batch_rows: Mapping[str, int] | None = None, agent_config: Callable | None = None,
+          agent_key: jax.Array | None = None, checkpoints: str | dict = "",
+          cache_dir: str | None = None, max_to_keep: int | None = None) -> Program:
+  """Checks `c`, builds the task and the agents, and restores the latest checkpoint.
+
+  `only`: the one role a decoupled program owns (the variant must have a separate sub-agent).
+  `training=False`: the wiring's checks are evaluation's (SFT runs no RL step: one rollout
+  and greedy sampling are fine). `check(c)`: the program's own config checks. `batch_rows`
+  (field -> rows): the batches the mesh must divide. `agent_config(c)`, `agent_key`: the
+  config and key the agents are built from (default: `c`, the seed's key folded with 0).
+  `checkpoints` (default `<workdir>/checkpoints`), `cache_dir`, `max_to_keep` (default the
+  config's): the checkpointer. A fresh run's config is written once every check has passed.
+  """
+  w = resolve_wiring(c, training=training)
+  check(c)
+  if only is not None and (w.merge or not w.has_sub):
+    raise ConfigValueError(f"config.variant={c.variant!r} has no separate sub-agent; "
+                           "decoupled runs need 'mgrpo' or 'frozen_sub'.")
+  os.makedirs(workdir, exist_ok=True)
+  mesh = sharding.make_mesh(dict(c.mesh))
+  for field, rows in (batch_rows or {}).items():
+    checks.check_batch_divides_mesh(rows, mesh, f"config.{field}")
+  env = tasks.build_env(c)
+  check_task(c, w, env)
+  key = jax.random.fold_in(jax.random.key(c.seed), 0) if agent_key is None else agent_key
+  agents = build_agents(agent_config(c) if agent_config else c, w, env, mesh, key, only=only)
+  ckpt = ckpt_lib.Checkpointer(checkpoints or os.path.join(workdir, "checkpoints"),
+                               cache_dir=cache_dir,
+                               max_to_keep=c.max_to_keep if max_to_keep is None else max_to_keep)
+  return Program(c, w, mesh, env, agents, ckpt, loop.resume(ckpt, agents, workdir, c))

@@ -9,7 +9,6 @@ RL config starts from with `init=<workdir>`.
 """
 
 import dataclasses
-import os
 import re
 
 import jax
@@ -17,10 +16,8 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from mgrpo_jax import checkpoint as ckpt_lib
 from mgrpo_jax import config_checks as checks
-from mgrpo_jax import loop, sharding, trainable
-from mgrpo_jax import workdir as workdir_lib
+from mgrpo_jax import loop, trainable
 from mgrpo_jax.mgrpo import play, setup, tasks
 from mgrpo_jax.mgrpo import step as mgrpo_step
 from mgrpo_jax.envs import search, world
@@ -44,13 +41,13 @@ def expert_episodes(c, w: setup.Wiring, env, *, seed: int, others=()) -> dict[st
 
   Without `others` they are the training questions' (cycled). With other worlds
   (`tasks.other_world_env`) the questions are shared evenly between the training split and
-  each other world's questions: a name is then seen in a few traces only, far more names
-  than a tiny model can memorise, so it learns to copy a name from its context rather than
-  to recall one (issue 32: with only the 140 training entities, the warm start wrote a
-  training name that began like the held-out question's). An other world's trace that names
-  one of `env.held_out_names` (two invented worlds can share a word) is dropped.
+  each other world's questions. An other world's trace that names one of
+  `env.held_out_names` (two invented worlds can share a word) is dropped.
   """
   sft = c.sft
+  # A name seen in a few traces only, among far more names than a tiny model can memorise,
+  # is copied from the context rather than recalled: with only the 140 training entities,
+  # the warm start wrote a training name that began like the held-out question's.
   sources = [(env, env.train)] + [(o, o.train + o.test) for o in others]
   counts = world.allocate(sft.num_questions, [1.0] * len(sources))
   names = tasks.names_pattern(env.held_out_names)
@@ -182,15 +179,15 @@ def visit_drills(eps, tokenizer, weight: float) -> list[TextRow]:
   """One drill per episode that visits a page: its tokens up to the end of its first
   generated turn that starts with `<visit>`, with loss weight `weight` on that turn only.
 
-  Choosing the hit whose title is the searched name and copying its doc id is one token of
-  a ~500-token episode whose other tokens the model learns long before (issue 32: after
-  1100 warm-start steps the sub-agent's probability of the right id was chance, while a
-  model of the same size trained on these cut episodes alone learnt it). The drills are
-  the same traces, so they add no information, only weight on that choice.
+  The drills are the same traces, so they add no information, only weight on that choice.
   """
   out = []
   for e in eps:
     for start, end, text in _generated_turns(e, tokenizer):
+      # Choosing the hit whose title is the searched name and copying its doc id is one
+      # token of a ~500-token episode whose other tokens the model learns long before: after
+      # 1100 warm-start steps the sub-agent's probability of the right id was chance, while a
+      # model of the same size trained on these cut episodes alone learnt it.
       if text.startswith("<visit>"):
         drill = np.zeros(end, np.float32)
         drill[start:end] = weight
@@ -206,15 +203,16 @@ def weigh_reports(eps, tokenizer, weight: float) -> list:
   """`eps` with loss weight `weight` on their generated turns that start with one of
   REPORT_TAGS: a sub-agent's result, copied from the page it read, and an answer.
 
-  Like the choice of page (`visit_drills`), copying the value from the page is a few tokens
-  of a ~500-token trace (issue 32: at step 900 the sub-agent visited the right page for 40%
-  of its calls, and reported another value of the same kind, "Kraevein Guild" for
-  "Kraevein Institute"). The episodes are copies; the tokens are unchanged.
+  The episodes are copies; the tokens are unchanged.
   """
   out = []
   for e in eps:
     mask = np.asarray(e.loss_mask, np.float32).copy()
     for start, end, text in _generated_turns(e, tokenizer):
+      # Like the choice of page (`visit_drills`), copying the value from the page is a few
+      # tokens of a ~500-token trace: at step 900 the sub-agent visited the right page for
+      # 40% of its calls, and reported another value of the same kind ("Kraevein Guild" for
+      # "Kraevein Institute").
       if text.startswith(REPORT_TAGS):
         mask[start:end] *= weight
     out.append(dataclasses.replace(e, loss_mask=mask))
@@ -261,18 +259,21 @@ def warm_start_texts(c, w: setup.Wiring, env) -> tuple[dict[str, list], list[Tex
   return data, corpus
 
 
-def train_sft(c: ml_collections.ConfigDict, workdir: str) -> dict:
-  """Runs the warm start; resumes from `workdir` when it holds a checkpoint."""
-  w = setup.resolve_wiring(c, training=False)
+def _check(c) -> None:
+  """configs/sft.py's own section (the rest is configs/mgrpo.py's, checked with the wiring)."""
   checks.check_config(c, {}, _RANGES)
   check_trace_worlds(c)
-  os.makedirs(workdir, exist_ok=True)
+
+
+def train_sft(c: ml_collections.ConfigDict, workdir: str) -> dict:
+  """Runs the warm start; resumes from `workdir` when it holds a checkpoint."""
   sft = c.sft
-  mesh = sharding.make_mesh(dict(c.mesh))
-  checks.check_batch_divides_mesh(sft.batch_size, mesh, "config.sft.batch_size")
-  env = tasks.build_env(c)
-  setup.check_task(c, w, env)
-  data, corpus = warm_start_texts(c, w, env)
+  # The agents learn with the warm start's objective; one checkpoint is enough to resume.
+  p = setup.start(c, workdir, training=False, check=_check,
+                  batch_rows={"sft.batch_size": sft.batch_size}, agent_config=objective_config,
+                  agent_key=jax.random.key(c.seed), max_to_keep=1)
+  env, agents = p.env, p.agents
+  data, corpus = warm_start_texts(c, p.wiring, env)
   drills = {name: visit_drills(eps, env.tokenizer, sft.visit_drill_weight)
             if sft.visit_drill_weight else [] for name, eps in data.items()}
   if sft.report_weight != 1:
@@ -285,15 +286,9 @@ def train_sft(c: ml_collections.ConfigDict, workdir: str) -> dict:
     lens = [len(e.tokens) for e in eps]
     logging.info("SFT data %s: %d episodes, %d-%d tokens, %d visit drills.", name, len(eps),
                  min(lens), max(lens), len(drills[name]))
-  sft_cfg = objective_config(c)
-  agents = setup.build_agents(sft_cfg, w, env, mesh, jax.random.key(c.seed))
-  ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=1)
-  start = workdir_lib.restore_agents(ckpt, agents)
-  if not start:
-    workdir_lib.write_config(workdir, c)
 
   # An agent that plays several roles ('shared') gets batch_size rows of each role per step,
-  # as the pair's agents do (drawn from its mixed list it got ~1 main row in 4: issue 32).
+  # as the pair's agents do: drawn from its mixed list, it got about one main row in four.
   by_role = {name: [[e for e in eps if e.role == role] for role in dict.fromkeys(
       e.role for e in eps)] for name, eps in data.items()}
 
@@ -315,15 +310,19 @@ def train_sft(c: ml_collections.ConfigDict, workdir: str) -> dict:
                                                sft.context_weight))
     return batch
 
-  def update(step: int) -> dict:
-    out = trainable.update_agents(agents, {n: batch_of(n, step) for n in agents}, step)
+  def learn(step: int, _) -> tuple[dict, dict]:
+    return {n: batch_of(n, step) for n in agents}, {}
+
+  def train(batches: dict, step: int) -> dict:
+    out = trainable.update_agents(agents, batches, step)
     return {f"sft/{n}/{k}": out[f"{n}/{m}"] for n in agents
             for k, m in (("nll", "loss"), ("grad_norm", "grad_norm"))}
 
-  schedule = loop.Schedule(sft.num_steps, sft.eval_every, sft.checkpoint_every, c.log_every)
-  return loop.train_loop(
-      workdir, agents, ckpt, schedule, start=start, update=update,
-      evaluate=lambda step: play.evaluate(c, w, env, agents, step=step,
-                                          questions_file=play.questions_path(workdir, step)),
-      tokenizer=env.tokenizer, desc="sft",
-      show=[f"sft/{n}/nll" for n in agents] + ["eval/accuracy"])
+  def evaluate(step: int) -> dict:
+    return play.evaluate(c, p.wiring, env, agents, step=step,
+                         questions_file=play.questions_path(workdir, step))
+
+  return p.run(workdir, rollout=None, learn=learn, train=train, evaluate=evaluate, desc="sft",
+               show=[f"sft/{n}/nll" for n in agents] + ["eval/accuracy"],
+               schedule=loop.Schedule(sft.num_steps, sft.eval_every, sft.checkpoint_every,
+                                      c.log_every))

@@ -6,16 +6,17 @@
               A_S = group_advantages(R_S[index], valid), sub batch
   update      each trained agent's train step
 
-Every function takes the `Wiring` the variant resolved to (`setup.resolve_wiring`).
+Every function takes the `Wiring` the variant resolved to (`setup.resolve_wiring`), and the
+step's questions in the order the rollouts asked them.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from mgrpo_jax import trainable
 from mgrpo_jax.mgrpo.tasks import Env
 from mgrpo_jax.mgrpo import play
-from mgrpo_jax.mgrpo import setup
 from mgrpo_jax.mgrpo.setup import Wiring
 from mgrpo_jax.rl import advantages
 from mgrpo_jax.mgrpo import hierarchy
@@ -24,22 +25,38 @@ from mgrpo_jax.rl import batch as batch_lib
 MIN_LENGTH = 128  # Shortest batch length: episodes are a few hundred tokens, so one shape.
 
 
-def main_side(c, w: Wiring, env: Env,
+def batches(c, w: Wiring, r: play.Rollouts, key: jax.Array) -> tuple[dict, dict]:
+  """From a step's rollouts (`play.run_rollouts`) to a batch per role, and the metrics.
+
+  `key` draws the alignment. The update (`update`) trains each agent on its roles' rows.
+  """
+  # Rollouts: questions[Q] -> main (or single) episodes [Q, K]; each delegation -> a
+  # sub-agent episode, which knows its (q, k, call).
+  # Main side: R_M[Q, K] (what the sub-agent needs), A_M over each query's K rollouts.
+  main_batch, outcome, m = main_side(c, w, r.env, r.questions, r.episodes)
+  out = {w.lead: main_batch}
+  # Sub side: R_S from R_M's correctness, aligned to [Q, K, D], A_S over each query's rows.
+  if w.has_sub:
+    out["sub"], sub_m = sub_side(c, w, r.env, r.questions, r.sub_episodes, outcome, key)
+    m.update(sub_m)
+  # Update (`update`): each trained agent on its roles' rows.
+  return out, m
+
+
+def main_side(c, w: Wiring, env: Env, questions,
               episodes) -> tuple[batch_lib.Batch, hierarchy.MainOutcome, dict]:
   """R_M, A_M and the main (or single) agent's batch.
 
   The outcome is all the sub-agent needs from the main agent (a decoupled main program
   publishes it on the exchange).
   """
-  q, k = c.num_queries, c.num_rollouts
-  answers = [e.task.answers for e in episodes[::k]]
-  outcome = hierarchy.main_outcomes(episodes, answers, q, k, alpha=tuple(c.alpha))
+  outcome, m = play.score(c, w.lead, questions, episodes, c.num_rollouts)
   adv_m = advantages.group_advantages(jnp.asarray(outcome.reward), scale=c.adv_scale,
                                       eps=c.adv_eps)
   batch = batch_lib.make_batch(episodes, np.asarray(adv_m).reshape(-1),
                                max_len=c.limits.max_len, pad_id=env.tokenizer.pad_id,
                                minimum=MIN_LENGTH)
-  return batch, outcome, play.episode_metrics(w.lead, episodes, outcome)
+  return batch, outcome, m
 
 
 def sub_advantages(aligned: hierarchy.AlignedSub, *, scale: str, eps: float) -> np.ndarray:
@@ -49,29 +66,20 @@ def sub_advantages(aligned: hierarchy.AlignedSub, *, scale: str, eps: float) -> 
       eps=eps))
 
 
-def sub_side(c, env: Env, sub_eps, outcome: hierarchy.MainOutcome, key, *,
-             align: str = "sample", questions=None) -> tuple[batch_lib.Batch, dict]:
-  """R_S from the main outcome, alignment to [Q, K, D] (drawn with `key`), A_S, sub batch.
+def sub_side(c, w: Wiring, env: Env, questions, sub_eps, outcome: hierarchy.MainOutcome,
+             key) -> tuple[batch_lib.Batch, dict]:
+  """R_S from the main outcome, the rows `w.align` makes of them (drawn with `key`), A_S,
+  the sub batch.
 
-  `questions` (the step's, in the main agent's order) adds `sub/call_accuracy`: the share
-  of the sub-agent's calls that answered a hop of their question (`play.sub_call_correct`),
-  whether or not the main agent's answer was right.
-
-  `align="pad"` (the `unaligned` variant) takes every episode once instead: D is
-  `limits.max_delegations` (no rollout has more calls), rows past a rollout's calls are
-  invalid, and the batch keeps the valid rows, padded to a multiple of Q*K (few shapes).
+  `sub/call_accuracy` is the share of the sub-agent's calls that answered a hop of their
+  question (`play.sub_call_correct`), whether or not the main agent's answer was right.
   """
   r_s = hierarchy.sub_rewards(sub_eps, outcome, beta=tuple(c.beta),
-                              expert_score=setup.expert_scorer(c))
-  if align == "pad":
-    aligned = hierarchy.pad_sub(sub_eps, r_s, c.num_queries, c.num_rollouts,
-                                c.limits.max_delegations)
-  else:
-    aligned = hierarchy.align_sub(sub_eps, r_s, c.num_queries, c.num_rollouts, c.align_d, key,
-                                  on_empty=c.align_on_empty)
+                              expert_score=w.expert_score)
+  aligned = hierarchy.align_rows(sub_eps, r_s, c.num_queries, c.num_rollouts, w.align, key)
   adv_s = sub_advantages(aligned, scale=c.adv_scale, eps=c.adv_eps).reshape(-1)
   rows = aligned.episodes
-  if align == "pad":
+  if w.align.mode == "pad":
     keep = [i for i, ep in enumerate(rows) if ep is not None]
     # Rows in whole multiples of Q*K (the main batch's size, which the mesh divides): at
     # most max_delegations shapes to compile.
@@ -83,23 +91,11 @@ def sub_side(c, env: Env, sub_eps, outcome: hierarchy.MainOutcome, key, *,
                                pad_id=env.tokenizer.pad_id, minimum=MIN_LENGTH)
   m = play.episode_metrics("sub", sub_eps)
   m["sub/reward"] = float(r_s.mean()) if len(r_s) else 0.0
-  if questions is not None and sub_eps:
+  if sub_eps:
     m["sub/call_accuracy"] = float(np.mean([play.sub_call_correct(ep, questions[ep.q])
                                             for ep in sub_eps]))
   m.update(aligned.stats)
   return batch, m
-
-
-def batches(c, w: Wiring, env: Env, episodes, sub_episodes, key) -> tuple[dict, dict]:
-  """Both sides of a step: a batch per role and the metrics (`key` draws the alignment)."""
-  batch, outcome, m = main_side(c, w, env, episodes)
-  out = {w.lead: batch}
-  if w.has_sub:
-    questions = [e.task for e in episodes[::c.num_rollouts]]  # A main episode's task.
-    out["sub"], sub_m = sub_side(c, env, sub_episodes, outcome, key, align=w.align,
-                                 questions=questions)
-    m.update(sub_m)
-  return out, m
 
 
 def update(w: Wiring, agents: dict, role_batches: dict, step: int) -> dict:

@@ -146,10 +146,8 @@ class TrainingQuestions:
 
   `config.rl_worlds = 0`: the training split, a fresh permutation each epoch
   (`keys.examples_for_step`). `rl_worlds = N > 0`: step s asks the questions of generated
-  world s mod N (`rl_world_env`), none of them the task's or the warm start's: on a world
-  the agents have read before, RL rewarded recall of that world's chains, which held-out
-  chains do not share (issue 32: 23% -> 36% on the training questions in 90 steps,
-  validation flat). Both are deterministic in (seed, step): a resumed run asks the same.
+  world s mod N (`rl_world_env`), none of them the task's or the warm start's. Both are
+  deterministic in (seed, step): a resumed run asks the same.
   """
 
   # RL worlds kept built: a few worlds cycled are built once; a fresh one per step is not kept.
@@ -162,6 +160,9 @@ class TrainingQuestions:
     c, n = self._c, self._c.get("rl_worlds", 0)
     if not n:
       return self._env, keys.examples_for_step(self._env.train, step, c.num_queries, c.seed)
+    # A world no warm start read: on a world the agents had read, RL rewarded recall of its
+    # chains, which held-out chains do not share (23% -> 36% on the training questions in
+    # 90 steps, validation flat).
     k = step % n
     if k not in self._worlds:
       if len(self._worlds) >= self.CACHED_WORLDS:
