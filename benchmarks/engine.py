@@ -22,6 +22,7 @@ import json
 import os
 import sys
 import time
+import zlib
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -256,16 +257,15 @@ class Lengths:
   sigma: float = 0.0
   seed: int = 0
 
-  def __post_init__(self):
-    self.rng = np.random.default_rng(self.seed)
-
-  def shape(self, ids: list[int], tok, limit: int) -> list[int]:
+  def shape(self, ids: list[int], tok, limit: int, turn: str) -> list[int]:
     """`ids` made as long as a drawn length (at least the action's own, at most `limit`):
-    filler inside the turn's <think>, so the action still parses."""
+    filler inside the turn's <think>, so the action still parses. The draw depends on the
+    seed and the turn's name only, so every engine gets the same lengths in any order."""
     ids = ids[:limit]
     if self.kind == "expert":
       return ids
-    want = int(np.clip(round(self.rng.lognormal(self.mu, self.sigma)), 1, limit))
+    rng = np.random.default_rng([self.seed, zlib.crc32(turn.encode())])
+    want = int(np.clip(round(rng.lognormal(self.mu, self.sigma)), 1, limit))
     extra = want - len(ids)
     if extra <= 0:
       return ids
@@ -292,8 +292,9 @@ class ForcedTurns:
     self.llm.begin(episodes)
 
   def act(self, rows, key):
-    turns = [self.lengths.shape(ids, self.tok, self.limit)
-             for ids, _ in self.expert.act(rows, key)]
+    eps = [self.llm._episodes[r] for r in rows]
+    turns = [self.lengths.shape(ids, self.tok, self.limit, _turn_id(ep, len(ep.turns)))
+             for ep, (ids, _) in zip(eps, self.expert.act(rows, key))]
     forced = np.ones(len(self.llm._episodes), np.int32)
     forced[list(rows)] = [len(t) for t in turns]
     self.rec.model, self.rec.forced, self.rec.spans = self.role, forced, {}
@@ -385,10 +386,13 @@ def run_agents(args, rec: Recorder, lengths: Lengths) -> dict:
 
 
 def _code_expert(problem, agent: int) -> str:
-  """The code task's scripted turn: a trivial helper; the reference solution as main."""
+  """The code task's scripted turn: a trivial helper; the reference solution as main (its
+  signature and body, not the prompt's docstring)."""
   if agent == 0:
     return "```python\ndef aux(x):\n    return x\n```"
-  return f"```python\n{problem.prompt}{problem.canonical_solution}```"
+  sig = next(line for line in problem.prompt.splitlines()
+             if line.startswith(f"def {problem.entry_point}("))
+  return f"```python\n{sig}\n{problem.canonical_solution}```"
 
 
 class ForcedCompletions:
@@ -406,7 +410,9 @@ class ForcedCompletions:
       text = tok.decode(p)
       ex = next(e for e in self.examples if f"def {e.entry_point}(" in text)
       texts.append(_code_expert(ex, self.agent))
-    turns = [self.lengths.shape(tok.encode(t), tok, self.limit) for t in texts]
+    # Row r of turn t is (prompt, node, sample) in joint_rollout's order, whatever the engine.
+    turns = [self.lengths.shape(tok.encode(t), tok, self.limit, f"{self.agent}/{self.calls}/{r}")
+             for r, t in enumerate(texts)]
     self.rec.model, self.rec.spans = f"agent{self.agent}", {}
     self.rec.forced = np.asarray([len(t) for t in turns], np.int32)
     out = self.policy.complete(prompts, key)
