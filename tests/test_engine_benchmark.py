@@ -19,6 +19,11 @@ def _record(turns, live, slots, window=8, rows=2):
                                                               turns.values()))
 
 
+def _qwen3_8b():
+  from mgrpo_jax import models
+  return models.get_preset("qwen3_8b")
+
+
 # Two slots; A (3 tokens) and B (2) start at once, C (2) continues B. A work-conserving
 # engine starts C the step after B ends; a lock-step one waits for A, the longest row.
 _CONSERVING = {"A": _turn(3, 0), "B": _turn(2, 0), "C": _turn(2, 2, ["B"])}
@@ -66,23 +71,18 @@ def test_prefill_copies_and_tool_overlap(load_benchmark):
                                attn_pairs=1024)],
                 prompts=[[8, 8], [1, 1, 1]], tools=[(0.0, 1.0), (2.0, 4.0)],
                 decoding=[(0.5, 2.5), (2.4, 3.0)], decoded=9)
-  m = engine.metrics(record, engine_shape(engine))
+  m = engine.metrics(record, _qwen3_8b())
   assert m["prefill_computed_over_needed"] == 1.6
   assert m["prompt_kv_copies_per_question"] == 8.0  # Unshared prompts do not count.
   assert m["tool_latency_overlapped"] == 0.5  # 0.5 s of the first call, 1 s of the second.
   assert m["tokens_discarded"] == 2  # 9 decoded, 7 kept.
   record.update(prompts=[[1, 1]])
-  assert engine.metrics(record, engine_shape(engine))["prompt_kv_copies_per_question"] == 1.0
-
-
-def engine_shape(engine):
-  from mgrpo_jax import models
-  return models.get_preset("qwen3_8b")
+  assert engine.metrics(record, _qwen3_8b())["prompt_kv_copies_per_question"] == 1.0
 
 
 def test_h100_price_of_a_qwen3_8b_decode_step(load_benchmark):
   engine = load_benchmark("engine")
-  shape = engine_shape(engine)
+  shape = _qwen3_8b()
   # One row, nothing cached: every weight read once, 2 bytes each; Qwen3-8B has 8.19B
   # parameters, of which the 0.62B input embedding is only looked up, not read whole.
   t = engine.step_seconds(shape, tokens=1, head_rows=1, kv_read=0, kv_written=0,
