@@ -190,6 +190,7 @@ class Recorder:
       n0, f0 = np.asarray(state.n_B), np.asarray(state.finish_B)
       len0 = np.asarray(state.seqs.lengths_B)
       start = time.perf_counter()
+      # Waited for here (the sampler fetches it next anyway): the interval is the device's.
       out = jax.block_until_ready(fn(config, params, state, sp, steps, key, window))
       self.record["decoding"].append((start, time.perf_counter()))
       delta = np.where(f0 == 0, np.asarray(out.n_B) - n0, 0)
@@ -208,7 +209,7 @@ class Recorder:
     return run
 
   def _prefill_step(self, config, params, tokens_BxT, lengths_B, offsets_B, cache, window,
-               experts=None):
+                    experts=None):
     b, t = tokens_BxT.shape
     start = time.perf_counter()
     out = jax.block_until_ready(self._orig["_prefill"](config, params, tokens_BxT, lengths_B,
@@ -332,6 +333,8 @@ def _agent_deps(record: dict, main_eps, sub_eps) -> None:
       if sub is None:
         continue
       calls += 1
+      if not sub.turns:  # Aborted before its first turn (its prompt would not fit).
+        continue
       turns[_turn_id(sub, 0)]["deps"].append(_turn_id(ep, i))
       if i + 1 < len(ep.turns):
         turns[_turn_id(ep, i + 1)]["deps"].append(_turn_id(sub, len(sub.turns) - 1))
