@@ -164,18 +164,23 @@ class Recorder:
     self._orig = {}
 
   def install(self):
+    """Wraps the sampler's pieces in every module that holds them (the sampler's own, and any
+    that imported them by name), so the record follows them if they move between modules."""
     from mgrpo_jax import sampling
-    self._sampling = sampling
     wrappers = {"decode_jit": self._decode_jit, "_prefill": self._prefill_step,
                 "_take_rows": self._take_rows, "_grow": self._grow, "prefill": self._prompts}
+    self._patched = []
     for name, fn in wrappers.items():
-      self._orig[name] = getattr(sampling, name)
-      setattr(sampling, name, fn)
+      self._orig[name] = orig = getattr(sampling, name)
+      for mod in [m for k, m in list(sys.modules.items()) if k.startswith("mgrpo_jax")]:
+        if getattr(mod, name, None) is orig:
+          setattr(mod, name, fn)
+          self._patched.append((mod, name, orig))
     return self
 
   def uninstall(self):
-    for name, fn in self._orig.items():
-      setattr(self._sampling, name, fn)
+    for mod, name, orig in self._patched:
+      setattr(mod, name, orig)
 
   def _decode_jit(self, backend=None, *, options=True):
     fn = self._orig["decode_jit"](backend, options=options)
