@@ -7,7 +7,7 @@ float32: 128 MiB of scores) with a score budget of 8 MiB (16 chunks of 32 querie
 compiled for an H100 (`benchmarks/gpu_targets/h100_sxm.txtpb`, deviceless), forward alone
 and under `jax.grad`: the temporaries of the whole reference, of `attention.query_chunked`'s
 static slices (GPU's way) and of its `lax.map` loop (CPU's way). Writes
-`benchmarks/results/attention-gpu-chunks.json` (docs/gpu-compile.md, "Prefill").
+`benchmarks/results/attention-gpu-chunks.json` (docs/results/gpu-compile.md, "Prefill").
 """
 
 import functools

@@ -6,7 +6,7 @@ topology of such devices. Each case compiles the step training or sampling runs,
 abstract inputs (`benchmarks/step_cases.py`'s case builders, memory.py's too), and reads the
 GPU program: `memory_analysis()` per device and the optimized HLO (`hlo_stats`): kernels and
 the bytes they write per decode step, custom calls (cuBLAS, cuDNN attention), collectives and
-the bytes each GPU receives. Definitions and results: docs/gpu-compile.md.
+the bytes each GPU receives. Definitions and results: docs/results/gpu-compile.md.
 
   python benchmarks/gpu_compile.py --target=h100_sxm  # -> benchmarks/results/gpu-compile-h100_sxm.json
   python benchmarks/gpu_compile.py --target=h800 --cases=update/qwen3_30b_a3b

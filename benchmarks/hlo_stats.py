@@ -1,10 +1,10 @@
 """What a compiled XLA program does, read from its optimized HLO text (`compiled.as_text()`).
 
 A library for the benchmarks and tests, not a script (benchmark scripts `import hlo_stats`,
-tests `from benchmarks import hlo_stats`). Used on programs compiled for a GPU target on a CPU-only machine (benchmarks/gpu_compile.py,
-tests/test_gpu_compile.py): the kernels a loop body launches, the bytes they write, the
-custom calls (cuBLAS, cuDNN attention) and the collectives with the bytes each device
-receives. Definitions (docs/gpu-compile.md):
+tests `from benchmarks import hlo_stats`). Used on programs compiled for a GPU target on a
+CPU-only machine (benchmarks/gpu_compile.py, tests/test_gpu_compile.py): the kernels a loop
+body launches, the bytes they write, the custom calls (cuBLAS, cuDNN attention) and the
+collectives with the bytes each device receives. Definitions (docs/results/gpu-compile.md):
 
 - A *kernel* is an instruction of an executed computation that launches work: every opcode
   but parameter, constant, get-tuple-element, tuple, bitcast, opt-barrier, add-dependency,
@@ -296,13 +296,6 @@ def fusion_roots(module: Module, instr: Instr) -> list[str]:
   return [root.opcode]
 
 
-def fused_opcodes(module: Module, instr: Instr) -> set[str]:
-  """Every opcode inside a fusion (the opcode itself for other kernels)."""
-  if instr.opcode != "fusion":
-    return {instr.opcode}
-  return {i.opcode for i in module.computations[instr.attr("calls")].instrs.values()}
-
-
 # --- collectives ------------------------------------------------------------------------
 
 def replica_groups(attrs: str, num_partitions: int) -> list[list[int]]:
@@ -352,11 +345,6 @@ def received_bytes(instr: Instr, group_size: int) -> float:
   if kind == "all-reduce":
     return 2 * out * (n - 1) / n
   return out  # collective-permute
-
-
-def num_partitions(text: str) -> int:
-  m = re.search(r"num_partitions=(\d+)", text)
-  return int(m.group(1)) if m else 1
 
 
 # --- summaries ----------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """CI sees the GPU program: a small model's decode loop and update, compiled for an H100 on
 this CPU (the CUDA plugin and compiler wheels of the `gpu` extra; no GPU, no driver), checked
-structurally with benchmarks/hlo_stats.py (definitions: docs/gpu-compile.md).
+structurally with benchmarks/hlo_stats.py (definitions: docs/results/gpu-compile.md).
 
 Each check fails on the program it guards against (the fixes that made them pass:
 the decode loop reads per-layer weights and caches in place, the log-prob chunks gather nothing,

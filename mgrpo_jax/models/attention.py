@@ -99,8 +99,8 @@ def query_chunked(q_BxKxGxTxH, k_BxKxSxH, v_BxKxSxH, q_idx_BxT, kv_valid_BxS, q_
   XLA:CPU bounds memory only with a loop (`lax.map`; a test's 512 rows x 640 queries: 1.1 GB
   of temporaries, 3.6 GB with static slices, 6.7 GB unchunked). XLA:GPU bounds it only with
   static slices (Qwen3-0.6B's prefill of 64 x 1024 tokens: 21.2 GB a GPU, 30.9 GB with the
-  loop, 27.1 GB unchunked; docs/gpu-compile.md). `loop` True or False forces one way. Each
-  chunk is rematerialised under `jax.grad`.
+  loop, 27.1 GB unchunked; docs/results/gpu-compile.md). `loop` True or False forces one way.
+  Each chunk is rematerialised under `jax.grad`.
   """
   b, kh, g, t, _ = q_BxKxGxTxH.shape
   row_bytes = b * kh * g * k_BxKxSxH.shape[2] * 4

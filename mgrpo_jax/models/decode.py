@@ -4,9 +4,9 @@ Training keeps the stacked `[L, ...]` parameters and the layer scan (`qwen3.forw
 is the layout of HF I/O, LoRA targets, sharding rules and checkpoints. A decode step reads
 every weight once per token, and a scan over stacked arrays made XLA:GPU copy each layer's
 weights (and its KV cache) out of the stack before reading them: about as many bytes written
-per step as read (docs/gpu-compile.md). Here each layer's weights and cache are arrays of their own, the
-layers are unrolled, and weights are cast to the compute dtype once per policy version
-(`decode_params`), not on every step from float32 masters.
+per step as read (docs/results/gpu-compile.md). Here each layer's weights and cache are arrays
+of their own, the layers are unrolled, and weights are cast to the compute dtype once per
+policy version (`decode_params`), not on every step from float32 masters.
 """
 
 import functools

@@ -1,6 +1,7 @@
 """Where a warm start or RL run fails on held-out questions, stage by stage (one-hop worlds).
 
-  python benchmarks/mgrpo_diagnose.py --init=/tmp/mgrpo_demo/sft [--config_arg=runlocal]
+  python -m experiments.hierarchy_ablation.mgrpo_diagnose --init=/tmp/mgrpo_demo/sft \
+      [--config_arg=runlocal]
 
 Loads the final weights of a run (`init=`, as an RL config starts from them), answers the
 held-out evaluation questions greedily, and counts, per question, whether the main agent's
