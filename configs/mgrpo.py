@@ -10,12 +10,13 @@
 
 Arguments (comma-separated): variant=mgrpo|frozen_sub|single|shared|unaligned,
 model=<preset> (default tiny; tiny_wide with runlocal), hf_path=<dir>, init=<sft workdir>,
-policy=model|expert, protocol=tags|native (how the agents call their tools; native with a
-byte tokenizer adds `NATIVE_EXTRA_LEN` to limits.max_len), seed=<int>, lora=<rank> (LoRA
-agents: both models' lora.rank; 0 = full fine-tuning), runlocal, smoke, gpu (one 80 GB GPU
-at the paper's limits: Qwen3-0.6B preset unless model= or hf_path=, bf16 compute over f32
-master weights, remat, packed token-budget updates, cuDNN attention where it applies, memory
-proved by benchmarks/memory.py),
+policy=model|expert, protocol=tags|native (how the agents call their tools, as
+--config.protocol does; a byte tokenizer gives native's tool declarations and call JSON one id
+each, so a native prompt costs about what a tag prompt does), seed=<int>, lora=<rank> (LoRA
+agents: both models' lora.rank; 0 = full fine-tuning), runlocal, smoke, gpu (one 80 GB GPU at
+the paper's limits: Qwen3-0.6B preset unless model= or hf_path=, bf16 compute over f32 master
+weights, remat, packed token-budget updates, cuDNN attention where it applies, memory proved
+by benchmarks/memory.py),
 task=world|multihop|qa (multihop: long pages, 1-4 hop bridge questions over held-out chains,
 `_multihop`; its size is gpu, smoke, or cpu for runlocal or no flag; qa: your questions,
 `_qa`, e.g.
@@ -55,20 +56,7 @@ def multihop_size(args: dict) -> str:
   return "gpu" if args["gpu"] else "smoke" if args["smoke"] else "cpu"
 
 
-# Context the native protocol adds with a byte tokenizer (one id per character): the tools'
-# JSON schemas in the system turn (900-1150 ids per role) and the calls' JSON.
-NATIVE_EXTRA_LEN = 2048
-
-
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  c = _config(arg)
-  c.protocol = arguments(arg)["protocol"]
-  if c.protocol == "native" and (c.tokenizer or c.main_model.hf_path or "byte").startswith("byte"):
-    c.limits.max_len += NATIVE_EXTRA_LEN
-  return c
-
-
-def _config(arg: str | None) -> ml_collections.ConfigDict:
   args = arguments(arg)
   c = ml_collections.ConfigDict()
   c.program = "mgrpo"  # Which library entry point launch/train.py runs.
@@ -137,7 +125,7 @@ def _config(arg: str | None) -> ml_collections.ConfigDict:
   # How every agent calls its tools: "tags" (<search>...</search>: agents/protocol.py) or
   # "native" (the checkpoint's own <tool_call> JSON, tools rendered by its chat template:
   # agents/native.py).
-  c.protocol = "tags"
+  c.protocol = args["protocol"]
   c.update(common.log_sinks())  # log_to, wandb.
   c.max_staleness = 0  # Sub-agent versions a result may lag (checked by the main program).
   if args["gpu"]:

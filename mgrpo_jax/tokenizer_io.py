@@ -16,13 +16,13 @@ WORLD_SPECS = ("byte+names", "byte+world", "byte+phrases", "byte+phrases+ids")
 
 
 def load_tokenizer(spec: str | os.PathLike, *, words: Sequence[str] = ()) -> Tokenizer:
-  """"byte" -> ByteTokenizer(); "byte+names", "byte+world", "byte+phrases" or
-  "byte+phrases+ids" -> ByteTokenizer(words=words) (a world's names; its names and phrases;
-  its phrases only; its phrases and doc ids, one id each: picked by
-  `mgrpo_jax.mgrpo.tasks.tokenizer_words`); anything else is a local
-  directory -> HFTokenizer."""
+  """"byte" -> ByteTokenizer(words=words) (none, or a native run's protocol strings);
+  "byte+names", "byte+world", "byte+phrases" or "byte+phrases+ids" ->
+  ByteTokenizer(words=words) (a world's names; its names and phrases; its phrases only; its
+  phrases and doc ids, one id each: picked by `mgrpo_jax.mgrpo.tasks.tokenizer_words`);
+  anything else is a local directory -> HFTokenizer."""
   if str(spec) == "byte":
-    return ByteTokenizer()
+    return ByteTokenizer(words=words)
   if str(spec) in WORLD_SPECS:
     if not words:
       raise ValueError(f'tokenizer "{spec}" needs the words (words=...) of a world')

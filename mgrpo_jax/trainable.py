@@ -141,8 +141,8 @@ def _check_vocabulary(path: str, vocab_size: int, tokenizer: tk.Tokenizer) -> No
       saved = tuple(json.load(f)["words"])
     if saved != tuple(getattr(tokenizer, "words", ())):
       raise ValueError(f"{words_file}: the checkpoint was trained with other tokenizer words "
-                       f"than this run's tokenizer has (config.tokenizer or config.world "
-                       f"changed?): rerun the warm start.")
+                       f"than this run's tokenizer has (config.tokenizer, config.world or "
+                       f"config.protocol changed?): rerun the warm start.")
 
 
 def build_agent(name, mc, oc, lc, tokenizer, mesh, key, *, init_dir="", num_micro=1,

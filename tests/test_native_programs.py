@@ -6,12 +6,15 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from mgrpo_jax import metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QA = ["--config.data.train=tests/data/qa/musique.jsonl",
       "--config.data.eval=tests/data/qa/musique.jsonl"]
-# What the experts did: equal in both protocols (token counts differ: JSON calls are longer).
+# What the experts did: equal in both protocols (token counts differ: a call's JSON costs what
+# its tags do, a final message has none).
 SAME = ("accuracy", "format", "turns", "delegations", "reward", "sub_format", "overflow")
 
 
@@ -33,7 +36,7 @@ def _evaluate(tmp_path, config, *flags) -> dict:
   results = {}
   for protocol in ("tags", "native"):
     workdir = tmp_path / f"{protocol}{len(os.listdir(tmp_path))}"
-    _run("evaluate.py", f"{config},protocol={protocol}", workdir, *flags)
+    _run("evaluate.py", config, workdir, f"--config.protocol={protocol}", *flags)
     results[protocol] = json.loads((workdir / "eval.json").read_text())
   return results
 
@@ -44,33 +47,58 @@ def test_experts_score_the_same_in_both_protocols(tmp_path):
                 "--config.num_eval_questions=24")
   assert {k: r["native"][k] for k in SAME} == {k: r["tags"][k] for k in SAME}
   assert 0 < r["native"]["accuracy"] < 1  # Slips (and smoke's 3 turns) cost answers alike.
-  assert r["native"]["gen_tokens"] > r["tags"]["gen_tokens"]
+  # The byte tokenizer's protocol words: a call costs what its tags do, an answer 2 ids less.
+  assert r["native"]["gen_tokens"] < r["tags"]["gen_tokens"]
   # task=qa: the gold structure's experts.
   r = _evaluate(tmp_path, "configs/mgrpo.py:task=qa,smoke,policy=expert", *QA)
   assert {k: r["native"][k] for k in SAME} == {k: r["tags"][k] for k in SAME}
   assert r["native"]["accuracy"] > 0
 
 
-def test_train_py_runs_native_experts(tmp_path):
-  workdir = tmp_path / "run"
-  _run("train.py", "configs/mgrpo.py:smoke,policy=expert,protocol=native", workdir,
-       "--config.num_steps=1")
-  records = metrics.read_metrics(str(workdir))
-  assert [r["step"] for r in records] == [0, 1]
-  assert records[0]["eval/accuracy"] == 1.0 and records[0]["eval/format"] == 1.0
-  assert records[0]["main/format"] > 0 and records[0]["main/tokens"] > 0  # Noisy experts.
-  assert json.loads((workdir / "config.json").read_text())["protocol"] == "native"
+@pytest.mark.parametrize("config,flags,accuracy", [("smoke", (), 1.0),
+                                                   ("task=qa,smoke", QA, 0.5)])
+def test_train_py_runs_native_experts_at_the_sizes_limits(tmp_path, config, flags, accuracy):
+  """`--config.protocol=native` on a size whose limits were set for tags (the byte tokenizer
+  gives the tools' declarations and the calls' JSON one id each): train.py runs, and the
+  experts' evaluations equal those of the tag run on the same questions."""
+  records = {}
+  for protocol in ("tags", "native"):
+    workdir = tmp_path / protocol
+    _run("train.py", f"configs/mgrpo.py:{config},policy=expert", workdir,
+         f"--config.protocol={protocol}", "--config.num_steps=1", *flags)
+    records[protocol] = metrics.read_metrics(str(workdir))
+    assert json.loads((workdir / "config.json").read_text())["protocol"] == protocol
+  evals = {p: [{k: v for k, v in r.items() if k.startswith("eval/") and k[5:] in SAME}
+               for r in rs] for p, rs in records.items()}
+  assert [r["step"] for r in records["native"]] == [r["step"] for r in records["tags"]]
+  assert evals["native"] == evals["tags"]
+  first = evals["native"][0]
+  assert first["eval/format"] == 1.0 and first["eval/accuracy"] == accuracy
+  assert records["native"][0]["main/tokens"] > 0 and records["native"][0]["main/format"] > 0
+  # The config argument protocol=native is the same config as the flag.
+  from configs import mgrpo
+  flag = mgrpo.get_config(f"{config},policy=expert")
+  flag.protocol = "native"
+  assert mgrpo.get_config(f"{config},policy=expert,protocol=native").to_dict() == flag.to_dict()
 
 
 def test_a_native_prompt_that_cannot_fit_is_refused_at_start_up(tmp_path):
-  """The smoke size's context holds the tag prompts but not the tools' schemas: the config
-  argument protocol=native makes room, a bare override is refused naming max_len."""
+  """The native prompt is measured with its tools: at max_len=140 smoke's tag prompts fit
+  (the longest main prompt 112 ids plus a turn of 24), the native ones, with their system
+  turn of tools (11 ids more), do not; train.py refuses before it makes the workdir."""
+  from configs import mgrpo
+  from mgrpo_jax.mgrpo import setup, tasks
+
+  c = mgrpo.get_config("smoke,policy=expert")
+  c.limits.max_len = 140
+  setup.check_task(c, setup.resolve_wiring(c), tasks.build_env(c))  # Tags fit.
   out = subprocess.run([sys.executable, "launch/train.py",
                         "--config=configs/mgrpo.py:smoke,policy=expert",
-                        "--config.protocol=native", f"--workdir={tmp_path / 'w'}"], cwd=ROOT,
+                        "--config.protocol=native", "--config.limits.max_len=140",
+                        f"--workdir={tmp_path / 'w'}"], cwd=ROOT,
                        env=_env(), capture_output=True, text=True, timeout=600)
   assert out.returncode == 1
-  assert "config.limits.max_len=1024 cannot hold the longest main prompt" in out.stderr
+  assert "config.limits.max_len=140 cannot hold the longest main prompt" in out.stderr
   assert not (tmp_path / "w").exists()
 
 

@@ -406,6 +406,26 @@ def test_load_tokenizer_byte_words(spec):
     tokenizer_io.load_tokenizer(spec)
 
 
+@pytest.mark.parametrize("spec", ["byte", "byte+names", "byte+world", "byte+phrases",
+                                  "byte+phrases+ids"])
+def test_a_native_run_adds_the_protocol_strings_and_a_tags_run_keeps_its_words(spec):
+  from mgrpo_jax.agents import native
+  from mgrpo_jax.envs import world
+  from mgrpo_jax.mgrpo import tasks
+
+  the_world = world.generate_world(world.WorldConfig(seed=3))
+  tags = tasks.tokenizer_words(spec, the_world)
+  assert tasks.tokenizer_words(spec, the_world, "tags") == tags
+  assert (spec == "byte") == (tags == ())
+  # The tags' and the world's ids stay where they were; the protocol's come after them.
+  words = tasks.tokenizer_words(spec, the_world, "native")
+  assert words == tags + native.vocabulary()
+  tok = tokenizer_io.load_tokenizer(spec, words=words)
+  assert tok.words == words
+  assert all(len(tok.encode(w)) == 1 for w in native.vocabulary())
+  assert tasks.tokenizer_words("/ckpt/Qwen3-0.6B", the_world, "native") == ()  # Its own tokens.
+
+
 def test_tokenizer_follows_the_checkpoint(hf_dir, tmp_path):
   """config.tokenizer '': the checkpoint's own tokenizer; a named one wins; no files: an error."""
   assert tokenizer_io.resolve_spec("", str(hf_dir)) == str(hf_dir)

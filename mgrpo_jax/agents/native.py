@@ -259,6 +259,12 @@ _TOOLS_TAIL = ("\n</tools>\n\nFor each function call, return a json object with 
                '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
 
 
+def tools_text(tools_: Sequence[Mapping]) -> str:
+  """The declaration of `tools_` that Qwen3's template writes into the system turn."""
+  lines = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools_)
+  return f"{_TOOLS_HEAD}{lines}{_TOOLS_TAIL}"
+
+
 def render_qwen3_tools_chat(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
                             tools_: Sequence[Mapping] | None = None, *,
                             enable_thinking: bool | None = None) -> str:
@@ -269,8 +275,7 @@ def render_qwen3_tools_chat(messages: Sequence[Mapping[str, Any]], add_generatio
   if tools_:
     system = messages.pop(0)["content"] + "\n\n" if messages and messages[0]["role"] == "system" \
         else ""
-    lines = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools_)
-    head = f"{cf.IM_START}system\n{system}{_TOOLS_HEAD}{lines}{_TOOLS_TAIL}{cf.IM_END}\n"
+    head = f"{cf.IM_START}system\n{system}{tools_text(tools_)}{cf.IM_END}\n"
   for m in messages:
     calls = m.pop("tool_calls", None)
     if m["role"] != "assistant" or not calls:
@@ -283,6 +288,28 @@ def render_qwen3_tools_chat(messages: Sequence[Mapping[str, Any]], add_generatio
     m["content"] = content + ("\n" if visible else "") + text
   return head + cf.render_qwen3_chat(messages, add_generation_prompt,
                                      enable_thinking=enable_thinking)
+
+
+# Stands for an argument's value in `vocabulary`: JSON writes it unchanged, and no fixed
+# string of the protocol holds it.
+_VALUE = "\u2063"
+
+
+def vocabulary() -> tuple[str, ...]:
+  """The native protocol's fixed strings, as this module renders them: each role's tool
+  declarations (`tools_text`), each tool's call up to its argument's value, the text between
+  delegate's subtask and context, and the call's end (`render_turn`).
+
+  A byte tokenizer gives them one id each in a native run (`tasks.tokenizer_words`), as a
+  tokenizer trained on native traces would make them tokens and as it gives the tags their
+  ids: a native prompt and call then cost what the tag ones do, not a thousand bytes of
+  schemas per prompt.
+  """
+  words = [tools_text(tools(role)) for role in protocol.ROLES]
+  for name in _SCHEMAS:
+    context = _VALUE if name == "delegate" else None
+    words += _call_text(name, _arguments(name, _VALUE, context)).split(_VALUE)
+  return tuple(dict.fromkeys(words))
 
 
 def render_chat(tokenizer: tk.Tokenizer, messages: Sequence[Mapping[str, Any]],

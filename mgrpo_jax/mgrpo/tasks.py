@@ -16,7 +16,7 @@ import ml_collections
 from mgrpo_jax import config_checks as checks
 from mgrpo_jax import chat_format, hf_tokenizer, keys, tokenizer_io
 from mgrpo_jax import tokenizer as tk
-from mgrpo_jax.agents import prompts
+from mgrpo_jax.agents import native, prompts
 from mgrpo_jax.envs import multihop, python_tool, qa, retrieval, search, tool_health, world
 
 
@@ -64,7 +64,8 @@ def build_env(c: ml_collections.ConfigDict) -> Env:
                                   shuffle=w.shuffle_hits),
                python=python_tool.PythonTool())
   spec = tokenizer_spec(c)
-  tokenizer = tokenizer_io.load_tokenizer(spec, words=tokenizer_words(spec, the_world))
+  tokenizer = tokenizer_io.load_tokenizer(
+      spec, words=tokenizer_words(spec, the_world, c.get("protocol", "tags")))
   return Env(tokenizer, train, test, index, tools, documents, valid, held_out)
 
 
@@ -224,7 +225,10 @@ def build_qa_env(c: ml_collections.ConfigDict) -> Env:
   train, test, index, documents = qa.load_data(d, c.retrieval)  # Every record checked.
   tools = dict(search.local_tools(index, k=c.world.search_k, max_chars=c.world.visit_chars),
                python=python_tool.PythonTool())
-  return Env(tokenizer_io.load_tokenizer(tokenizer_spec(c)), train, test, index, tools, documents)
+  spec = tokenizer_spec(c)
+  tokenizer = tokenizer_io.load_tokenizer(
+      spec, words=tokenizer_words(spec, None, c.get("protocol", "tags")))
+  return Env(tokenizer, train, test, index, tools, documents)
 
 
 def tokenizer_spec(c) -> str:
@@ -238,7 +242,8 @@ def tokenizer_spec(c) -> str:
   return tokenizer_io.resolve_spec(c.tokenizer, checkpoint)
 
 
-def tokenizer_words(spec: str, the_world: world.World) -> tuple[str, ...]:
+def tokenizer_words(spec: str, the_world: world.World | None,
+                    protocol: str = "tags") -> tuple[str, ...]:
   """The plain-text words a byte tokenizer gives one id each (see `tokenizer_io.load_tokenizer`).
 
   "byte+names": the world's names, doc ids and question stems. "byte+world": those, the page
@@ -249,15 +254,27 @@ def tokenizer_words(spec: str, the_world: world.World) -> tuple[str, ...]:
   and copying it is the same skill as copying a training name. "byte+phrases+ids": those
   and the doc ids, the tools' opaque handles for pages ("doc059"): every world of the same
   size has the same ids, so the warm start's other worlds (`sft.other_worlds`) train the ids
-  of the held-out pages too.
+  of the held-out pages too. "byte": none (`the_world` may be None: task=qa has no world).
+
+  `protocol="native"` adds, to every byte spec, the native protocol's fixed strings
+  (`native.vocabulary`: each role's tool declarations, the calls' JSON around their
+  values), as the tags are one id each in both protocols: the tools' schemas would
+  otherwise cost ~900-1100 ids of every prompt. A tags run's words do not change.
   """
-  if spec in ("byte+world", "byte+phrases", "byte+phrases+ids"):
+  if spec == "byte":
+    words = ()
+  elif spec in ("byte+world", "byte+phrases", "byte+phrases+ids"):
     words = (world.vocabulary(the_world, phrases=True, names=spec == "byte+world")
              + chat_format.ROLE_WORDS + prompts.PROMPT_WORDS)
     if spec == "byte+phrases+ids":
       words += tuple(sorted(d.doc_id for d in the_world.documents))
-    return tuple(dict.fromkeys(words))
-  return world.vocabulary(the_world) if spec == "byte+names" else ()
+  elif spec == "byte+names":
+    words = world.vocabulary(the_world)
+  else:
+    return ()  # A checkpoint's tokenizer: its own tokens.
+  if protocol == "native":
+    words += native.vocabulary()
+  return tuple(dict.fromkeys(words))
 
 
 def eval_questions(c, env: Env) -> list:

@@ -8,13 +8,15 @@ import pytest
 from mgrpo_jax import models
 from mgrpo_jax import byte_tokenizer, offline_tokenizer, tokenizer_io
 from mgrpo_jax import chat_format as cf
-from mgrpo_jax.agents import continuation, experts, native, protocol, rollout
+from mgrpo_jax.agents import continuation, experts, native, prompts, protocol, rollout
 from mgrpo_jax.envs import retrieval, search, world
 from mgrpo_jax.rl import rewards
 
 from qwen3_tools_template import write_qwen3_tools_tokenizer
 
 BYTE = byte_tokenizer.ByteTokenizer()
+# A native run's byte tokenizer: the protocol's fixed strings one id each (tasks.tokenizer_words).
+BYTE_NATIVE = byte_tokenizer.ByteTokenizer(words=native.vocabulary())
 LIMITS = rollout.Limits(max_turns=6, max_new_tokens=160, max_len=4096, max_delegations=4)
 
 
@@ -142,6 +144,36 @@ def test_the_byte_tokenizers_template_renders_tools_as_qwen3s_does(qwen3, role):
     assert '"name": "' + native.ROLE_TOOLS[role][0] + '"' in hf
 
 
+def test_the_protocol_strings_come_from_the_rendering_and_cost_what_tags_cost():
+  """The byte tokenizer's native words are what `render_chat` and `render_turn` write: a
+  prompt's tool declarations are one id, and a call costs what its tag turn costs."""
+  words = native.vocabulary()
+  word_ids = {BYTE_NATIVE.token_id(w) for w in words}  # KeyError unless one id each.
+  assert len(word_ids) == len(words) and not set(words) & set(BYTE.special_ids)
+  for role in protocol.ROLES:
+    declared = native.tools_text(native.tools(role))
+    assert declared in words and declared in native.render_chat(BYTE, [], True, role)
+    user = prompts.main_messages("Who founded Avel?")[1:]
+    system_turn = BYTE_NATIVE.encode(f"{cf.IM_START}system\n{declared}{cf.IM_END}\n")
+    assert len(system_turn) == 1 + len(b"system\n") + 1 + 2  # The declarations: one id.
+    assert native.prompt_ids(BYTE_NATIVE, user, role) == (
+        system_turn + BYTE_NATIVE.apply_chat_template(user, add_generation_prompt=True))
+    assert (len(native.continuation_ids(BYTE_NATIVE, "[d3] Avel", role))
+            == len(continuation.continuation_ids(BYTE, "[d3] Avel")))
+  # A call: one id before its value (the tool's name in it), one after, as <search>...</search>.
+  for action, argument in [("search", "Avel founder"), ("visit", "d12"),
+                           ("delegate", "Who founded Avel?"), ("python", "print(1 + 1)")]:
+    ids = BYTE_NATIVE.encode(native.render_turn(action, argument))
+    assert ids[0] in word_ids and ids[-1] in word_ids and ids[1:-1] == list(argument.encode())
+    assert len(ids) == len(BYTE.encode(protocol.render_action(action, argument)))
+  ids = BYTE_NATIVE.encode(native.render_turn("delegate", "Who?", context="Avel."))
+  assert len(ids) == 3 + len("Who?Avel.")  # <delegate>, <context>, </context>, </delegate>: 4.
+  # A final message has no closing tag.
+  assert BYTE_NATIVE.encode(native.render_turn("answer", "Maria Sand")) == list(b"Maria Sand")
+  # Text that only resembles the scaffolding stays bytes.
+  assert BYTE_NATIVE.encode('{"name": "search"}') == list(b'{"name": "search"}')
+
+
 def test_a_template_without_tools_is_refused(tmp_path):
   plain = tokenizer_io.load_tokenizer(str(offline_tokenizer.write_test_hf_tokenizer(tmp_path, vocab_size=400)))
   with pytest.raises(continuation.TemplateError, match="renders tools"):
@@ -172,12 +204,12 @@ class _Scripted:
     del appended
 
 
-@pytest.mark.parametrize("which", ["qwen3", "byte"])
+@pytest.mark.parametrize("which", ["qwen3", "byte", "byte_native"])
 def test_the_live_sequence_is_what_the_template_renders(qwen3, which):
   """Token-in/token-out: the appended sequence equals the checkpoint's own template's
   render of the same conversation (tools, calls, tool messages), at every tool turn and at
   the end."""
-  tok = qwen3 if which == "qwen3" else BYTE
+  tok = {"qwen3": qwen3, "byte": BYTE, "byte_native": BYTE_NATIVE}[which]
   turns = [native.render_turn("search", "Avel founder", think="find the city's page"),
            "I will read it.\n" + native.render_turn("visit", "d3"),
            # A final message ends with the end of turn it generated; the engine closes calls.
