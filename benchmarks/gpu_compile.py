@@ -54,14 +54,6 @@ LINKS = {"h100_sxm": {"nvlink": 900e9, "infiniband": 50e9},
          "h200": {"nvlink": 900e9, "infiniband": 50e9}}
 GB = 1e9
 
-_TARGET = flags.DEFINE_enum("target", "h100_sxm", TARGETS, "GPU to compile for.")
-_CASES = flags.DEFINE_list("cases", ["update", "decode", "prefill"],
-                           "Case name prefixes to run (update, decode, prefill, or full names).")
-_OUT = flags.DEFINE_string("out", "", "Where to write JSON (default "
-                           "benchmarks/results/gpu-compile-<target>.json).")
-_LIST = flags.DEFINE_bool("list", False, "List the cases and exit.")
-
-
 def target_config(target: str) -> str:
   """The TargetConfig text of `target` (benchmarks/gpu_targets/<target>.txtpb)."""
   with open(os.path.join(TARGETS_DIR, f"{target}.txtpb")) as f:
@@ -241,4 +233,11 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  # Flags only when run: memory.py has some of the same names, and tests load both.
+  _TARGET = flags.DEFINE_enum("target", "h100_sxm", TARGETS, "GPU to compile for.")
+  _CASES = flags.DEFINE_list("cases", ["update", "decode", "prefill"],
+                             "Case name prefixes to run (update, decode, prefill, or full names).")
+  _OUT = flags.DEFINE_string("out", "", "Where to write JSON (default "
+                             "benchmarks/results/gpu-compile-<target>.json).")
+  _LIST = flags.DEFINE_bool("list", False, "List the cases and exit.")
   app.run(main)

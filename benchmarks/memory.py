@@ -46,23 +46,6 @@ from absl import app, flags  # noqa: E402
 import step_cases  # noqa: E402  (benchmarks/step_cases.py: the case builders, a library)
 from mgrpo_jax import models  # noqa: E402
 
-_CASES = flags.DEFINE_list("cases", ["update", "decode", "scaling"],
-                           "Case name prefixes to run (update, decode, scaling, or full names).")
-_OUT = flags.DEFINE_string("out", "benchmarks/results/memory-cpu.json", "Where to write JSON.")
-_LIST = flags.DEFINE_bool("list", False, "List the cases and exit.")
-_PRESETS = flags.DEFINE_list("presets", ["qwen3_0p6b", "qwen3_1p7b", "qwen3_8b"],
-                             "Model presets of the update/decode cases.")
-_SCALING_T = flags.DEFINE_list("scaling_t", ["2048", "4096", "8192", "16384", "32768"],
-                               "Sequence lengths of the scaling cases.")
-_SCALING_PRESET = flags.DEFINE_string("scaling_preset", "qwen3_0p6b", "Preset of scaling cases.")
-_MOE_PRESETS = flags.DEFINE_list("moe_presets", ["qwen3_30b_a3b"],
-                                 "MoE presets of the 64-device update/decode cases.")
-_MOE_CHUNK = flags.DEFINE_integer("moe_chunk", 512, "Tokens per device per expert dispatch.")
-_REMAT_POLICY = flags.DEFINE_enum("remat_policy", "nothing", models.config.REMAT_POLICIES,
-                                  "What a remat'd layer keeps (Qwen3Config.remat_policy).")
-_MU_DTYPE = flags.DEFINE_enum("mu_dtype", "float32", ["float32", "bfloat16"],
-                              "Adam's first-moment dtype (configs/common.optimizer).")
-
 _LORA_RANK = 16
 
 
@@ -155,4 +138,21 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  # Flags only when run: gpu_compile.py has some of the same names, and tests load both.
+  _CASES = flags.DEFINE_list("cases", ["update", "decode", "scaling"],
+                             "Case name prefixes to run (update, decode, scaling, or full names).")
+  _OUT = flags.DEFINE_string("out", "benchmarks/results/memory-cpu.json", "Where to write JSON.")
+  _LIST = flags.DEFINE_bool("list", False, "List the cases and exit.")
+  _PRESETS = flags.DEFINE_list("presets", ["qwen3_0p6b", "qwen3_1p7b", "qwen3_8b"],
+                               "Model presets of the update/decode cases.")
+  _SCALING_T = flags.DEFINE_list("scaling_t", ["2048", "4096", "8192", "16384", "32768"],
+                                 "Sequence lengths of the scaling cases.")
+  _SCALING_PRESET = flags.DEFINE_string("scaling_preset", "qwen3_0p6b", "Preset of scaling cases.")
+  _MOE_PRESETS = flags.DEFINE_list("moe_presets", ["qwen3_30b_a3b"],
+                                   "MoE presets of the 64-device update/decode cases.")
+  _MOE_CHUNK = flags.DEFINE_integer("moe_chunk", 512, "Tokens per device per expert dispatch.")
+  _REMAT_POLICY = flags.DEFINE_enum("remat_policy", "nothing", models.config.REMAT_POLICIES,
+                                    "What a remat'd layer keeps (Qwen3Config.remat_policy).")
+  _MU_DTYPE = flags.DEFINE_enum("mu_dtype", "float32", ["float32", "bfloat16"],
+                                "Adam's first-moment dtype (configs/common.optimizer).")
   app.run(main)

@@ -8,7 +8,7 @@ import uuid
 import pytest
 
 from mgrpo_jax import sandbox
-from mgrpo_jax.envs import python_tool
+from mgrpo_jax.envs import python_tool, tool_health
 
 
 @pytest.fixture(scope="module")
@@ -97,5 +97,10 @@ def test_sandbox_failure_is_raised_not_returned_as_output(monkeypatch):
   def broken(*args, **kwargs):
     raise sandbox.SandboxError("sandbox setup failed: FileNotFoundError: /tmp/venv/bin/python")
   monkeypatch.setattr(python_tool.sandbox, "run", broken)
-  with pytest.raises(sandbox.SandboxError):
-    python_tool.PythonTool()("print(1)")
+  # A sandbox that cannot start is a failing service: retried until `outage_s`, then the run
+  # stops (`ToolOutage`, naming the error); the agent never gets it as the program's output.
+  health = tool_health.Health(tool_health.Policy(outage_s=0.5, backoff_s=0.05))
+  with pytest.raises(tool_health.ToolOutage, match="SandboxError: sandbox setup failed"):
+    python_tool.PythonTool(health=health)("print(1)")
+  counts = health.step_metrics()
+  assert counts["tools/python/failures"] >= 2 and counts["tools/python/retries"] >= 1
