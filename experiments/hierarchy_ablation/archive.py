@@ -1,6 +1,6 @@
 """A sweep's warm starts, kept in a folder the user names so that a new machine goes on.
 
-  python -m experiments.hierarchy_ablation.archive --workdir=/work/sweep/sft-single \
+  python -m experiments.hierarchy_ablation.save_warm_start --workdir=/work/sweep/sft-single \
       --archive=/data/hierarchy-warm-starts   # an unfinished warm start, by hand
 
 What a run reads of a finished warm start is small: its final weights (`hf/<agent>`, about
@@ -23,7 +23,6 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 
 # Each led by its marker (the file _timed writes): what a run or the JSON reads of a finished
 # warm start, what resumes an unfinished one.
@@ -149,17 +148,3 @@ def restore(archive: str, workdir: str) -> bool:
   shutil.copy2(os.path.join(src, marker), os.path.join(workdir, marker))
   return True
 
-
-def main(argv: list[str]) -> None:
-  args = dict(a.removeprefix("--").partition("=")[::2] for a in argv[1:])
-  if set(args) != {"workdir", "archive"} or not all(args.values()):
-    sys.exit(f"usage: {argv[0]} --workdir=<a warm start's workdir> --archive=<folder>")
-  weights = save(args["workdir"], args["archive"])
-  if weights is None:
-    sys.exit(f"{args['workdir']}: over {MAX_BYTES >> 20} MiB; not archived.")
-  print(f"{args['workdir']} -> {args['archive']}: "
-        + (f"finished, weights {weights[:12]}" if weights else "unfinished (resumable)"))
-
-
-if __name__ == "__main__":
-  main(sys.argv)
