@@ -16,8 +16,8 @@ from configs import sft as sft_config
 from experiments.hierarchy_ablation import archive as archive_lib
 from experiments.hierarchy_ablation import config as ablation
 from experiments.hierarchy_ablation import instrument as hi
-from experiments.hierarchy_ablation import (rl_run_record, runs, split_pages, sub_skill_drill,
-                                            summary, warm_start_probe)
+from experiments.hierarchy_ablation import (rl_run_record, runs, save_warm_start, split_pages,
+                                            sub_skill_drill, summary, warm_start_probe)
 from mgrpo_jax.mgrpo import play, setup, tasks
 from mgrpo_jax.mgrpo import step as mgrpo_step
 
@@ -385,7 +385,7 @@ def test_archived_warm_start_goes_on_on_a_fresh_machine(tmp_path, monkeypatch):
 
   with pytest.raises(Stopped):
     runs._timed(unfinished, stopped, config, reuse=True, any_commit=False)
-  archive_lib.main(["sweep_archive.py", f"--workdir={unfinished}", f"--archive={archive}"])
+  save_warm_start.main(["save_warm_start.py", f"--workdir={unfinished}", f"--archive={archive}"])
   resumed_in = str(tmp_path / "new" / "sft-single")
   assert archive_lib.restore(archive, resumed_in)
   assert not os.path.exists(os.path.join(resumed_in, "done.json"))
@@ -396,7 +396,7 @@ def test_archived_warm_start_goes_on_on_a_fresh_machine(tmp_path, monkeypatch):
   assert seen == [["100"]]  # Resumed from the archived checkpoint, not from scratch.
   for argv in ([f"--workdir={unfinished}"], [f"--workdir={unfinished}", "--archive"]):
     with pytest.raises(SystemExit, match="usage"):
-      archive_lib.main(["sweep_archive.py", *argv])
+      save_warm_start.main(["save_warm_start.py", *argv])
   monkeypatch.setattr(archive_lib, "MAX_BYTES", 100)
   assert archive_lib.save(made, str(tmp_path / "small")) is None
   assert not os.path.exists(tmp_path / "small")
