@@ -127,7 +127,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # agents/native.py).
   c.protocol = args["protocol"]
   c.update(common.log_sinks())  # log_to, wandb.
-  c.max_staleness = 0  # Sub-agent versions a result may lag (checked by the main program).
+  # Versions a row's behaviour policy may lag the policy being updated, per agent (a
+  # decoupled main program also refuses older sub-agent results). >= 1 trains with the
+  # truncated importance weight min(pi_old / pi_behaviour, C), C = staleness_tis_cap (a loss
+  # section's own tis_cap wins when set); 0 is the on-policy step.
+  c.max_staleness = 0
+  c.staleness_tis_cap = 2.0
   if args["gpu"]:
     _gpu(c, preset=args["model"] or "qwen3_0p6b")
   if args["runlocal"] or args["smoke"] or (args["task"] != "world" and not args["gpu"]):

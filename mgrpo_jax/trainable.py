@@ -20,6 +20,7 @@ from mgrpo_jax import tokenizer as tk
 from mgrpo_jax import workdir as workdir_lib
 from mgrpo_jax.config_checks import ConfigValueError
 from mgrpo_jax.models import lora
+from mgrpo_jax.rl import batch as batch_lib
 from mgrpo_jax.rl import train_step as ts
 
 
@@ -40,6 +41,7 @@ class Agent:
   frozen: Any = None
   base_path: str = ""  # The HF checkpoint the base came from ("" for a random preset).
   mesh: Any = None  # The mesh its state lives on (its MoE sampler runs under it too).
+  max_staleness: int = 0  # Versions its rows may lag the policy being updated.
 
   @property
   def params(self):
@@ -47,12 +49,30 @@ class Agent:
     return self.state.params if self.frozen is None else lora.join(self.frozen, self.state.params)
 
 
-def loss_config(lc, temperature: float) -> ts.LossConfig:
-  """The train step's objective from a config's loss section."""
+def loss_config(lc, temperature: float, *, max_staleness: int = 0,
+                staleness_tis_cap: float = 2.0) -> ts.LossConfig:
+  """The train step's objective from a config's loss section.
+
+  With `max_staleness` >= 1 rows may come from an older policy than the one updated: the
+  objective is then the decoupled clipped surrogate, each token weighted by
+  min(pi_old / pi_behaviour, C) (the truncated-IS terms), with C = the section's own
+  `tis_cap` when set, else `staleness_tis_cap`. Chosen here, once, for the whole run.
+  """
+  tis_cap = lc.tis_cap
+  if max_staleness >= 1:
+    if lc.kind != "clipped":
+      raise ConfigValueError(
+          f"config.max_staleness={max_staleness} trains on rows sampled by older policies, "
+          f"which needs the clipped surrogate's behaviour log-probs; loss kind={lc.kind!r} "
+          "has none: use kind='clipped' or max_staleness=0.")
+    if not staleness_tis_cap > 0:
+      raise ConfigValueError(f"config.staleness_tis_cap={staleness_tis_cap!r}; expected > 0 "
+                             "(the truncated importance weight's cap).")
+    tis_cap = tis_cap or staleness_tis_cap
   return ts.LossConfig(kind=lc.kind, eps_low=lc.eps_low, eps_high=lc.eps_high,
                        dual_clip=lc.dual_clip or None, agg=lc.agg, kl_coef=lc.kl_coef,
                        kl_estimator=lc.kl_estimator, temperature=temperature,
-                       tis_cap=lc.tis_cap)
+                       tis_cap=tis_cap)
 
 
 def nll_objective(lc, oc, *, learning_rate: float, weight_decay: float):
@@ -146,13 +166,15 @@ def _check_vocabulary(path: str, vocab_size: int, tokenizer: tk.Tokenizer) -> No
 
 
 def build_agent(name, mc, oc, lc, tokenizer, mesh, key, *, init_dir="", num_micro=1,
-                temperature=1.0, bases=None) -> Agent:
+                temperature=1.0, bases=None, max_staleness=0,
+                staleness_tis_cap=2.0) -> Agent:
   """An agent with its state placed on `mesh` and its train step jitted once.
 
   `mc`, `oc`, `lc`: the config's model, optimizer and loss sections; `init_dir`: a run
   whose final weights (`<init_dir>/hf/<name>`) start this one. With `mc.lora.rank > 0` the
   loaded (or random) weights are the frozen base and fresh adapters are trained; LoRA
   agents given the same `bases` dict share a checkpoint they both start from.
+  `max_staleness`, `staleness_tis_cap`: the objective with lag (`loss_config`).
   """
   fields = lora_fields(mc, f"{name} agent's model")
   cfg, params = _model_params(mc, tokenizer, jax.random.fold_in(key, 0), mesh, init_dir, name,
@@ -169,7 +191,8 @@ def build_agent(name, mc, oc, lc, tokenizer, mesh, key, *, init_dir="", num_micr
   # cannot be device_put onto the global mesh, and the moments are born sharded.
   st_sh = ts.state_shardings(jax.eval_shape(init, params, key=jax.random.key(0)), mesh)
   state = jax.jit(init, out_shardings=st_sh)(params, key=jax.random.fold_in(key, 1))
-  lcfg = loss_config(lc, temperature)
+  lcfg = loss_config(lc, temperature, max_staleness=max_staleness,
+                     staleness_tis_cap=staleness_tis_cap)
   step_fn = ts.make_train_step(cfg, lcfg, tx, num_micro=num_micro, mesh=mesh,
                                state_sharding=st_sh,
                                max_tokens_per_micro=mc.max_tokens_per_micro or None,
@@ -177,14 +200,16 @@ def build_agent(name, mc, oc, lc, tokenizer, mesh, key, *, init_dir="", num_micr
                                                                 cfg.vocab_size),
                                frozen=frozen)
   base_path = os.path.join(init_dir, "hf", name) if init_dir else mc.hf_path
-  return Agent(name, cfg, lcfg, state, step_fn, lc.nonfinite, frozen, base_path, mesh)
+  return Agent(name, cfg, lcfg, state, step_fn, lc.nonfinite, frozen, base_path, mesh,
+               max_staleness)
 
 
 def update_agents(agents: dict, batches: dict, step: int) -> dict:
   """Runs each named agent's update on its batch; returns `{agent}/{metric}` floats.
 
   Raises `NonFiniteError` (naming the step) for a non-finite loss unless the agent's
-  policy is 'skip'.
+  policy is 'skip'. A batch whose rows record their behaviour versions also gets the
+  agent's staleness histogram (`{agent}/staleness/...`): `step` is the updated policy's.
   """
   out = {}
   for name, batch in batches.items():
@@ -193,4 +218,7 @@ def update_agents(agents: dict, batches: dict, step: int) -> dict:
     metrics = jax.device_get(metrics)
     ts.check_finite(metrics, step, agent=name, policy=agent.nonfinite)
     out.update({f"{name}/{k}": float(v) for k, v in metrics.items()})
+    if batch.version is not None:
+      lag = batch_lib.staleness_metrics(batch.version, step, agent.max_staleness)
+      out.update({f"{name}/{k}": v for k, v in lag.items()})
   return out

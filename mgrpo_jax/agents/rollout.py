@@ -62,6 +62,8 @@ class Episode:
   logprobs: list[float]
   validator: EpisodeValidator
   policy_version: int = 0
+  # A main episode's delegations, in call order: the sub-agent version that served each.
+  delegation_versions: list[int] = dataclasses.field(default_factory=list)
   protocol: str = "tags"  # How the agent calls its tools: "tags" or "native" (agents/native.py).
   # MoE policies: [len(tokens), sparse layers, k] experts the sampler chose per token (uint8
   # ids; filled by `LLMPolicy`, which routed them); None for dense or scripted policies.
@@ -447,6 +449,8 @@ def main_tool_fn(service: SubAgentService, *, step: int, limits: Limits,
     results = _delegate(service, [r for _, r in requests]) if requests else []
     for (j, _), res in zip(requests, results):
       replies[j] = res.text
+      # Versions travel with the data: which sub-agent policy served this call.
+      pending[j][0].delegation_versions.append(res.policy_version)
     return replies
 
   return tool_fn

@@ -169,7 +169,9 @@ def build_agents(c, w: Wiring, env: Env, mesh, key, *, only: str | None = None) 
       out[name] = trainable.build_agent(
           name, c[f"{section}_model"], c[f"{section}_optim"], c[f"{section}_loss"],
           env.tokenizer, mesh, jax.random.fold_in(key, i), init_dir=c.init,
-          num_micro=c.num_micro, temperature=c.sampling.temperature, bases=bases)
+          num_micro=c.num_micro, temperature=c.sampling.temperature, bases=bases,
+          max_staleness=c.max_staleness,
+          staleness_tis_cap=c.get("staleness_tis_cap", 2.0))
   return out
 
 

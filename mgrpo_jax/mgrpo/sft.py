@@ -305,6 +305,7 @@ def train_sft(c: ml_collections.ConfigDict, workdir: str) -> dict:
         rows, weights = rows + extra, weights + [weight] * len(extra)
     batch = batch_lib.make_batch(rows, np.ones(len(rows), np.float32), max_len=c.limits.max_len,
                                  pad_id=env.tokenizer.pad_id, minimum=mgrpo_step.MIN_LENGTH)
+    batch = batch.replace(version=None)  # Demonstrations: no behaviour policy to lag.
     if sft.context_weight or sft.other_roles_weight or sft.corpus_weight:
       batch = batch.replace(loss_mask=_weights(batch.loss_mask, rows, weights,
                                                sft.context_weight))

@@ -31,6 +31,9 @@ class Batch:
   experts     optional (MoE rows from the sampler), [B, T, sparse layers, k] small ints:
               the experts the sampler routed token t to, replayed by the train step when
               `Qwen3Config.routing_replay` (0 where no route was recorded)
+  version     optional (rows that recorded it), [B] int32 on the host: the behaviour policy
+              version of each row (-1: padding), for the staleness metrics
+              (`staleness_metrics`); the train step never sees it (`TrainStep` drops it)
   Packed micro-batches (`rl.packing`, [M, R, L]) also carry segment_ids (0 = padding),
   positions (restarting per sequence), seq_tokens (each token's sequence's loss-token
   count), the whole batch's loss denominator (a scalar) and num_micro (a scalar: the
@@ -49,6 +52,7 @@ class Batch:
   seq_tokens: jax.Array | None = None
   denominator: jax.Array | None = None
   num_micro: jax.Array | None = None
+  version: np.ndarray | None = None
 
   def as_dict(self) -> dict:
     """The arrays by field name, absent (None) fields left out."""
@@ -101,7 +105,31 @@ def make_batch(rows: Sequence[Any], adv_B: np.ndarray, *, max_len: int, pad_id: 
   # The rows' log-probs are the sampler's; `old_logp` may be replaced by the trainer's own
   # (truncated IS), `sampler_logp` stays what the sampler saw.
   return Batch(tokens=tokens, loss_mask=mask, old_logp=old, adv=adv.astype(np.float32),
-               sampler_logp=old.copy(), experts=_experts(rows, length))
+               sampler_logp=old.copy(), experts=_experts(rows, length),
+               version=_versions(rows))
+
+
+def _versions(rows: Sequence[Any]) -> np.ndarray | None:
+  """[B] behaviour policy versions of rows that record one (-1 for padding); None if a
+  row has none (SFT text rows, MAGRPO completions)."""
+  if any(r is not None and not hasattr(r, "policy_version") for r in rows):
+    return None
+  return np.asarray([-1 if r is None else r.policy_version for r in rows], np.int32)
+
+
+def staleness_metrics(version_B: np.ndarray, current: int, bound: int) -> dict[str, float]:
+  """Staleness (`current` minus each row's behaviour version) of a batch's rows, padding
+  left out, as a small histogram: staleness/max, /mean and /count_s for s in 0..bound.
+
+  `current` is the version of the policy being updated. A row beyond the bound still
+  shows in max and mean; the counts stop at the bound.
+  """
+  version_B = np.asarray(version_B)
+  lag = current - version_B[version_B >= 0]
+  out = {"staleness/max": float(lag.max()) if lag.size else 0.0,
+         "staleness/mean": float(lag.mean()) if lag.size else 0.0}
+  out.update({f"staleness/count_{s}": float(np.sum(lag == s)) for s in range(bound + 1)})
+  return out
 
 
 def _experts(rows: Sequence[Any], length: int) -> np.ndarray | None:

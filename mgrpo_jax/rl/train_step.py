@@ -331,7 +331,8 @@ class TrainStep:
   def __call__(self, state: TrainState, batch: Batch):
     if not isinstance(batch, Batch):
       raise TypeError(f"A train step takes an rl.batch.Batch, got {type(batch).__name__}.")
-    return self.jitted(state, self.prepare(batch), self.frozen)
+    # Row versions are host bookkeeping (staleness metrics): the compiled step never sees them.
+    return self.jitted(state, self.prepare(batch.replace(version=None)), self.frozen)
 
   def lower(self, state, batch):
     """The compiled step lowered for (abstract) `state` and a prepared `batch`."""
