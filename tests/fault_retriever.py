@@ -19,6 +19,15 @@ from mgrpo_jax.envs import retrieval
 KINDS = (None, "5xx", "reset", "hang", "slow", "malformed")
 
 
+def send_json(handler: http.server.BaseHTTPRequestHandler, data: bytes) -> None:
+  """A 200 reply of JSON `data` (bytes), as a Search-R1 server sends it."""
+  handler.send_response(200)
+  handler.send_header("Content-Type", "application/json")
+  handler.send_header("Content-Length", str(len(data)))
+  handler.end_headers()
+  handler.wfile.write(data)
+
+
 class _Handler(http.server.BaseHTTPRequestHandler):
   protocol_version = "HTTP/1.0"
 
@@ -37,19 +46,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
       srv.stopping.wait(srv.hang_s)  # Bounded, so the server always shuts down.
       self.close_connection = True
     elif kind == "malformed":
-      self._send(b'{"result": [[{"document": {"id": "x", "con')
+      send_json(self, b'{"result": [[{"document": {"id": "x", "con')
     else:
       if kind == "slow":
         srv.stopping.wait(srv.slow_s)
-      self._send(json.dumps({"result": [srv.answer(q, body["topk"]) for q in body["queries"]]})
-                 .encode())
-
-  def _send(self, data: bytes):
-    self.send_response(200)
-    self.send_header("Content-Type", "application/json")
-    self.send_header("Content-Length", str(len(data)))
-    self.end_headers()
-    self.wfile.write(data)
+      answers = [srv.answer(q, body["topk"]) for q in body["queries"]]
+      send_json(self, json.dumps({"result": answers}).encode())
 
   def log_message(self, *args):
     del args

@@ -15,6 +15,8 @@ from mgrpo_jax.agents import experts as ex
 from mgrpo_jax.envs import retrieval, search, tool_health
 from mgrpo_jax.envs.world import Document, WorldConfig, generate_world
 
+import fault_retriever  # tests/fault_retriever.py: the retriever servers' JSON reply
+
 # Titles are indexed with the text: doc a = [cat, cat, sat] (3 tokens), b = [dog, dog, sat, down]
 # (4), c = [bird, bird] (2); avgdl = 3, N = 3.
 _TINY = [Document("a", "Cat", "Cat sat."), Document("b", "Dog", "Dog sat down."),
@@ -148,12 +150,7 @@ class _SearchR1Stub(http.server.BaseHTTPRequestHandler):
       docs = [retrieval.to_record(self.server.index.lookup(h.doc_id)) for h in hits]
       results.append([{"document": d, "score": h.score} for d, h in zip(docs, hits)]
                      if body["return_scores"] else docs)  # fmt: skip
-    data = json.dumps({"result": results}).encode()
-    self.send_response(200)
-    self.send_header("Content-Type", "application/json")
-    self.send_header("Content-Length", str(len(data)))
-    self.end_headers()
-    self.wfile.write(data)
+    fault_retriever.send_json(self, json.dumps({"result": results}).encode())
 
   def log_message(self, *args):
     del args
