@@ -1,0 +1,429 @@
+"""A model's lane of the agent engine: its slots, the turns waiting for one, and their KV.
+
+`SlotLane` runs an LLM policy's turns in `Slots` (`engine/slots.py`). An episode whose turn
+is ready takes a free slot; if none is free, the slot of an episode that waits on a tool is
+taken from it (its KV saved off the slots, restored when it is ready again: `saved_bytes`
+counts what that holds). A new episode's prompt is prefilled once per distinct prompt and
+restored into the slot of every other episode that starts from it. Ready tokens (a prompt, a
+tool reply's continuation) are prefilled in chunks of at most `width` tokens per slot, the
+chunks of one call of similar lengths, so little is computed that is not needed.
+
+`ScriptedLane` runs a `TurnPolicy` that is not a sampler (the scripted experts): every turn
+that is ready is acted at once.
+"""
+
+import collections
+import contextlib
+import dataclasses
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mgrpo_jax import kv_cache_plan, sampling
+from mgrpo_jax.distributed import fetch
+from mgrpo_jax.engine import slots as slots_lib
+from mgrpo_jax.engine.record import Record
+
+MAX_UNITS = 16  # Slots prefilled in one call, at most.
+
+
+@dataclasses.dataclass(eq=False)
+class Seat:
+  """An episode's place in a lane: its tokens not yet cached, and where its KV is."""
+
+  ep: object  # agents.rollout.Episode
+  stream: int  # Its PRNG stream: turn t is drawn with fold_in(fold_in(key, t), stream).
+  pending: list  # Tokens to prefill before its next turn.
+  slot: int | None = None
+  saved: slots_lib.Saved | None = None
+  prompt: tuple | None = None  # A new episode's prompt (shared prefills).
+  ready_at: int = 0  # Clock step at which its next turn became ready.
+  deps: tuple = ()  # Turns its next turn waited for (the record's).
+  input_steps: int = 0
+  forced: list | None = None  # The turn's tokens when the lane forces them.
+  turn_start: int | None = None  # Clock step of the running turn's first token.
+  finish: str = ""  # Why its last turn ended (`slots.FINISH_NAMES`).
+
+
+def _turn_id(ep, i: int) -> str:
+  return f"{ep.role}/{ep.q}/{ep.k}/{ep.call}/{i}"
+
+
+class SlotLane:
+  """An LLM policy's slots (see the module doc). `force(ep) -> ids`: each turn's tokens are
+  `ids` (its length forced on the sampler, stop ids off): the schedule benchmark's turns."""
+
+  def __init__(self, name: str, policy, *, num_slots: int, key: jax.Array, width: int = 512,
+               chunk: int = 32, record: Record | None = None,
+               force: Callable | None = None):
+    self.name, self.policy, self.key = name, policy, key
+    self.num_slots, self.width, self.chunk = num_slots, width, chunk
+    self.record, self.force = record, force
+    self.limits = policy.limits
+    self.config = policy.config
+    self.sp = slots_lib.sampling_params(policy.sampling["temperature"],
+                                        policy.sampling["top_p"], policy.sampling["top_k"],
+                                        policy.stop_ids)
+    self.stop_strings, self.tokenizer = policy.stop_strings, policy.tokenizer
+    self.slots: slots_lib.Slots | None = None
+    self.owner: list[Seat | None] = [None] * num_slots
+    self.ready: collections.deque[Seat] = collections.deque()
+    self.seats: dict[int, Seat] = {}  # id(episode) -> seat
+    self.prompts: dict[tuple, list] = {}  # prompt -> [Saved | None, episodes still to start]
+    self.saved_bytes = 0
+    self._running: set[Seat] = set()  # Seats whose turn is decoding.
+    self._window = 0
+    if record is not None:
+      record.slots[name] = num_slots
+
+  # ---------------------------------------------------------------- episodes come and go
+
+  def add(self, ep, stream: int, deps=()) -> None:
+    """A new episode: its first turn is ready once its prompt is cached."""
+    seat = Seat(ep, stream, list(ep.tokens), prompt=tuple(ep.tokens), deps=tuple(deps))
+    self.seats[id(ep)] = seat
+    entry = self.prompts.setdefault(seat.prompt, [None, 0, 0])
+    entry[1] += 1
+    entry[2] += 1
+    self._ready(seat)
+
+  def extend(self, ep, tokens: list, *, deps=(), input_steps: int = 0) -> None:
+    """`tokens` (already appended to `ep.tokens`) follow its last turn; its next is ready."""
+    seat = self.seats[id(ep)]
+    seat.pending += list(tokens)
+    seat.deps, seat.input_steps = tuple(deps), input_steps
+    self._ready(seat)
+
+  def finish(self, ep) -> None:
+    """The episode is done: its slot and saved KV are freed."""
+    seat = self.seats.pop(id(ep))
+    if seat.slot is not None:
+      self.owner[seat.slot] = None
+    self._drop_saved(seat)
+
+  def _ready(self, seat: Seat) -> None:
+    seat.ready_at = self.record.clock if self.record else 0
+    self.ready.append(seat)
+
+  def _drop_saved(self, seat: Seat) -> None:
+    if seat.saved is not None:
+      self.saved_bytes -= _nbytes(seat.saved)
+      seat.saved = None
+
+  # ---------------------------------------------------------------- placing ready turns
+
+  def running(self) -> bool:
+    return bool(self._running)
+
+  def policy_mesh(self):
+    """The policy's sampling mesh as a context (a MoE policy's; else none)."""
+    mesh = getattr(self.policy, "mesh", None)
+    return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
+
+  def _ensure(self, need: int) -> None:
+    """Slots exist and hold `need` positions per row."""
+    cap = min(kv_cache_plan.bucket(need, kv_cache_plan.MIN_CACHE_LEN),
+              self.limits.max_len + self.width)
+    if self.slots is None:
+      self.slots = slots_lib.init(self.config, self.num_slots, cap,
+                                  max_new_tokens=self.limits.max_new_tokens,
+                                  max_len=self.limits.max_len)
+    elif need > self.slots.capacity:
+      if self.record is not None:
+        self.record.copies.append(self.num_slots * self.slots.capacity)
+      self.slots = slots_lib.grow(self.slots, cap)
+
+  def admit(self) -> None:
+    """Gives ready turns their slots, prefills what they need and starts them."""
+    if self.ready:
+      with self.policy_mesh():
+        self._admit()
+
+  def _admit(self) -> None:
+    waiting = [s for s in self.owner if s is not None and s not in self._running
+               and s not in self.ready]
+    placed = [s for s in self.ready if s.slot is not None]  # They kept their slots.
+    rest = [s for s in self.ready if s.slot is None]
+    restores = []
+    for seat in rest:
+      free = next((i for i, o in enumerate(self.owner) if o is None), None)
+      if free is None and waiting:
+        free = self._evict(waiting.pop())
+      if free is None:
+        break
+      self.owner[free], seat.slot = seat, free
+      restores.append(seat)
+    self.ready = collections.deque(rest[len(restores):])
+    placed += restores
+    if not placed:
+      return
+    self._ensure(max(len(s.ep.tokens) for s in placed) + self.width)
+    fresh = []
+    for seat in restores:
+      entry = self.prompts.get(seat.prompt) if seat.prompt is not None else None
+      if seat.saved is not None:
+        self._restore(seat, seat.saved, len(seat.ep.tokens) - len(seat.pending))
+        self._drop_saved(seat)
+      elif entry is not None and entry[0] is not None:
+        self._restore(seat, entry[0], len(seat.prompt))
+        seat.pending = seat.pending[len(seat.prompt):]
+        self._used_prompt(seat)
+      else:
+        fresh.append(seat)
+    # A prompt several new episodes share is prefilled in one slot, then restored into the
+    # others' (after the prefill below).
+    first, copies = {}, []
+    for seat in fresh:
+      if seat.prompt is not None and seat.prompt in first:
+        copies.append(seat)
+      else:
+        first.setdefault(seat.prompt, seat)
+    for seat in copies:
+      seat.pending = seat.pending[len(seat.prompt):]
+    if fresh:
+      idx = np.full(kv_cache_plan.bucket(len(fresh), 1), self.num_slots, np.int32)
+      idx[:len(fresh)] = [s.slot for s in fresh]
+      self.slots = slots_lib.clear(self.slots, jnp.asarray(idx))
+    self._prefill([s for s in placed if s not in copies and s.pending])
+    for seat in first.values():
+      if seat.prompt is not None and self.prompts[seat.prompt][1] > 1:
+        self.prompts[seat.prompt][0] = self._save(seat.slot, len(seat.prompt))
+      self._used_prompt(seat)
+    for seat in copies:
+      self._restore(seat, self.prompts[seat.prompt][0], len(seat.prompt))
+      self._used_prompt(seat)
+    self._prefill([s for s in copies if s.pending])
+    self._start(placed)
+
+  def _used_prompt(self, seat: Seat) -> None:
+    entry = self.prompts[seat.prompt]
+    entry[1] -= 1
+    if entry[1] <= 0:
+      del self.prompts[seat.prompt]
+      if self.record is not None:
+        # Each episode's slot holds its own copy of the prompt's KV.
+        self.record.prompts.append([entry[2]])
+    seat.prompt = None
+
+  def _evict(self, seat: Seat) -> int:
+    """Takes the slot of `seat` (waiting on a tool), its KV saved off the slots."""
+    slot = seat.slot
+    seat.saved = self._save(slot, len(seat.ep.tokens) - len(seat.pending))
+    self.saved_bytes += _nbytes(seat.saved)
+    self.owner[slot], seat.slot = None, None
+    return slot
+
+  def _save(self, slot: int, length: int) -> slots_lib.Saved:
+    held = min(self.slots.capacity, kv_cache_plan.bucket(length, 64))
+    if self.record is not None:
+      self.record.copies.append(held)
+    saved = slots_lib.save(self.slots, jnp.int32(slot), held)
+    return saved
+
+  def _restore(self, seat: Seat, saved: slots_lib.Saved, length: int) -> None:
+    if self.record is not None:
+      self.record.copies.append(saved.length)
+    self.slots = slots_lib.restore(self.slots, jnp.int32(seat.slot), saved, jnp.int32(length))
+
+  def _prefill(self, seats: list[Seat]) -> None:
+    """Prefills every seat's pending tokens: per call one chunk per slot, chunks of similar
+    size together (a call's width is its longest chunk's, rounded up to 16)."""
+    while seats:
+      seats.sort(key=lambda s: -min(len(s.pending), self.width))
+      width = kv_cache_plan.bucket(min(len(seats[0].pending), self.width), 16)
+      call = [s for s in seats if kv_cache_plan.bucket(min(len(s.pending), self.width), 16)
+              * 2 > width][:MAX_UNITS]
+      units = kv_cache_plan.bucket(len(call), 1)
+      tokens = np.full((units, width), self.tokenizer.pad_id, np.int32)
+      idx = np.full(units, self.num_slots, np.int32)
+      count = np.zeros(units, np.int32)
+      ends = []
+      for u, seat in enumerate(call):
+        chunk, seat.pending = seat.pending[:width], seat.pending[width:]
+        tokens[u, :len(chunk)], idx[u], count[u] = chunk, seat.slot, len(chunk)
+        ends.append(len(seat.ep.tokens) - len(seat.pending))
+      window = sampling._window(max(ends) - int(count[:len(call)].min()) + width,
+                                self.slots.capacity)
+      window = max(window, min(self.slots.capacity, max(e - c + width
+                                                        for e, c in zip(ends, count))))
+      start = time.perf_counter()
+      self.slots = slots_lib.prefill(self.config, self.policy._decode_params(), self.slots,
+                                     jnp.asarray(tokens), jnp.asarray(idx), jnp.asarray(count),
+                                     window)
+      if self.record is not None:
+        jax.block_until_ready(self.slots.lengths_S)
+        self.record.decoding.append((start, time.perf_counter()))
+        self.record.prefills.append(dict(
+            model=self.name, rows=units, computed=units * width, needed=int(count.sum()),
+            kv_read=units * window, attn_pairs=units * width * window))
+        self.record.copies.append(units * window)  # The units' rows, read into their batch.
+      seats = [s for s in seats if s.pending]
+
+  def _start(self, seats: list[Seat]) -> None:
+    """Starts each seat's next turn in its slot."""
+    if not seats:
+      return
+    u = kv_cache_plan.bucket(len(seats), 1)
+    idx = np.full(u, self.num_slots, np.int32)
+    turn = np.zeros(u, np.int32)
+    stream = np.zeros(u, np.int32)
+    budget = np.zeros(u, np.int32)
+    stops = np.zeros(u, bool)
+    lim = self.limits
+    for j, seat in enumerate(seats):
+      idx[j], turn[j], stream[j] = seat.slot, len(seat.ep.turns), seat.stream
+      room = lim.max_len - len(seat.ep.tokens)
+      if self.force is not None:
+        seat.forced = list(self.force(seat.ep))[:min(lim.max_new_tokens, room)]
+        budget[j], stops[j] = len(seat.forced), False
+      else:
+        budget[j], stops[j] = lim.max_new_tokens, True
+      self._running.add(seat)
+    keys = _turn_keys(self.key, jnp.asarray(turn), jnp.asarray(stream))
+    self.slots = slots_lib.start(self.slots, jnp.asarray(idx), keys, jnp.asarray(budget),
+                                 jnp.asarray(stops))
+
+  # ---------------------------------------------------------------- decoding
+
+  def decode_args(self, max_steps: int):
+    """(steps this lane allows, window) for the next decode call; grows the slots if a
+    running row would pass their capacity."""
+    lengths = fetch(self.slots.lengths_S)
+    longest = int(max(lengths[s.slot] for s in self._running))
+    self._ensure(longest + 1)
+    steps = min(max_steps, self.slots.capacity - longest)
+    self._window = sampling._window(longest + steps + 1, self.slots.capacity)
+    return steps, self._window
+
+  def after_decode(self, steps: int, clock0: int, seconds: float) -> list:
+    """Reads what the last decode call did; returns [(seat, ids, logps, routes)] of the
+    turns that ended (their slots released)."""
+    s = self.slots
+    finish, n = fetch(s.finish_S), fetch(s.n_S)
+    running = sorted(self._running, key=lambda seat: seat.slot)
+    for seat in running:
+      seat.ep.gen_seconds += seconds / max(1, len(running))
+      if seat.turn_start is None:
+        seat.turn_start = clock0
+    if self.record is not None and steps:
+      lengths = fetch(s.lengths_S)
+      rows = [seat.slot for seat in running]
+      live = len(rows)
+      end_len = lengths[rows]
+      for j in range(steps):
+        self.record.steps.append(dict(
+            model=self.name, clock=clock0 + j, rows=self.num_slots, live=live,
+            live_len=int((end_len - steps + j + 1).sum()), kv_read=self.num_slots * self._window))
+      self.record.decoded += live * steps
+    if self.stop_strings:
+      self._stop_strings(running, finish, n)
+      finish, n = fetch(self.slots.finish_S), fetch(self.slots.n_S)
+    ended = [seat for seat in running if finish[seat.slot] != slots_lib.RUNNING]
+    if not ended:
+      return []
+    for seat in ended:
+      self._running.discard(seat)
+    idx = np.asarray([seat.slot for seat in ended], np.int32)
+    width = kv_cache_plan.bucket(int(n[idx].max()), 16)
+    tokens, logps, _ = jax.tree.map(fetch, slots_lib.read(self.slots, jnp.asarray(idx), width))
+    out = []
+    for j, seat in enumerate(ended):
+      k = int(n[seat.slot])
+      ids = seat.forced if seat.forced is not None else tokens[j, :k].tolist()
+      seat.finish = slots_lib.FINISH_NAMES[int(finish[seat.slot])]
+      routes = None
+      if self.slots.experts_SxCxLxK is not None:
+        # Every position not routed yet: the prefilled tokens before the turn, and the turn's.
+        have = 0 if seat.ep.experts is None else len(seat.ep.experts)
+        routes = self.routes_of(seat, have, len(seat.ep.tokens) + k - have)
+      out.append((seat, ids, logps[j, :k].tolist(), routes))
+      if self.record is not None:
+        ep = seat.ep
+        self.record.turns[_turn_id(ep, len(ep.turns))] = dict(
+            model=self.name, tokens=k, start=seat.turn_start, end=clock0 + steps - 1,
+            deps=list(seat.deps), ready=seat.ready_at, input_steps=seat.input_steps)
+      seat.forced, seat.turn_start = None, None
+    self.slots = slots_lib.release(self.slots, jnp.asarray(idx))
+    return out
+
+  def _stop_strings(self, running, finish, n) -> None:
+    """Ends turns whose text holds a stop string (checked between decode calls)."""
+    idx = np.asarray([seat.slot for seat in running], np.int32)
+    width = kv_cache_plan.bucket(int(n[idx].max(initial=1)), 16)
+    tokens = fetch(slots_lib.read(self.slots, jnp.asarray(idx), width)[0])  # noqa
+    cut_idx, cut_n = [], []
+    for j, seat in enumerate(running):
+      k = int(n[seat.slot])
+      end = sampling._stop_string_end(tokens[j, :k].tolist(), self.stop_strings,
+                                      self.tokenizer)
+      if end is not None and (finish[seat.slot] != slots_lib.STOP_TOKEN or end < k):
+        cut_idx.append(seat.slot)
+        cut_n.append(end)
+        if self.record is not None:
+          self.record.decoded -= k - end
+    if cut_idx:
+      u = kv_cache_plan.bucket(len(cut_idx), 1)
+      pad = lambda xs, v: np.asarray(xs + [v] * (u - len(xs)), np.int32)
+      self.slots = slots_lib.stop(self.slots, jnp.asarray(pad(cut_idx, self.num_slots)),
+                                  jnp.asarray(pad(cut_n, 0)),
+                                  jnp.asarray(pad([slots_lib.STOP_STRING] * len(cut_idx), 0)))
+
+  def routes_of(self, seat: Seat, start: int, count: int):
+    """Routes of positions start..start+count-1 of a seat's slot (MoE), host numpy."""
+    width = kv_cache_plan.bucket(max(count, 1), 16)
+    out = fetch(slots_lib.read_routes(self.slots, jnp.int32(seat.slot), jnp.int32(start), width))
+    return out[:count]
+
+
+@jax.jit
+def _turn_keys(key, turn_U, stream_U):
+  """fold_in(fold_in(key, turn), stream) per unit: the old sampler's per-row streams."""
+  return jax.vmap(lambda t, s: jax.random.fold_in(jax.random.fold_in(key, t), s))(turn_U,
+                                                                                  stream_U)
+
+
+def _nbytes(saved) -> int:
+  return sum(x.nbytes for x in jax.tree.leaves(saved))
+
+
+class ScriptedLane:
+  """A `TurnPolicy` that is not a sampler: each ready turn is acted at once."""
+
+  def __init__(self, name: str, policy, *, key: jax.Array):
+    self.name, self.policy, self.key = name, policy, key
+    self.episodes: list = []
+    self.rows: dict[int, int] = {}
+    self.ready: list = []
+    self.seats: dict[int, Seat] = {}
+
+  def add(self, ep, stream: int, deps=()) -> None:
+    del deps
+    self.rows[id(ep)] = len(self.episodes)
+    self.episodes.append(ep)
+    self.seats[id(ep)] = Seat(ep, stream, [])
+    self.policy.begin(self.episodes)
+    self.ready.append(self.seats[id(ep)])
+
+  def extend(self, ep, tokens, *, deps=(), input_steps: int = 0) -> None:
+    del deps, input_steps
+    self.policy.append({self.rows[id(ep)]: list(tokens)})
+    self.ready.append(self.seats[id(ep)])
+
+  def finish(self, ep) -> None:
+    self.seats.pop(id(ep), None)
+
+  def running(self) -> bool:
+    return False
+
+  def act(self) -> list:
+    """[(seat, ids, logps, None)] of every ready turn."""
+    seats, self.ready = self.ready, []
+    if not seats:
+      return []
+    turn = len(seats[0].ep.turns)
+    outs = self.policy.act([self.rows[id(s.ep)] for s in seats],
+                           jax.random.fold_in(self.key, turn))
+    return [(s, ids, logps, None) for s, (ids, logps) in zip(seats, outs)]

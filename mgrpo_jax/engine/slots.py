@@ -1,0 +1,291 @@
+"""Decode slots: the device side of the agent engine.
+
+A model's `Slots` are a fixed batch of cache rows that turns come and go from: a slot runs
+one turn of one episode at a time, and when that turn ends (a stop id, its token budget, the
+context) the host gives the slot the next ready turn, whichever episode it belongs to.
+
+- `decode` runs every slot one token per step, up to `max_steps`, and returns as soon as a
+  slot that was running stops, so the host refills it before the next step.
+- `prefill` writes new tokens (a prompt, a tool reply's continuation) into the slots that
+  need them, one chunk of at most `width` tokens per slot and call: only those slots'
+  tokens are computed, never the idle ones'.
+- `save` / `restore` copy a slot's cached prefix out and back in: a turn that waits on a tool
+  gives its slot up and keeps its keys and values (and a prompt that several episodes share
+  is prefilled once and restored into each of their slots).
+
+Token j of a turn is drawn with `fold_in(turn_key, j)`, `turn_key` set per slot when the turn
+starts (`start`): a turn's samples do not depend on its slot or on what shares the batch.
+Attention reads the first `window` positions of every row (static, the longest live row's,
+bucketed as the sampler's `_window`). Slot `capacity` is a write that goes nowhere: idle
+slots decode into it and their cache is left as it was.
+"""
+
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mgrpo_jax import sampling, xla_options
+from mgrpo_jax.models import decode
+from mgrpo_jax.models.config import Qwen3Config
+
+RUNNING, STOP_TOKEN, STOP_STRING, LENGTH, CONTEXT = (
+    sampling.RUNNING, sampling.STOP_TOKEN, sampling.STOP_STRING, sampling.LENGTH,
+    sampling.CONTEXT)
+IDLE = 5  # A slot with no turn: it computes, writes nowhere and is never read.
+FINISH_NAMES = {**sampling.FINISH_NAMES, IDLE: "idle"}
+
+
+@flax.struct.dataclass
+class Slots:
+  """Every slot's cache and the state of the turn it runs."""
+
+  cache: decode.LayerCache  # [S, K, H, capacity] keys, [S, K, capacity, H] values.
+  lengths_S: jax.Array  # Tokens in each slot's cache.
+  next_logits_SxV: jax.Array  # Float32 logits of the token after the last one.
+  finish_S: jax.Array  # RUNNING, a finish reason, or IDLE.
+  n_S: jax.Array  # Tokens generated in the current turn.
+  budget_S: jax.Array  # The turn's max new tokens.
+  stops_S: jax.Array  # Whether stop ids end the turn (a forced turn ignores them).
+  keys_S: jax.Array  # The turn's PRNG key.
+  tokens_SxN: jax.Array  # The turn's tokens so far.
+  logp_SxN: jax.Array  # log-softmax(logits / T) of each.
+  max_len: int = flax.struct.field(pytree_node=False)
+  # MoE: experts chosen at each cached position [S, capacity, sparse layers, k]; else None.
+  experts_SxCxLxK: jax.Array | None = None
+
+  @property
+  def capacity(self) -> int:
+    return self.cache.max_len
+
+  @property
+  def num_slots(self) -> int:
+    return self.lengths_S.shape[0]
+
+
+def init(config: Qwen3Config, num_slots: int, capacity: int, *, max_new_tokens: int,
+         max_len: int) -> Slots:
+  """`num_slots` idle slots of `capacity` cached positions each."""
+  s, n = num_slots, sampling.bucket(max_new_tokens, 16)
+  return Slots(decode.init_cache(config, s, capacity), jnp.zeros(s, jnp.int32),
+               jnp.zeros((s, config.vocab_size), jnp.float32), jnp.full(s, IDLE, jnp.int32),
+               jnp.zeros(s, jnp.int32), jnp.zeros(s, jnp.int32), jnp.zeros(s, bool),
+               jax.random.split(jax.random.key(0), s), jnp.zeros((s, n), jnp.int32),
+               jnp.zeros((s, n), jnp.float32), max_len, sampling.init_routes(config, s, capacity))
+
+
+@functools.partial(jax.jit, donate_argnames=("slots",))
+def start(slots: Slots, idx_U, keys_U, budget_U, stops_U) -> Slots:
+  """Starts a turn in slots `idx_U` (ids >= S are padding): running, no token yet."""
+  at = lambda x, v: x.at[idx_U].set(v, mode="drop")
+  return slots.replace(finish_S=at(slots.finish_S, RUNNING), n_S=at(slots.n_S, 0),
+                       budget_S=at(slots.budget_S, budget_U), stops_S=at(slots.stops_S, stops_U),
+                       keys_S=at(slots.keys_S, keys_U))
+
+
+@functools.partial(jax.jit, donate_argnames=("slots",))
+def stop(slots: Slots, idx_U, n_U, finish_U) -> Slots:
+  """Ends slots' turns early (a stop string found on the host): `n_U` tokens kept; the
+  cache's length rolled back to match."""
+  back = slots.n_S[jnp.minimum(idx_U, slots.num_slots - 1)] - n_U
+  return slots.replace(n_S=slots.n_S.at[idx_U].set(n_U, mode="drop"),
+                       finish_S=slots.finish_S.at[idx_U].set(finish_U, mode="drop"),
+                       lengths_S=slots.lengths_S.at[idx_U].add(-back, mode="drop"))
+
+
+@functools.partial(jax.jit, donate_argnames=("slots",))
+def clear(slots: Slots, idx_U) -> Slots:
+  """Empties slots `idx_U` for new sequences (their positions are overwritten as they fill)."""
+  return slots.replace(lengths_S=slots.lengths_S.at[idx_U].set(0, mode="drop"))
+
+
+@functools.partial(jax.jit, donate_argnames=("slots",))
+def release(slots: Slots, idx_U) -> Slots:
+  """Marks slots idle (their turn read by the host, their episode waiting or done)."""
+  return slots.replace(finish_S=slots.finish_S.at[idx_U].set(IDLE, mode="drop"))
+
+
+def _step(config: Qwen3Config, params: decode.DecodeParams, st: Slots,
+          sp: sampling._SamplingParams, window: int) -> Slots:
+  """One decode step of every running slot."""
+  running = st.finish_S == RUNNING
+  keys = jax.vmap(jax.random.fold_in)(st.keys_S, st.n_S)
+  token, logp, _ = sampling._sample_token(st.next_logits_SxV, sp, keys)
+  s_idx = jnp.arange(token.shape[0])
+  col = jnp.where(running, st.n_S, st.tokens_SxN.shape[1])
+  pos = jnp.where(running, st.lengths_S, st.capacity)[:, None]
+  logits, cache, routing = decode.forward(config, params, token[:, None], pos, st.cache,
+                                          attn_window=window)
+  n = st.n_S + running
+  lengths = st.lengths_S + running
+  is_stop = st.stops_S & jnp.any(token[:, None] == sp.stop_ids[None, :], axis=-1)
+  finish = jnp.where(running & is_stop, STOP_TOKEN, st.finish_S)
+  finish = jnp.where((finish == RUNNING) & (n >= st.budget_S), LENGTH, finish)
+  finish = jnp.where((finish == RUNNING) & (lengths >= st.max_len), CONTEXT, finish)
+  return st.replace(
+      cache=cache, lengths_S=lengths, n_S=n, finish_S=finish,
+      next_logits_SxV=jnp.where(running[:, None], logits[:, 0], st.next_logits_SxV),
+      tokens_SxN=st.tokens_SxN.at[s_idx, col].set(token, mode="drop"),
+      logp_SxN=st.logp_SxN.at[s_idx, col].set(logp, mode="drop"),
+      experts_SxCxLxK=sampling._record(st.experts_SxCxLxK, routing, pos))
+
+
+@functools.cache
+def decode_jit(backend: str | None = None):
+  """`decode_steps`, jitted with the compiler options the project sets on `backend`'s decode
+  loop (`xla_options.decode`; default: JAX's default backend)."""
+  return jax.jit(decode_steps, static_argnums=(0, 5), donate_argnames=("slots",),
+                 compiler_options=xla_options.decode(backend) or None)
+
+
+def decode_steps(configs: tuple, params: tuple, slots: tuple, sps: tuple, max_steps,
+                 windows: tuple):
+  """Up to `max_steps` decode steps of every running slot of every model (one step of each
+  model per step: the models' turns advance together); returns (steps run, slots) as soon as
+  a slot that was running has stopped. `windows[m]` covers every position model m reaches."""
+  running0 = [s.finish_S == RUNNING for s in slots]
+
+  def cond(carry):
+    i, sts = carry
+    running = [s.finish_S == RUNNING for s in sts]
+    stopped = [jnp.any(r0 & ~r) for r0, r in zip(running0, running)]
+    return ((i < max_steps) & jnp.any(jnp.stack([jnp.any(r) for r in running]))
+            & ~jnp.any(jnp.stack(stopped)))
+
+  def body(carry):
+    i, sts = carry
+    return i + 1, tuple(_step(c, p, s, sp, w)
+                        for c, p, s, sp, w in zip(configs, params, sts, sps, windows))
+
+  return jax.lax.while_loop(cond, body, (jnp.int32(0), tuple(slots)))
+
+
+def _rows(cache: decode.LayerCache, idx_U, window: int) -> decode.LayerCache:
+  """The first `window` positions of rows `idx_U` (clipped ids) as a cache of their own."""
+  return decode.LayerCache(tuple(k[idx_U, :, :, :window] for k in cache.k),
+                           tuple(v[idx_U, :, :window] for v in cache.v))
+
+
+def _put(big, small, idx_U, off_U, width: int, valid_U, axis: int):
+  """Writes `width` positions of each valid unit's row of `small` (from its offset) into row
+  idx_U[u] of `big` at the same offset: in place, one slice per unit."""
+
+  def one(u, big):
+    piece = jax.lax.dynamic_slice_in_dim(small[u], off_U[u], width, axis=axis - 1)
+    old = jax.lax.dynamic_slice_in_dim(big[idx_U[u]], off_U[u], width, axis=axis - 1)
+    piece = jnp.where(valid_U[u], piece, old)
+    return jax.lax.dynamic_update_index_in_dim(
+        big, jax.lax.dynamic_update_slice_in_dim(big[idx_U[u]], piece, off_U[u], axis - 1),
+        idx_U[u], 0)
+
+  return jax.lax.fori_loop(0, small.shape[0], one, big)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6), donate_argnames=("slots",))
+def prefill(config: Qwen3Config, params: decode.DecodeParams, slots: Slots, tokens_UxW,
+            idx_U, count_U, window: int) -> Slots:
+  """Appends `count_U[u]` tokens of `tokens_UxW[u]` to slot `idx_U[u]` (one unit per slot;
+  ids >= S are padding). `window` covers every unit's cached prefix plus its new tokens.
+
+  The units' rows (their first `window` positions) are read into a batch of their own, run
+  through the model, and only the new positions are written back: the cost is the units'
+  tokens and their rows' reads, not the other slots'.
+  """
+  s, w = slots.num_slots, tokens_UxW.shape[1]
+  valid = idx_U < s
+  rows = jnp.minimum(idx_U, s - 1)
+  off = jnp.where(valid, slots.lengths_S[rows], 0)
+  positions = off[:, None] + jnp.arange(w)[None, :]
+  logits, sub, routing = decode.forward(config, params, tokens_UxW, positions,
+                                        _rows(slots.cache, rows, window),
+                                        logits_idx_B=jnp.maximum(count_U - 1, 0),
+                                        attn_window=window)
+  cache = decode.LayerCache(
+      tuple(_put(big, small, rows, off, w, valid, axis=3)
+            for big, small in zip(slots.cache.k, sub.k)),
+      tuple(_put(big, small, rows, off, w, valid, axis=2)
+            for big, small in zip(slots.cache.v, sub.v)))
+  experts = slots.experts_SxCxLxK
+  if experts is not None:
+    new = jnp.transpose(routing.experts_LxBxTxK, (1, 2, 0, 3)).astype(experts.dtype)
+    keep = valid[:, None] & (jnp.arange(w)[None, :] < count_U[:, None])
+    experts = experts.at[jnp.where(keep, rows[:, None], s), positions].set(new, mode="drop")
+  has = valid & (count_U > 0)
+  next_logits = slots.next_logits_SxV.at[jnp.where(has, idx_U, s)].set(logits[:, 0],
+                                                                        mode="drop")
+  return slots.replace(cache=cache, next_logits_SxV=next_logits, experts_SxCxLxK=experts,
+                       lengths_S=slots.lengths_S.at[idx_U].add(count_U, mode="drop"))
+
+
+@flax.struct.dataclass
+class Saved:
+  """A slot's cached prefix held off the slots (a waiting turn's, or a shared prompt's)."""
+
+  k: tuple  # L x [K, H, length]
+  v: tuple  # L x [K, length, H]
+  next_logits_V: jax.Array
+  experts: jax.Array | None  # [length, sparse layers, k]
+  length: int = flax.struct.field(pytree_node=False)  # Positions held (a bucket).
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def save(slots: Slots, slot, length: int) -> Saved:
+  """Copies the first `length` positions of `slot` (and its next-token logits) off it."""
+  ex = slots.experts_SxCxLxK
+  return Saved(tuple(k[slot, :, :, :length] for k in slots.cache.k),
+               tuple(v[slot, :, :length] for v in slots.cache.v), slots.next_logits_SxV[slot],
+               None if ex is None else ex[slot, :length], length)
+
+
+@functools.partial(jax.jit, donate_argnames=("slots",))
+def restore(slots: Slots, slot, saved: Saved, length) -> Slots:
+  """Writes `saved` into `slot` (positions 0..saved.length-1); the slot holds `length`."""
+  put = lambda big, small, axis: jax.lax.dynamic_update_index_in_dim(
+      big, jax.lax.dynamic_update_slice_in_dim(big[slot], small, 0, axis - 1), slot, 0)
+  cache = decode.LayerCache(tuple(put(b, x, 3) for b, x in zip(slots.cache.k, saved.k)),
+                            tuple(put(b, x, 2) for b, x in zip(slots.cache.v, saved.v)))
+  ex = slots.experts_SxCxLxK
+  if ex is not None:
+    ex = jax.lax.dynamic_update_index_in_dim(
+        ex, jax.lax.dynamic_update_slice_in_dim(ex[slot], saved.experts, 0, 0), slot, 0)
+  return slots.replace(cache=cache, experts_SxCxLxK=ex,
+                       lengths_S=slots.lengths_S.at[slot].set(length),
+                       next_logits_SxV=slots.next_logits_SxV.at[slot].set(saved.next_logits_V))
+
+
+def grow(slots: Slots, capacity: int) -> Slots:
+  """The slots with `capacity` positions each (the old cache copied and freed)."""
+  fake = sampling.Sequences(slots.cache, slots.lengths_S, slots.next_logits_SxV,
+                            slots.max_len, slots.experts_SxCxLxK)
+  grown = sampling._grow(fake, capacity)
+  return slots.replace(cache=grown.cache, experts_SxCxLxK=grown.experts_BxSxLxK)
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def read(slots: Slots, idx_U, width: int):
+  """(tokens, log-probs, routes or None) of the turns in slots `idx_U`: [U, width]."""
+  ex = slots.experts_SxCxLxK
+  routes = None
+  if ex is not None:
+    start = slots.lengths_S[idx_U] - slots.n_S[idx_U]
+    routes = sampling._gather_routes(ex[idx_U], start, width)
+  return slots.tokens_SxN[idx_U, :width], slots.logp_SxN[idx_U, :width], routes
+
+
+@functools.partial(jax.jit, static_argnums=(3,))
+def read_routes(slots: Slots, slot, start, width: int):
+  """Routes of positions start..start+width-1 of `slot`: [width, sparse layers, k]."""
+  return sampling._gather_routes(slots.experts_SxCxLxK[slot][None], start[None], width)[0]
+
+
+def sampling_params(temperature: float, top_p: float, top_k: int,
+                    stop_ids) -> sampling._SamplingParams:
+  """The traced sampling parameters (changing them never recompiles)."""
+  if len(stop_ids) > sampling._MAX_STOP_IDS:
+    raise ValueError(f"At most {sampling._MAX_STOP_IDS} stop ids, got {len(stop_ids)}.")
+  ids = np.full(sampling._MAX_STOP_IDS, -1, np.int32)
+  ids[:len(stop_ids)] = list(stop_ids)
+  return sampling._SamplingParams(jnp.float32(temperature), jnp.float32(top_p),
+                                  jnp.int32(top_k), jnp.asarray(ids))

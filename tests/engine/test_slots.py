@@ -1,0 +1,124 @@
+"""The agent engine's slots: refills, chunked prefill, evicted KV, and seeds that reproduce.
+
+A tiny random Qwen3 (f32, byte tokenizer). The references are the batched sampler
+(`sampling.generate`, itself checked against transformers in tests/test_sampling.py) and the
+engine run with one slot per episode.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+from mgrpo_jax import byte_tokenizer, models, sampling
+from mgrpo_jax.agents import rollout
+from mgrpo_jax.engine import lanes, record as record_lib, run as engine_run
+
+TOK = byte_tokenizer.ByteTokenizer()
+PROMPTS = ["find the river", "who built the old bridge over it, and when?", "why not",
+           "find the river", "a", "tell me about the harbour of the town in the north"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  cfg = models.get_preset("tiny", vocab_size=TOK.vocab_size)
+  return cfg, models.init_params(cfg, jax.random.key(0))
+
+
+def _policy(tiny, *, slots, temperature=0.0, max_new=12, max_len=256):
+  cfg, params = tiny
+  return rollout.LLMPolicy(cfg, params, TOK, "sub", temperature=temperature, slots=slots,
+                           limits=rollout.Limits(max_turns=3, max_new_tokens=max_new,
+                                                 max_len=max_len))
+
+
+def _complete(policy, prompts, key, *, width=512, record=None):
+  lane = lanes.SlotLane("m", policy, key=key, num_slots=policy.slots, width=width,
+                        record=record)
+  return engine_run.complete([lane], [prompts], chunk=8, record=record)[0]
+
+
+def test_greedy_completions_equal_the_batched_sampler_with_refills_and_chunks(tiny):
+  cfg, params = tiny
+  prompts = [TOK.encode(p) for p in PROMPTS]
+  want = sampling.generate(cfg, params, prompts, max_new_tokens=12, temperature=0.0,
+                           max_len=256)
+  # Two slots for six prompts (each refilled), prompts prefilled 16 tokens at a time.
+  got = _complete(_policy(tiny, slots=2), prompts, jax.random.key(0), width=16)
+  for i, (ids, logps, finish, _) in enumerate(got):
+    n = int(want.lengths[i])
+    assert ids == want.tokens[i, :n].tolist(), i
+    np.testing.assert_allclose(logps, want.logprobs[i, :n], atol=2e-5)
+    assert finish == want.finish_reasons[i]
+
+
+def test_a_seed_reproduces_samples_whatever_the_slots_and_order(tiny):
+  prompts = [TOK.encode(p) for p in PROMPTS]
+  key = jax.random.key(3)
+  base = _complete(_policy(tiny, slots=8, temperature=1.0), prompts, key)
+  # Two slots: every turn runs in another slot, at another step, beside other turns.
+  few = _complete(_policy(tiny, slots=2, temperature=1.0), prompts, key)
+  assert [r[0] for r in few] == [r[0] for r in base]
+  # The same prompts given in reverse order, streams kept: the same samples.
+  lane = lanes.SlotLane("m", _policy(tiny, slots=2, temperature=1.0), key=key, num_slots=2)
+  jobs = [engine_run.Job("m", i, list(p)) for i, p in enumerate(prompts)]
+  for job in reversed(jobs):
+    lane.add(job, job.q)
+  seen = {}
+  while True:
+    lane.admit()
+    if not lane.running():
+      break
+    for seat, ids, _, _ in engine_run.decode([lane], 8, None):
+      seen[seat.ep.q] = ids
+      lane.finish(seat.ep)
+  assert [seen[i] for i in range(len(prompts))] == [r[0] for r in base]
+  # And a different key samples something else.
+  other = _complete(_policy(tiny, slots=8, temperature=1.0), prompts, jax.random.key(4))
+  assert [r[0] for r in other] != [r[0] for r in base]
+
+
+def test_a_freed_slot_is_refilled_on_the_next_step(tiny):
+  prompts = [TOK.encode(p) for p in PROMPTS]
+  rec = record_lib.Record()
+  policy = _policy(tiny, slots=2, temperature=1.0)
+  lengths = {i: 2 + 2 * i for i in range(len(prompts))}  # Forced turn lengths.
+  lane = lanes.SlotLane("m", policy, key=jax.random.key(0), num_slots=2, record=rec,
+                        force=lambda job: [65] * lengths[job.q])
+  engine_run.complete([lane], [prompts], chunk=32, record=rec)
+  turns = sorted(rec.turns.values(), key=lambda t: t["start"])
+  assert [t["tokens"] for t in turns] == [lengths[i] for i in range(len(prompts))]
+  # Whenever a turn ends, the next waiting one starts on the following step.
+  ends = sorted(t["end"] for t in turns)
+  for t in turns[2:]:
+    assert t["start"] - 1 in ends
+  record = rec.as_dict()
+  assert record_lib.ready_waiting(record) == 0
+  m = record_lib.metrics(record, models.get_preset("qwen3_8b"))
+  # Turns of 2, 4, ..., 12 tokens in two slots, each started when one frees: slot A runs
+  # 2 + 6 + 10 tokens, slot B 4 + 8 + 12; the run ends with B at step 24.
+  assert m["decode_steps"] == 24 and m["kept_tokens"] == 42
+  assert m["slot_occupancy"] == round(42 / 48, 4)
+  # A shared prompt ("find the river" twice) is prefilled once.
+  assert m["prefill_computed_over_needed"] < 1.6
+
+
+def test_waiting_turns_give_their_slots_up_and_get_their_kv_back(tiny):
+  """Episodes with tool replies, one slot for four: each waiting turn's KV is saved and
+  restored; the episodes equal those of a run with a slot each."""
+  limits = rollout.Limits(max_turns=3, max_new_tokens=10, max_len=512)
+
+  def run(slots):
+    cfg, params = tiny
+    policy = rollout.LLMPolicy(cfg, params, TOK, "sub", temperature=1.0, slots=slots,
+                               limits=limits)
+    eps = [rollout.new_episode(TOK, "sub", [{"role": "user", "content": p}], q=i, k=0,
+                               call=0, task=None, max_turns=3)
+           for i, p in enumerate(PROMPTS[:4])]
+    tools = lambda pending: [f"reply to {ep.q}: {len(ep.turns)}" for ep, _ in pending]
+    return rollout.run_episodes(policy, eps, tools, tokenizer=TOK, limits=limits,
+                                key=jax.random.key(5))
+
+  one, each = run(1), run(4)
+  assert [e.tokens for e in one] == [e.tokens for e in each]
+  for a, b in zip(one, each):
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-5)
