@@ -1,9 +1,12 @@
-"""benchmarks/engine.py: the schedule figures on hand-built records, and one real run."""
+"""The engine's schedule figures (`engine/record.py`) on hand-built records, and one real run
+of benchmarks/engine.py."""
 
 import json
 import types
 
 import pytest
+
+from mgrpo_jax.engine import record as record_lib
 
 
 def _turn(tokens, start, deps=(), model="m"):
@@ -30,15 +33,15 @@ _CONSERVING = {"A": _turn(3, 0), "B": _turn(2, 0), "C": _turn(2, 2, ["B"])}
 _LOCK_STEP = {"A": _turn(3, 0), "B": _turn(2, 0), "C": _turn(2, 3, ["B"])}
 
 
-def test_work_conserving_schedule_has_no_ready_waiting(load_benchmark):
-  engine = load_benchmark("engine")
+def test_work_conserving_schedule_has_no_ready_waiting():
+  engine = record_lib
   record = _record(_CONSERVING, live=[2, 2, 2, 1], slots=2)
   assert engine.ready_waiting(record) == 0
   assert engine.longest_chain(_CONSERVING) == 4  # B then C.
 
 
-def test_lock_step_schedule_counts_the_waiting_turn(load_benchmark):
-  engine = load_benchmark("engine")
+def test_lock_step_schedule_counts_the_waiting_turn():
+  engine = record_lib
   # C is ready at step 2 (B ended at 1) and starts at 3: one step with one slot free.
   record = _record(_LOCK_STEP, live=[2, 2, 1, 1, 1], slots=2)
   assert engine.ready_waiting(record) == 1
@@ -49,8 +52,8 @@ def test_lock_step_schedule_counts_the_waiting_turn(load_benchmark):
   assert engine.ready_waiting(dict(record, turns=delayed)) == 0
 
 
-def test_figures_of_the_two_schedules(load_benchmark):
-  engine = load_benchmark("engine")
+def test_figures_of_the_two_schedules():
+  engine = record_lib
   shape = types.SimpleNamespace(hidden_size=2, head_dim=1, num_heads=1, num_kv_heads=1,
                                 intermediate_size=1, vocab_size=4, num_layers=1)
   fast = engine.metrics(_record(_CONSERVING, live=[2, 2, 2, 1], slots=2), shape)
@@ -64,8 +67,8 @@ def test_figures_of_the_two_schedules(load_benchmark):
   assert fast["tokens_discarded"] == 0 and fast["tool_latency_overlapped"] is None
 
 
-def test_prefill_copies_and_tool_overlap(load_benchmark):
-  engine = load_benchmark("engine")
+def test_prefill_copies_and_tool_overlap():
+  engine = record_lib
   record = _record(_CONSERVING, live=[2, 2, 2, 1], slots=2)
   record.update(prefills=[dict(model="m", rows=4, computed=64, needed=40, kv_read=64,
                                attn_pairs=1024)],
@@ -80,8 +83,8 @@ def test_prefill_copies_and_tool_overlap(load_benchmark):
   assert engine.metrics(record, _qwen3_8b())["prompt_kv_copies_per_question"] == 1.0
 
 
-def test_h100_price_of_a_qwen3_8b_decode_step(load_benchmark):
-  engine = load_benchmark("engine")
+def test_h100_price_of_a_qwen3_8b_decode_step():
+  engine = record_lib
   shape = _qwen3_8b()
   # One row, nothing cached: every weight read once, 2 bytes each; Qwen3-8B has 8.19B
   # parameters, of which the 0.62B input embedding is only looked up, not read whole.
@@ -96,18 +99,16 @@ def test_h100_price_of_a_qwen3_8b_decode_step(load_benchmark):
 
 def test_script_end_to_end_on_the_smallest_workload(load_benchmark, tmp_path):
   engine = load_benchmark("engine")
-  from mgrpo_jax import sampling
-  before = sampling.prefill
   out = tmp_path / "engine.json"
   engine.main(["--task=multihop", "--policy=expert", "--questions=1", "--rollouts=2",
                "--tool_latency_ms=1", f"--out={out}"])
   result = json.loads(out.read_text())
-  assert sampling.prefill is before  # The sampler is left as it was.
-  # Today's engine holds one copy of the question's prompt per rollout, rolls nothing back
-  # (closing tags are single tokens), and runs tools between decode phases.
+  # A slot per episode: no ready turn waits. The slots hold one copy of the question's
+  # prompt each (prefilled once), roll nothing back (closing tags are single tokens).
+  assert result["ready_waiting"] == 0
   assert result["prompt_kv_copies_per_question"] == 2.0
   assert result["tokens_discarded"] == 0
-  assert result["tool_latency_overlapped"] == 0.0
   assert result["critical_path_over_longest_chain"] >= 1.0
   assert result["ran"]["main_format"] == 1.0 and result["ran"]["sub_format"] == 1.0
   assert result["modelled_h100_seconds"] > 0
+  assert result["prefill_computed_over_needed"] < 1.15

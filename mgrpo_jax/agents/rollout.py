@@ -19,6 +19,7 @@ for the trainer to replay.
 
 import contextlib
 import dataclasses
+from concurrent import futures
 import time
 from typing import Any, Callable, Protocol, Sequence
 
@@ -29,6 +30,8 @@ from mgrpo_jax import kv_cache_plan, sampling
 from mgrpo_jax import tokenizer as tk
 from mgrpo_jax.agents import native, protocol
 from mgrpo_jax.agents.validator import EpisodeValidator
+from mgrpo_jax.engine import lanes
+from mgrpo_jax.engine import run as engine_run
 from mgrpo_jax.envs import tool_health
 
 
@@ -150,8 +153,9 @@ class LLMPolicy:
   def __init__(self, config, params, tokenizer: tk.Tokenizer, role: str, *, limits: Limits,
                temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                version: int = 0, chunk: int = 32, kv_cache_budget_bytes: int | None = None,
-               mesh=None, protocol: str = "tags"):
+               mesh=None, protocol: str = "tags", slots: int = 0):
     self.config, self.params, self.tokenizer, self.role = config, params, tokenizer, role
+    self.slots = slots
     self.limits, self.version, self.chunk = limits, version, chunk
     self.mesh = mesh if config.is_moe else None
     self.budget = kv_cache_budget_bytes
@@ -162,6 +166,16 @@ class LLMPolicy:
     self._episodes: Sequence[Episode] = ()
     self._seqs = None
     self._weights = None
+
+  def slots_for(self, rows: int) -> int:
+    """Decode slots of the engine's lane: `slots` when given, else one per episode that can
+    be running (`rows`, rounded up to a power of two), at most what `kv_cache_budget_bytes`
+    holds at the full context (each slot's cache reaches `max_len`)."""
+    n = self.slots or kv_cache_plan.bucket(rows, 1)
+    if self.budget:
+      per_slot = kv_cache_plan.kv_cache_bytes(self.config, 1, self.limits.max_len)
+      n = min(n, max(1, self.budget // per_slot))
+    return n
 
   def _mesh(self):
     return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
@@ -259,23 +273,25 @@ class ExpertPolicy:
                protocol: str = "tags"):
     self.expert, self.tokenizer, self.version = expert, tokenizer, version
     self.protocol, self._dialect = protocol, native.Dialect(protocol)
-    self._rng = np.random.default_rng(seed)
+    self.seed = seed
     self._episodes: Sequence[Episode] = ()
 
   def begin(self, episodes):
     self._episodes = episodes
 
+  def turn_ids(self, ep: Episode) -> list[int]:
+    """The expert's next turn of `ep`, as token ids."""
+    task = ep.task.subtask if ep.role == "sub" else ep.task
+    # A stream per episode and turn: its choices do not depend on which turns ran before.
+    rng = np.random.default_rng([self.seed, ep.q, ep.k, ep.call + 1, len(ep.turns)])
+    text = self.expert.turn(task, list(ep.observations), rng)
+    return self.tokenizer.encode(self._dialect.from_tags(text, ep.role))
+
   def act(self, rows, key):
     del key
-    out = []
-    for r in rows:
-      ep = self._episodes[r]
-      task = ep.task.subtask if ep.role == "sub" else ep.task
-      text = self.expert.turn(task, list(ep.observations), self._rng)
-      ids = self.tokenizer.encode(self._dialect.from_tags(text, ep.role))
-      # The expert "generates" its closing tag; the engine appends end-of-turn itself.
-      out.append((ids, [0.0] * len(ids)))
-    return out
+    # The expert "generates" its closing tag; the engine appends end-of-turn itself.
+    return [(ids, [0.0] * len(ids))
+            for ids in (self.turn_ids(self._episodes[r]) for r in rows)]
 
   def append(self, appended):
     del appended
@@ -286,67 +302,88 @@ ToolFn = Callable[[list[tuple[Episode, protocol.Turn]]], list[str]]
 
 
 def run_episodes(policy: TurnPolicy, episodes: list[Episode], tool_fn: ToolFn, *,
-                 tokenizer: tk.Tokenizer, limits: Limits, key: jax.Array) -> list[Episode]:
-  """Runs `episodes` to completion (final action, format failure or a limit); see module doc."""
-  if not episodes:
-    return episodes
-  too_long = [ep for ep in episodes if len(ep.tokens) + limits.max_new_tokens > limits.max_len]
-  if too_long:  # E.g. a delegated subtask too long for the sub-agent's context.
-    for ep in too_long:
+                 tokenizer: tk.Tokenizer, limits: Limits, key: jax.Array,
+                 record=None) -> list[Episode]:
+  """Runs `episodes` (of one role) to completion (final action, format failure or a limit)
+  through the agent engine (`engine/run.py`); `record`: an `engine.record.Record` to fill."""
+  return _run({episodes[0].role: policy} if episodes else {}, episodes,
+              {ep.role: tool_fn for ep in episodes[:1]}, tokenizer=tokenizer, limits=limits,
+              key=key, record=record)
+
+
+def _abort_too_long(episodes: list[Episode], limits: Limits) -> list[Episode]:
+  """Ends the episodes whose prompt and a turn would not fit the context; returns the rest."""
+  for ep in episodes:
+    if len(ep.tokens) + limits.max_new_tokens > limits.max_len:  # E.g. a long subtask.
       ep.validator.abort(f"context: a prompt of {len(ep.tokens)} tokens + a turn of "
                          f"{limits.max_new_tokens} would exceed max_len={limits.max_len}")
       # Nothing of it is trained; cut it so that it still fits a batch row.
       del ep.tokens[limits.max_len:], ep.loss_mask[limits.max_len:], ep.logprobs[limits.max_len:]
-    run_episodes(policy, [ep for ep in episodes if not ep.done], tool_fn, tokenizer=tokenizer,
-                 limits=limits, key=key)
-    return episodes
-  policy.begin(episodes)
+  return [ep for ep in episodes if not ep.done]
+
+
+def _lane(role: str, policy, *, key, rows: int, record=None, force=None):
+  """The engine's lane of a policy: slots for an LLM policy, else scripted turns."""
+  if isinstance(policy, LLMPolicy):
+    return lanes.SlotLane(role, policy, key=key, num_slots=policy.slots_for(rows),
+                          chunk=policy.chunk, record=record,
+                          force=None if force is None else force.get(role))
+  return lanes.ScriptedLane(role, policy, key=key)
+
+
+def _reply_ids_fn(tokenizer: tk.Tokenizer, limits: Limits):
+  """A tool reply's continuation tokens, appended to the episode (None: the episode ended,
+  as its context would overflow)."""
   eos = tokenizer.eos_id
-  for turn in range(limits.max_turns):
-    rows = [i for i, ep in enumerate(episodes) if not ep.done]
-    if not rows:
-      break
-    start = time.perf_counter()
-    outputs = policy.act(rows, jax.random.fold_in(key, turn))
-    gen_s = (time.perf_counter() - start) / len(rows)
-    pending, pending_rows = [], []
-    for i, (ids, logps) in zip(rows, outputs):
-      ep = episodes[i]
-      ep.tokens += ids
-      ep.loss_mask += [1] * len(ids)
-      ep.logprobs += logps
-      ep.gen_seconds += gen_s
-      text = tokenizer.decode(ids)
-      ep.turns.append(text)
-      parsed = ep.validator.step(text)
-      ep.actions.append(parsed.action or "invalid")
-      if not ep.done:
-        pending.append((ep, parsed))
-        pending_rows.append(i)
-    if not pending:
-      continue
-    start = time.perf_counter()
-    # On many hosts every process runs the tools; process 0's replies are the ones kept, so
-    # a tool that is not a pure function of its input (a sandbox's time limit) cannot make
-    # the processes' sequences, and so their next collective sampler calls, diverge; a
-    # service outage (tool_health.ToolOutage) is process 0's too, raised on every process.
-    replies = tool_health.shared_outcome(tool_fn, pending)
-    tool_s = (time.perf_counter() - start) / len(pending)
-    appended = {}
-    for i, (ep, _), reply in zip(pending_rows, pending, replies):
-      ep.tool_seconds += tool_s
-      ids = ([] if ep.tokens[-1] == eos else [eos]) + native.Dialect(
-          ep.protocol).continuation_ids(tokenizer, reply, ep.role)
-      if len(ep.tokens) + len(ids) + limits.max_new_tokens > limits.max_len:
-        ep.validator.abort(f"context: {len(ep.tokens) + len(ids)} tokens + a turn of "
-                           f"{limits.max_new_tokens} would exceed max_len={limits.max_len}")
-        continue
-      ep.observations.append(reply)
-      ep.tokens += ids
-      ep.loss_mask += [0] * len(ids)
-      ep.logprobs += [0.0] * len(ids)
-      appended[i] = ids
-    policy.append(appended)
+
+  def reply_ids(ep: Episode, reply: str):
+    ids = ([] if ep.tokens[-1] == eos else [eos]) + native.Dialect(
+        ep.protocol).continuation_ids(tokenizer, reply, ep.role)
+    if len(ep.tokens) + len(ids) + limits.max_new_tokens > limits.max_len:
+      ep.validator.abort(f"context: {len(ep.tokens) + len(ids)} tokens + a turn of "
+                         f"{limits.max_new_tokens} would exceed max_len={limits.max_len}")
+      return None
+    ep.observations.append(reply)
+    ep.tokens += ids
+    ep.loss_mask += [0] * len(ids)
+    ep.logprobs += [0.0] * len(ids)
+    return ids
+
+  return reply_ids
+
+
+def _run(policies: dict, episodes: list[Episode], tools: dict, *, tokenizer: tk.Tokenizer,
+         limits: Limits, key: jax.Array, record=None, sub=None, step: int = 0,
+         keys: dict | None = None, force: dict | None = None) -> list[Episode]:
+  """Runs the episodes (and, with `sub` a `ColocatedSubAgent`, its sub-agent's episodes in
+  the same engine) to their end; see `engine/run.py`."""
+  live = _abort_too_long(episodes, limits)
+  if not live:
+    return episodes
+  keys = keys or {}
+  roles = engine_run.Roles(
+      lanes={role: _lane(role, p, key=keys.get(role, key), rows=len(live), record=record,
+                         force=force)
+             for role, p in policies.items()},
+      tools=tools, reply_ids=_reply_ids_fn(tokenizer, limits))
+  if sub is not None:
+    sub_limits = sub.limits
+    roles.lanes["sub"] = _lane("sub", sub.policy, key=sub.key, rows=len(live), record=record,
+                               force=force)
+    roles.tools["sub"] = sub._tools
+    roles.delegate = lambda ep, turn: _delegation(ep, turn, step=step, limits=limits)
+    roles.sub_episode = lambda req: sub.new_episode(req)
+    roles.result = lambda ep, req, sub_ep, seconds: _record_delegation(ep, result_of(sub_ep),
+                                                                        seconds)
+    reply = roles.reply_ids
+    sub_reply = _reply_ids_fn(tokenizer, sub_limits)
+    roles.reply_ids = lambda ep, r: (sub_reply if ep.role == "sub" else reply)(ep, r)
+  chunk = min([getattr(p, "chunk", 32) for p in policies.values()] or [32])
+  engine = engine_run.Engine(roles, tokenizer=tokenizer, chunk=chunk, record=record)
+  engine.add(live, stream0=0)
+  engine.run()
+  if sub is not None:
+    sub.keep(engine.sub_episodes)
   tool_health.check_error_rate()  # A step on a failing service stops before its update.
   return episodes
 
@@ -386,32 +423,63 @@ NO_RESULT = "The sub-agent returned no valid result."
 
 
 class ColocatedSubAgent:
-  """Runs sub-agent episodes in this process and keeps them (for the sub-agent's update)."""
+  """Runs sub-agent episodes in this process and keeps them (for the sub-agent's update).
+
+  `rollout_main` runs them in its own engine, beside the main agent's turns; `delegate`
+  serves a batch of requests alone (the decoupled sub-agent program). Either way a request's
+  episode samples from `key` and its own stream (`engine.run.stream_of`): the same tokens.
+  """
 
   def __init__(self, policy: TurnPolicy, tokenizer: tk.Tokenizer, tools: dict, *,
                limits: Limits, key: jax.Array, system_prompt: bool = True):
     self.policy, self.tokenizer, self.tools, self.limits = policy, tokenizer, tools, limits
     self.key, self.system_prompt = key, system_prompt
     self.episodes: list[Episode] = []
-    self._calls = 0
+
+  def new_episode(self, r: "DelegationRequest") -> Episode:
+    """The sub-agent episode of request `r` (ended at once if its prompt cannot fit)."""
+    name = _protocol(self.policy)
+    skip = 0 if self.system_prompt else 1
+    ep = new_episode(self.tokenizer, "sub",
+                     native.Dialect(name).messages("sub", r.subtask, r.context)[skip:],
+                     q=r.q, k=r.k, call=r.call, task=r, max_turns=self.limits.max_turns,
+                     policy_version=self.policy.version, protocol_name=name)
+    _abort_too_long([ep], self.limits)
+    return ep
 
   def delegate(self, requests):
-    skip = 0 if self.system_prompt else 1
-    name = _protocol(self.policy)
-    episodes = [new_episode(self.tokenizer, "sub",
-                            native.Dialect(name).messages("sub", r.subtask, r.context)[skip:],
-                            q=r.q, k=r.k, call=r.call, task=r, max_turns=self.limits.max_turns,
-                            policy_version=self.policy.version, protocol_name=name)
-                for r in requests]
-    self._calls += 1
-    run_episodes(self.policy, episodes, self._tools, tokenizer=self.tokenizer,
-                 limits=self.limits, key=jax.random.fold_in(self.key, self._calls))
-    self.episodes += episodes
-    return [DelegationResult(ep.final if ep.format_ok else NO_RESULT, ep.policy_version,
-                             ep.format_ok) for ep in episodes]
+    episodes = [self.new_episode(r) for r in requests]
+    live = [ep for ep in episodes if not ep.done]
+    if live:
+      roles = engine_run.Roles(
+          lanes={"sub": _lane("sub", self.policy, key=self.key, rows=len(live))},
+          tools={"sub": self._tools}, reply_ids=_reply_ids_fn(self.tokenizer, self.limits))
+      engine = engine_run.Engine(roles, tokenizer=self.tokenizer,
+                                 chunk=getattr(self.policy, "chunk", 32))
+      for ep in live:
+        engine.lanes_add(ep, engine_run.stream_of(ep.task))
+      engine.run()
+      tool_health.check_error_rate()
+    self.keep(episodes)
+    return [result_of(ep) for ep in episodes]
+
+  def keep(self, episodes) -> None:
+    """Adds finished episodes to `episodes`, kept in (q, k, call) order: the same list
+    whichever engine served them, in whatever order they ended."""
+    self.episodes = sorted(self.episodes + list(episodes), key=lambda e: (e.q, e.k, e.call))
 
   def _tools(self, pending):
-    return [_call_tool(self.tools, turn) for _, turn in pending]
+    # The calls of a batch run at once (a retriever's requests overlap).
+    if len(pending) == 1:
+      return [_call_tool(self.tools, pending[0][1])]
+    with futures.ThreadPoolExecutor(min(16, len(pending))) as pool:
+      return list(pool.map(lambda p: _call_tool(self.tools, p[1]), pending))
+
+
+def result_of(ep: Episode) -> "DelegationResult":
+  """What a finished sub-agent episode returns to the main agent."""
+  return DelegationResult(ep.final if ep.format_ok else NO_RESULT, ep.policy_version,
+                          ep.format_ok)
 
 
 def _call_tool(tools: dict, turn: protocol.Turn) -> str:
@@ -420,19 +488,25 @@ def _call_tool(tools: dict, turn: protocol.Turn) -> str:
   return tool(turn.argument) if tool else f"Error: no {turn.action} tool here."
 
 
-def _delegate(service: SubAgentService, requests: list) -> list[DelegationResult]:
-  """`service.delegate(requests)`, counted as `delegate` calls (an invalid result: an error)."""
-  start = time.perf_counter()
-  results = service.delegate(requests)
-  seconds = (time.perf_counter() - start) / len(requests)  # The wave's calls run together.
-  for res in results:
-    tool_health.HEALTH.record_call("delegate", seconds, error=not res.format_ok)
-  return results
+def _record_delegation(ep: Episode, res: "DelegationResult", seconds: float) -> str:
+  """The reply text of a served delegation; its serving version kept with the episode."""
+  tool_health.HEALTH.record_call("delegate", seconds, error=not res.format_ok)
+  ep.delegation_versions.append(res.policy_version)  # Versions travel with the data.
+  return res.text
+
+
+def _delegation(ep: Episode, turn: protocol.Turn, *, step: int, limits: Limits):
+  """The request a main turn's delegation makes, or the reply when it may make none."""
+  if ep.delegations >= limits.max_delegations:
+    return "Delegation limit reached; give your final answer."
+  ep.delegations += 1
+  return DelegationRequest(step, ep.q, ep.k, ep.delegations - 1, turn.argument, turn.context)
 
 
 def main_tool_fn(service: SubAgentService, *, step: int, limits: Limits,
                  tools: dict | None = None) -> ToolFn:
-  """The main agent's tools: each turn's delegations served as one batch; others by name."""
+  """The main agent's tools: a batch's delegations served together by `service`; others by
+  name."""
 
   def tool_fn(pending):
     requests, replies = [], [None] * len(pending)
@@ -440,17 +514,17 @@ def main_tool_fn(service: SubAgentService, *, step: int, limits: Limits,
       if turn.action != "delegate":
         replies[j] = _call_tool(tools or {}, turn)
         continue
-      if ep.delegations >= limits.max_delegations:
-        replies[j] = "Delegation limit reached; give your final answer."
-        continue
-      requests.append((j, DelegationRequest(step, ep.q, ep.k, ep.delegations, turn.argument,
-                                            turn.context)))
-      ep.delegations += 1
-    results = _delegate(service, [r for _, r in requests]) if requests else []
-    for (j, _), res in zip(requests, results):
-      replies[j] = res.text
-      # Versions travel with the data: which sub-agent policy served this call.
-      pending[j][0].delegation_versions.append(res.policy_version)
+      req = _delegation(ep, turn, step=step, limits=limits)
+      if isinstance(req, str):
+        replies[j] = req
+      else:
+        requests.append((j, req))
+    if requests:
+      start = time.perf_counter()
+      results = service.delegate([r for _, r in requests])
+      seconds = (time.perf_counter() - start) / len(requests)  # The batch ran together.
+      for (j, _), res in zip(requests, results):
+        replies[j] = _record_delegation(pending[j][0], res, seconds)
     return replies
 
   return tool_fn
@@ -458,14 +532,16 @@ def main_tool_fn(service: SubAgentService, *, step: int, limits: Limits,
 
 def rollout_main(policy: TurnPolicy, service: SubAgentService, questions: Sequence[Any], *,
                  num_rollouts: int, tokenizer: tk.Tokenizer, limits: Limits, key: jax.Array,
-                 step: int = 0, tools: dict | None = None,
-                 system_prompt: bool = True) -> list[Episode]:
+                 step: int = 0, tools: dict | None = None, system_prompt: bool = True,
+                 record=None, force: dict | None = None) -> list[Episode]:
   """Q questions x K rollouts of the main agent, delegating through `service`.
 
   Returns the Q*K main episodes in (q, k) order; sub-agent episodes stay with the service.
   `system_prompt=False` starts episodes from the user turn (tiny models learn the format
-  from SFT, and the prompt costs context).
+  from SFT, and the prompt costs context). `record` (`engine.record.Record`) and `force`
+  ({role: ep -> turn ids}) serve the engine's schedule benchmark.
   """
+  tools_in = tools
   skip = 0 if system_prompt else 1
   name = _protocol(policy)
   episodes = [new_episode(tokenizer, "main",
@@ -473,8 +549,14 @@ def rollout_main(policy: TurnPolicy, service: SubAgentService, questions: Sequen
                           q=q, k=k, call=-1, task=question, max_turns=limits.max_turns,
                           policy_version=policy.version, protocol_name=name)
               for q, question in enumerate(questions) for k in range(num_rollouts)]
-  tool_fn = main_tool_fn(service, step=step, limits=limits, tools=tools)
-  return run_episodes(policy, episodes, tool_fn, tokenizer=tokenizer, limits=limits, key=key)
+  tools = {"main": lambda pending: [_call_tool(tools_in or {}, turn) for _, turn in pending]}
+  if isinstance(service, ColocatedSubAgent):
+    # The sub-agent's turns run in the same engine as the main agent's.
+    return _run({"main": policy}, episodes, tools, tokenizer=tokenizer, limits=limits, key=key,
+                record=record, sub=service, step=step, force=force)
+  tools["main"] = main_tool_fn(service, step=step, limits=limits, tools=tools_in)
+  return _run({"main": policy}, episodes, tools, tokenizer=tokenizer, limits=limits, key=key,
+              record=record, force=force)
 
 
 def rollout_single(policy: TurnPolicy, questions: Sequence[Any], *, num_rollouts: int,

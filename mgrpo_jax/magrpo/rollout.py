@@ -2,7 +2,7 @@
 
 Turn t starts from P * J^t nodes (a node is one prompt plus the history of the joint
 actions that led to it). Every agent completes G samples per node in one batched
-`generate` call, the joint actions of each node are scored together, and each joint action
+engine call (`engine/run.py:complete`: the agents' slots decode together), the joint actions of each node are scored together, and each joint action
 becomes a node of turn t + 1 with the environment's feedback appended to every agent's
 chat (algorithm.md 2.2). Orders follow `rl.joint`: samples `node * G + g`, joint actions
 `node * J + j`.
@@ -16,6 +16,9 @@ import jax
 import numpy as np
 
 from mgrpo_jax import distributed, sampling
+from mgrpo_jax.agents import rollout as agent_rollout
+from mgrpo_jax.engine import lanes
+from mgrpo_jax.engine import run as engine_run
 from mgrpo_jax.rl import joint
 
 
@@ -54,44 +57,63 @@ class PromptTooLongError(ValueError):
 
 class Policy:
   """One agent's sampler over its current parameters (a MoE one under `mesh`, see
-  `agents.rollout.LLMPolicy`)."""
+  `agents.rollout.LLMPolicy`): a lane of the agent engine (`engine/lanes.py`) whose turns
+  are single completions. `record` and `force` serve the engine's schedule benchmark."""
 
   def __init__(self, model_config, params, tokenizer, *, max_new_tokens: int, max_len: int,
                temperature: float, top_p: float = 1.0, top_k: int = 0, chunk: int = 64,
-               kv_cache_budget_bytes: int | None = None, mesh=None):
+               kv_cache_budget_bytes: int | None = None, mesh=None, slots: int = 0):
     self.model_config, self.params, self.tokenizer = model_config, params, tokenizer
+    self.config = model_config
     self.mesh = mesh if model_config.is_moe else None
     self._weights = None  # The sampler's weights of this policy version, made on first use.
-    self.kw = dict(max_new_tokens=max_new_tokens, max_len=max_len, temperature=temperature,
-                   top_p=top_p, top_k=top_k, chunk=chunk,
-                   kv_cache_budget_bytes=kv_cache_budget_bytes)
+    self.limits = agent_rollout.Limits(max_turns=1, max_new_tokens=max_new_tokens,
+                                       max_len=max_len)
+    self.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
+    self.stop_ids, self.stop_strings = tuple(tokenizer.stop_ids), ()
+    self.chunk, self.slots, self.budget = chunk, slots, kv_cache_budget_bytes
+    self.record, self.force, self.calls = None, None, 0
+
+  def _decode_params(self):
+    if self._weights is None:
+      with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+        self._weights = sampling.decode_params(self.model_config, self.params)
+    return self._weights
+
+  slots_for = agent_rollout.LLMPolicy.slots_for
 
   def complete(self, prompts: Sequence[list[int]], key) -> list[Completion]:
-    longest = max(len(p) for p in prompts)
-    if longest + self.kw["max_new_tokens"] > self.kw["max_len"]:
+    return complete_together([self], [prompts], [key])[0]
+
+
+def complete_together(policies: Sequence[Policy], prompts: Sequence[Sequence[list[int]]],
+                      keys: Sequence) -> list[list[Completion]]:
+  """`policies[i]` completes `prompts[i]` (sample r from `keys[i]`, stream r), all agents'
+  slots decoding together."""
+  for pol, ps in zip(policies, prompts):
+    longest = max(len(p) for p in ps)
+    if longest + pol.limits.max_new_tokens > pol.limits.max_len:
       # Later turns carry the whole chat; fail before sampling, naming the fields to change.
       raise PromptTooLongError(
           f"A prompt of {longest} tokens leaves no room for config.max_new_tokens="
-          f"{self.kw['max_new_tokens']} within config.max_len={self.kw['max_len']}; raise "
+          f"{pol.limits.max_new_tokens} within config.max_len={pol.limits.max_len}; raise "
           "max_len or lower max_new_tokens / num_turns.")
-    tok = self.tokenizer
-    with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-      if self._weights is None:
-        self._weights = sampling.decode_params(self.model_config, self.params)
-      res = sampling.generate(self.model_config, self._weights, prompts, key=key,
-                              stop_token_ids=tok.stop_ids, pad_id=tok.pad_id, **self.kw)
-    out = []
-    for i, prompt in enumerate(prompts):
-      n = int(res.lengths[i])
-      ids = [int(t) for t in res.tokens[i, :n]]
+  record = policies[0].record
+  lanes_ = [lanes.SlotLane(f"agent{i}", pol, key=k, num_slots=pol.slots_for(len(ps)),
+                           chunk=pol.chunk, record=record, force=pol.force)
+            for i, (pol, ps, k) in enumerate(zip(policies, prompts, keys))]
+  done = engine_run.complete(lanes_, prompts, chunk=min(p.chunk for p in policies),
+                             record=record, turn=policies[0].calls)
+  out = []
+  for pol, ps, res in zip(policies, prompts, done):
+    pol.calls += 1
+    tok, comps = pol.tokenizer, []
+    for prompt, (ids, logps, finish, routes) in zip(ps, res):
       body = ids[:-1] if ids and ids[-1] in tok.stop_ids else ids
-      routes = None
-      if res.experts is not None:
-        routes = np.concatenate([res.prompt_experts[i], res.experts[i, :n]])
-      out.append(Completion(list(prompt), ids, [float(x) for x in res.logprobs[i, :n]],
-                            tok.decode(body, skip_special=True), res.finish_reasons[i],
-                            routes))
-    return out
+      comps.append(Completion(list(prompt), list(ids), [float(x) for x in logps],
+                              tok.decode(body, skip_special=True), finish, routes))
+    out.append(comps)
+  return out
 
 
 @dataclasses.dataclass
@@ -143,15 +165,19 @@ def joint_rollout(task, policies: Sequence[Policy], examples: Sequence, *, group
   turns = []
   for t in range(num_turns):
     key_t = jax.random.fold_in(key, t)
-    completions = []
-    for i, policy in enumerate(policies):
-      if pipeline == "sequential":  # Sample g sees sample g of every earlier agent.
+    keys = [jax.random.fold_in(key_t, i) for i in range(n_agents)]
+    if pipeline == "sequential" or not all(isinstance(p, Policy) for p in policies):
+      completions = []
+      seq = pipeline == "sequential"
+      for i, policy in enumerate(policies):  # Sample g sees sample g of every earlier agent.
         prompts = [_chat(tok, _with_others(chat[i], [
-            (names[k], completions[k][node * group + g].text) for k in range(i)]))
+            (names[k], completions[k][node * group + g].text) for k in range(i)] if seq else []))
                    for node, chat in enumerate(chats) for g in range(group)]
-      else:
-        prompts = [_chat(tok, chat[i]) for chat in chats for _ in range(group)]
-      completions.append(policy.complete(prompts, jax.random.fold_in(key_t, i)))
+        completions.append(policy.complete(prompts, keys[i]))
+    else:  # Samplers whose turns are independent: their slots decode together.
+      completions = complete_together(
+          policies, [[_chat(tok, chat[i]) for chat in chats for _ in range(group)]
+                     for i in range(n_agents)], keys)
     joint_ex, texts = [], []
     for node, ex in enumerate(node_examples):
       for j in range(n_joint):
