@@ -194,5 +194,8 @@ class Pipeline:
     if self._timeline_dir:
       os.makedirs(self._timeline_dir, exist_ok=True)
       with open(os.path.join(self._timeline_dir, TIMELINE_FILE), "w") as f:
-        for e in sorted(self.timeline, key=lambda e: e["start_s"]):
+        # Times are seconds since the first line's `perf_counter_s` (this process's clock).
+        f.write(json.dumps(dict(kind="start", step=self.start, start_s=0.0, end_s=0.0,
+                                perf_counter_s=self._t0)) + "\n")
+        for e in sorted(list(self.timeline), key=lambda e: e["start_s"]):
           f.write(json.dumps(e) + "\n")

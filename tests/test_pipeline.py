@@ -171,7 +171,7 @@ def test_pipelined_run_is_deterministic_and_bounded_on_split_devices(tmp_path):
   assert all(m["main/staleness/count_1"] == (0 if m["step"] == 0 else 8) for m in a[:3])
   kinds = {line.split('"kind": "')[1].split('"')[0]
            for line in open(os.path.join(runs[0], pipeline.TIMELINE_FILE))}
-  assert kinds == {"rollout", "host", "update", "handoff"}
+  assert kinds == {"start", "rollout", "host", "update", "handoff"}
 
 
 def test_a_split_needs_the_pipeline_and_devices_left_to_train(tmp_path):
