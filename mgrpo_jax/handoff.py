@@ -11,10 +11,10 @@ asynchronous: the sampler keeps decoding with version v while v + 1 lands (two v
 are alive then; `pipeline.Pipeline` lets v go when no step plays it any more).
 """
 
-import dataclasses
 import functools
 from typing import Any
 
+import flax.struct
 import jax
 import numpy as np
 
@@ -22,15 +22,16 @@ from mgrpo_jax import sharding
 from mgrpo_jax.models import decode
 
 
-@dataclasses.dataclass(frozen=True)
+@flax.struct.dataclass
 class SamplerWeights:
   """One agent's policy version as the sampler reads it (what `play.make_policies` reads of
-  an agent: its model config, its parameters and the mesh it samples under)."""
+  an agent: its model config, its parameters and the mesh it samples under); a pytree of
+  the parameters, so `jax.block_until_ready` waits for the copy."""
 
-  model_config: Any
   params: decode.DecodeParams
-  mesh: jax.sharding.Mesh
-  version: int
+  model_config: Any = flax.struct.field(pytree_node=False)
+  mesh: jax.sharding.Mesh = flax.struct.field(pytree_node=False)
+  version: int = flax.struct.field(pytree_node=False)
 
   @property
   def nbytes(self) -> int:
@@ -92,7 +93,7 @@ class Handoff:
       mesh = a.mesh
       if self._mesh is not None:
         params, mesh = jax.device_put(params, self._dst[name]), self._mesh
-      out[name] = SamplerWeights(a.model_config, params, mesh, version)
+      out[name] = SamplerWeights(params, a.model_config, mesh, version)
       if name in self._fixed:
         self._kept[name] = out[name]
     return out

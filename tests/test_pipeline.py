@@ -230,6 +230,9 @@ def test_shared_devices_publish_a_copy_that_outlives_a_donated_state():
   agent = _agent(mesh, compute="float32")  # The cast changes no dtype: still a copy.
   h = handoff.Handoff({"main": agent}, fixed=())
   v0 = h.publish(0)["main"]
+  # The published weights are a pytree of their arrays: waiting for them waits for the copy.
+  assert [id(x) for x in jax.tree.leaves({"main": v0})] == [
+      id(x) for x in jax.tree.leaves(v0.params)]
   want = [np.asarray(x) for x in jax.tree.leaves(v0.params)]
   jax.jit(lambda p: jax.tree.map(lambda x: x * 2, p), donate_argnums=0)(agent.params)
   for x, w in zip(jax.tree.leaves(v0.params), want):

@@ -30,7 +30,8 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict:
     """Step `step`'s rollouts by the agents' current weights, or by the published sampler
     `weights` of one policy version (`handoff.SamplerWeights`: the pipeline's)."""
     env, questions = training_questions(step)
-    version = step if weights is None else next(iter(weights.values())).version
+    # An untrained agent's weights keep the version they were handed over at.
+    version = step if weights is None else max(w.version for w in weights.values())
     policies = play.make_policies(c, p.wiring, env, p.agents if weights is None else weights,
                                   c.sampling, version=version)
     eps, sub_eps = play.run_rollouts(c, p.wiring, env, policies, questions,
