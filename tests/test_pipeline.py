@@ -12,6 +12,7 @@ import pytest
 
 from configs import mgrpo
 from mgrpo_jax import config_checks, handoff, keys, metrics, models, pipeline, sharding
+from mgrpo_jax.agents import rollout
 from mgrpo_jax.models import decode
 from mgrpo_jax.mgrpo import colocated, play, setup, tasks
 from mgrpo_jax.mgrpo import step as mgrpo_step
@@ -105,6 +106,18 @@ def test_rows_recorded_beyond_the_bound_are_refused():
   pipeline.check(5, 2, [3, 4, 5])
   with pytest.raises(pipeline.StalenessError):
     pipeline.check(5, 2, [2, 5])
+
+
+def test_every_version_a_step_recorded_is_checked_delegations_included():
+  ep = lambda role, v, served=(): rollout.Episode(
+      role=role, q=0, k=0, call=-1, task=None, tokens=[1], loss_mask=[1], logprobs=[0.0],
+      validator=None, policy_version=v, delegation_versions=list(served))
+  # A main episode of version 6 whose two delegations two sub-agent versions served.
+  r = play.Rollouts(None, [], [ep("main", 6, served=(6, 4)), ep("main", 6)], [ep("sub", 5)])
+  assert sorted(colocated.behaviour_versions(r)) == [4, 5, 6, 6, 6]
+  pipeline.check(6, 2, colocated.behaviour_versions(r))
+  with pytest.raises(pipeline.StalenessError, match="version 4 are 3 versions behind"):
+    pipeline.check(7, 2, colocated.behaviour_versions(r))
 
 
 def test_close_stops_a_rollout_thread_waiting_for_a_version():
