@@ -6,9 +6,10 @@ the training weights into that layout on the training devices (a fresh copy: the
 update donates the training state) and, when the sampler has devices of its own
 (`config.rollout_devices`), moves the copy there with one `device_put`: only the cast
 weights cross, each shard to its place on the rollout mesh, none gathered on one device
-(the meshes share their axes, so a training shard maps onto a rollout shard). The copy is
-asynchronous: the sampler keeps decoding with version v while v + 1 lands (two versions
-are alive then; `pipeline.Pipeline` lets v go when no step plays it any more).
+(both meshes are `config.mesh`'s axes: of the same shape, a training shard maps onto a
+rollout shard). The copy is asynchronous: the sampler keeps decoding with version v while
+v + 1 lands (with k = 1 two versions are alive then, k + 1 at most; `pipeline.Pipeline`
+lets v go when no step plays it any more).
 """
 
 import functools

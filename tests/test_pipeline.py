@@ -187,6 +187,14 @@ def test_pipelined_run_is_deterministic_and_bounded_on_split_devices(tmp_path):
   assert kinds == {"start", "rollout", "host", "update", "handoff"}
 
 
+def test_two_steps_of_lag_on_shared_devices(tmp_path):
+  colocated.train_and_evaluate(_config(max_staleness=2, num_steps=4), str(tmp_path))
+  lines = metrics.read_metrics(str(tmp_path))[:4]
+  assert [m["pipeline/version_lag"] for m in lines] == [0.0, 1.0, 2.0, 2.0]
+  assert [m["main/staleness/max"] for m in lines] == [0.0, 1.0, 2.0, 2.0]
+  assert all(m["main/staleness/count_2"] == (8 if m["step"] >= 2 else 0) for m in lines)
+
+
 def test_a_split_needs_the_pipeline_and_devices_left_to_train(tmp_path):
   with pytest.raises(config_checks.ConfigValueError, match="rollout_devices=4 .*max_staleness"):
     setup.meshes(_config(rollout_devices=4))
