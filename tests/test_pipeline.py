@@ -1,7 +1,10 @@
 """The bounded-staleness pipeline: its schedule and bound (no JAX), the colocated program
 pipelined end to end, k = 0 against the sequential loop, and the handoff to rollout devices."""
 
+import json
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -266,3 +269,21 @@ def test_a_fixed_agent_is_published_once():
   h = handoff.Handoff({"main": _agent(mesh), "sub": _agent(mesh)}, fixed=("sub",))
   a, b = h.publish(0), h.publish(1)
   assert b["sub"] is a["sub"] and b["main"] is not a["main"] and b["main"].version == 1
+
+
+def test_the_demo_passes_max_staleness_to_its_m_grpo_stage(tmp_path):
+  # The demo's two stages replaced by recorders: what config and workdir the RL stage gets.
+  out = tmp_path / "seen.json"
+  code = "\n".join([
+      "import json, runpy, sys",
+      "from mgrpo_jax.mgrpo import colocated, sft",
+      "sft.train_sft = lambda c, w: None",
+      "def rl(c, w):",
+      f"  json.dump(dict(k=c.max_staleness, workdir=w), open({str(out)!r}, 'w'))",
+      "  raise SystemExit(0)",
+      "colocated.train_and_evaluate = rl",
+      f"sys.argv = ['demo.py', '--workdir={tmp_path}', '--max_staleness=1']",
+      "runpy.run_path('launch/demo.py', run_name='__main__')"])
+  subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                 cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert json.loads(out.read_text()) == dict(k=1, workdir=str(tmp_path / "mgrpo-k1"))
