@@ -203,6 +203,11 @@ def test_a_split_needs_the_pipeline_and_devices_left_to_train(tmp_path):
     setup.meshes(_config(rollout_devices=4))
   with pytest.raises(config_checks.ConfigValueError, match="rollout_devices=8 with"):
     setup.meshes(_config(rollout_devices=8, max_staleness=1))
+  with pytest.raises(config_checks.ConfigValueError, match="only the colocated program"):
+    setup.meshes(_config(rollout_devices=4, max_staleness=1), pipelined=False)  # decoupled
+  train, rollout = setup.meshes(_config(rollout_devices=2, max_staleness=1))
+  assert list(rollout.devices.flat) == jax.devices()[:2]
+  assert list(train.devices.flat) == jax.devices()[2:]
   with pytest.raises(config_checks.ConfigValueError, match="config.rollout_devices=-1"):
     setup.start(_config(rollout_devices=-1), str(tmp_path))
 
