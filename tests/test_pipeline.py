@@ -198,6 +198,16 @@ def test_two_steps_of_lag_on_shared_devices(tmp_path):
   assert all(m["main/staleness/count_2"] == (8 if m["step"] >= 2 else 0) for m in lines)
 
 
+def test_a_resumed_pipeline_plays_from_the_restored_version(tmp_path):
+  # Versions before the checkpoint are not kept: steps 2 and 3 play the restored version 2.
+  colocated.train_and_evaluate(_config(max_staleness=1, num_steps=2), str(tmp_path))
+  colocated.train_and_evaluate(_config(max_staleness=1, num_steps=4), str(tmp_path))
+  lines = metrics.read_metrics(str(tmp_path))
+  assert [m["step"] for m in lines] == [0, 1, 2, 3, 4]
+  assert [m["pipeline/version_lag"] for m in lines[:4]] == [0.0, 1.0, 0.0, 1.0]
+  assert [m["main/staleness/max"] for m in lines[:4]] == [0.0, 1.0, 0.0, 1.0]
+
+
 def test_a_split_needs_the_pipeline_and_devices_left_to_train(tmp_path):
   with pytest.raises(config_checks.ConfigValueError, match="rollout_devices=4 .*max_staleness"):
     setup.meshes(_config(rollout_devices=4))
