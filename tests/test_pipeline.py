@@ -165,7 +165,16 @@ def test_max_staleness_0_is_the_sequential_loop_bit_for_bit(tmp_path):
   for m, line in zip(ref, lines):
     m = metrics.stable([m])[0]
     assert {k: line[k] for k in m} == {k: float(v) for k, v in m.items()}
+  # The checkpoint (weights, optimizer moments, step, key) restored, and the final export.
+  restored = setup.start(c, str(tmp_path / "run"))
+  assert restored.start == c.num_steps
   for name in ("main", "sub"):
+    got, want = (jax.tree.leaves(a.state) for a in (restored.agents[name], p.agents[name]))
+    assert len(got) == len(want)
+    for x, y in zip(got, want):
+      if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x, y = jax.random.key_data(x), jax.random.key_data(y)
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     for x, y in zip(_hf(str(tmp_path / "run"), name), jax.tree.leaves(p.agents[name].params)):
       np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
