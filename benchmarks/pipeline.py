@@ -42,9 +42,8 @@ from mgrpo_jax import handoff, metrics, pipeline, sharding  # noqa: E402
 from mgrpo_jax.mgrpo import colocated, setup  # noqa: E402
 from mgrpo_jax.models import decode, qwen3  # noqa: E402
 
-LANES = ("rollout", "handoff", "host", "update")
-COLORS = {"rollout": "tab:blue", "handoff": "tab:purple", "host": "tab:orange",
-          "update": "tab:green"}
+LANES = {"rollout": "tab:blue", "handoff": "tab:purple", "host": "tab:orange",
+         "update": "tab:green"}  # The timeline's lanes and their colours.
 TARGETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_targets")
 # smoke's turns stop at 24 tokens: rollouts far shorter than any real policy's (whose
 # generation is most of an RL step); a random policy's turns here run 30-100 tokens.
@@ -99,27 +98,21 @@ def sequential_timeline(lines: list[dict]) -> list[dict]:
 
 def staleness(lines: list[dict], k: int) -> dict:
   """{agent: [rows of lag 0, 1, .., k]} summed over the steps."""
-  out = {}
-  for agent in ("main", "sub"):
-    counts = [sum(m.get(f"{agent}/staleness/count_{s}", 0.0) for m in lines)
-              for s in range(k + 1)]
-    if any(f"{agent}/staleness/max" in m for m in lines):
-      out[agent] = [int(c) for c in counts]
-  return out
+  return {agent: [int(sum(m.get(f"{agent}/staleness/count_{s}", 0.0) for m in lines))
+                  for s in range(k + 1)]
+          for agent in ("main", "sub") if any(f"{agent}/staleness/max" in m for m in lines)}
 
 
 def handoff_bytes(c) -> dict:
   """Bytes one policy version moves, per agent and per receiving device (the run's agents)."""
   with tempfile.TemporaryDirectory() as tmp:
     p = setup.start(c, tmp)
-  h = handoff.Handoff(p.agents, p.rollout_mesh)
-  out = {"bytes_per_version": h.bytes_per_version()}
+  out = {"bytes_per_version": handoff.Handoff(p.agents, p.rollout_mesh).bytes_per_version()}
   if p.rollout_mesh is not None:
-    out["bytes_per_rollout_device"] = {
-        name: handoff.shard_bytes(jax.eval_shape(functools.partial(
-            decode.decode_params, a.model_config), a.params), handoff.sampler_shardings(
-                a.model_config, a.params, p.rollout_mesh)).tolist()
-        for name, a in p.agents.items()}
+    per_device = lambda a: handoff.shard_bytes(
+        jax.eval_shape(functools.partial(decode.decode_params, a.model_config), a.params),
+        handoff.sampler_shardings(a.model_config, a.params, p.rollout_mesh)).tolist()
+    out["bytes_per_rollout_device"] = {name: per_device(a) for name, a in p.agents.items()}
   return out
 
 
@@ -152,17 +145,17 @@ def gpu_handoff(target: str, preset: str = "qwen3_8b", split: int = 4) -> dict:
 
 def _lanes(ax, timeline: list[dict], span: tuple[float, float]) -> None:
   """One lane per phase, each interval a bar labelled with its step (or version)."""
-  for lane, kind in enumerate(LANES):
+  for lane, (kind, color) in enumerate(LANES.items()):
     bars = [e for e in timeline if e["kind"] == kind and e["end_s"] > span[0]
             and e["start_s"] < span[1]]
     ax.broken_barh([(e["start_s"], e["end_s"] - e["start_s"]) for e in bars],
-                   (lane - 0.4, 0.8), color=COLORS[kind], alpha=0.8)
+                   (lane - 0.4, 0.8), color=color, alpha=0.8)
     for e in bars:
-      if e["end_s"] - e["start_s"] > 0.03 * (span[1] - span[0]):
-        ax.text((e["start_s"] + e["end_s"]) / 2, lane, str(e["step"]), ha="center",
-                va="center", fontsize=7)
+      mid = (e["start_s"] + e["end_s"]) / 2
+      if e["end_s"] - e["start_s"] > 0.03 * (span[1] - span[0]) and span[0] < mid < span[1]:
+        ax.text(mid, lane, str(e["step"]), ha="center", va="center", fontsize=7)
   ax.set_xlim(*span)
-  ax.set_yticks(range(len(LANES)), LANES)
+  ax.set_yticks(range(len(LANES)), list(LANES))
   ax.invert_yaxis()
   ax.grid(alpha=0.3)
 
