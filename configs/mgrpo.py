@@ -130,9 +130,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Versions a row's behaviour policy may lag the policy being updated, per agent (a
   # decoupled main program also refuses older sub-agent results). >= 1 trains with the
   # truncated importance weight min(pi_old / pi_behaviour, C), C = staleness_tis_cap (a loss
-  # section's own tis_cap wins when set); 0 is the on-policy step.
+  # section's own tis_cap wins when set), and the colocated program plays the next k steps'
+  # rollouts while a step updates (docs/pipeline.md); 0 is the on-policy sequential step.
   c.max_staleness = 0
   c.staleness_tis_cap = 2.0
+  # > 0 (with max_staleness >= 1, colocated): the first N devices sample, on a mesh of their
+  # own (config.mesh's axes), the rest train; each policy version reaches them as one copy of
+  # its compute-dtype weights. 0: every device does both.
+  c.rollout_devices = 0
   if args["gpu"]:
     _gpu(c, preset=args["model"] or "qwen3_0p6b")
   if args["runlocal"] or args["smoke"] or (args["task"] != "world" and not args["gpu"]):

@@ -2,6 +2,7 @@
 
   python launch/demo.py --workdir=/tmp/mgrpo_demo
   python launch/demo.py --workdir=/tmp/mgrpo_demo --lora=8   # M-GRPO of LoRA agents instead
+  python launch/demo.py --workdir=/tmp/mgrpo_demo --max_staleness=1   # pipelined M-GRPO
 
 Runs `configs/sft.py:runlocal` (supervised warm start on the scripted experts' traces) into
 WORKDIR/sft, then `configs/mgrpo.py:runlocal,init=WORKDIR/sft` into WORKDIR/mgrpo: exactly
@@ -28,16 +29,21 @@ from mgrpo_jax.mgrpo import colocated, sft
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/mgrpo_demo", "Runs go to sft/ and mgrpo/ here.")
 _LORA = flags.DEFINE_integer("lora", 0, "> 0: the M-GRPO stage trains LoRA adapters of this "
                              "rank over the (full) warm start, into mgrpo-lora<rank>/.")
+_MAX_STALENESS = flags.DEFINE_integer(
+    "max_staleness", 0, "> 0: config.max_staleness; the M-GRPO stage plays the next steps' "
+    "rollouts while a step updates (docs/pipeline.md), into mgrpo-k<k>/.")
 
 
 def main(argv):
   del argv
   cli.start(devices=False)
   rl_name = f"mgrpo-lora{_LORA.value}" if _LORA.value else "mgrpo"
+  rl_name += f"-k{_MAX_STALENESS.value}" if _MAX_STALENESS.value else ""
   warm, rl = (os.path.join(_WORKDIR.value, name) for name in ("sft", rl_name))
   sft.train_sft(sft_config.get_config("runlocal"), warm)
-  colocated.train_and_evaluate(
-      mgrpo_config.get_config(f"runlocal,init={warm},lora={_LORA.value}"), rl)
+  c = mgrpo_config.get_config(f"runlocal,init={warm},lora={_LORA.value}")
+  c.max_staleness = _MAX_STALENESS.value
+  colocated.train_and_evaluate(c, rl)
   if not distributed.is_primary():
     return  # Process 0 wrote the metrics; it alone plots them.
   evals = [m for m in metrics.read_metrics(rl) if "eval/accuracy" in m]

@@ -68,6 +68,8 @@ def step_driver(*, rollout: Rollout | None, learn: Learn, train: Train) -> Calla
   `rollout(step)` plays the step (None: a program without rollouts, SFT); `learn(step,
   rollouts)` turns them into batches and metrics; `train(batches, step)` runs the train
   steps. Rollouts with `num_generated` (tokens) also give the engine's `tokens_per_s`.
+  This is the sequential step (`max_staleness = 0`); `pipeline.Pipeline` is the pipelined
+  one, built from the same phases.
   """
 
   def update(step: int) -> dict:
@@ -77,7 +79,11 @@ def step_driver(*, rollout: Rollout | None, learn: Learn, train: Train) -> Calla
     rollouts = rollout(step) if rollout is not None else None
     t_roll = time.perf_counter() - t0
     batches, m = learn(step, rollouts)
+    t_train = time.perf_counter()
     m.update(train(batches, step))
+    # The phases' wall-clock (host work: rewards, advantages, batching; then the update).
+    m["time/host_s"] = t_train - t0 - t_roll
+    m["time/update_s"] = time.perf_counter() - t_train
     if rollout is not None:
       m["time/rollout_s"] = t_roll
     if hasattr(rollouts, "num_generated"):

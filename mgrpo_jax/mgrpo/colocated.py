@@ -3,7 +3,9 @@
   python launch/train.py --config=configs/mgrpo.py:runlocal --workdir=/tmp/mgrpo
 
 Each step: rollouts (delegations served by a `ColocatedSubAgent` here), both sides of
-`mgrpo.step` and the wiring's updates, driven by the one training loop. The decoupled pair
+`mgrpo.step` and the wiring's updates, driven by the one training loop; with
+`config.max_staleness >= 1` the next steps' rollouts play while a step updates
+(`pipeline.py`, docs/pipeline.md). The decoupled pair
 (`decoupled.py`) computes exactly the same numbers over an exchange.
 """
 
@@ -24,9 +26,14 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict:
                                           "num_queries*num_rollouts*align_d": rows * c.align_d})
   training_questions = tasks.TrainingQuestions(c, p.env)
 
-  def rollout(step: int) -> play.Rollouts:
+  def rollout(step: int, weights: dict | None = None) -> play.Rollouts:
+    """Step `step`'s rollouts by the agents' current weights, or by the published sampler
+    `weights` of one policy version (`handoff.SamplerWeights`: the pipeline's)."""
     env, questions = training_questions(step)
-    policies = play.make_policies(c, p.wiring, env, p.agents, c.sampling, version=step)
+    # An untrained agent's weights keep the version they were handed over at.
+    version = step if weights is None else max(w.version for w in weights.values())
+    policies = play.make_policies(c, p.wiring, env, p.agents if weights is None else weights,
+                                  c.sampling, version=version)
     eps, sub_eps = play.run_rollouts(c, p.wiring, env, policies, questions,
                                      num_rollouts=c.num_rollouts, key=keys.step_key(c, step),
                                      step=step)
@@ -42,4 +49,12 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict:
   return p.run(workdir, rollout=rollout, learn=learn,
                train=functools.partial(mgrpo_step.update, p.wiring, p.agents),
                evaluate=evaluate, desc=c.variant,
-               show=("main/reward", "single/reward", "eval/accuracy"))
+               show=("main/reward", "single/reward", "eval/accuracy"),
+               play=rollout, versions=None if c.policy == "expert" else behaviour_versions)
+
+
+def behaviour_versions(r: play.Rollouts) -> list[int]:
+  """Every policy version a step's rows were sampled by: each main (or single) episode's,
+  the sub-agent version that served each of its delegations, each sub-agent episode's."""
+  out = [ep.policy_version for ep in r.episodes + r.sub_episodes]
+  return out + [v for ep in r.episodes for v in getattr(ep, "delegation_versions", ())]

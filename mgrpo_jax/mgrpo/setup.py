@@ -23,7 +23,7 @@ import ml_collections
 
 from mgrpo_jax import checkpoint as ckpt_lib
 from mgrpo_jax import config_checks as checks
-from mgrpo_jax import loop, sharding, trainable
+from mgrpo_jax import handoff, loop, pipeline, sharding, trainable
 from mgrpo_jax.agents import native
 from mgrpo_jax.rl import rewards
 from mgrpo_jax.config_checks import ConfigValueError
@@ -80,6 +80,7 @@ def _fields(training: bool) -> tuple[dict, dict]:
   ranges = {"num_rollouts": checks.at_least(2 if training else 1),
             "adv_eps": checks.POSITIVE, "max_to_keep": checks.at_least(1),
             "max_staleness": checks.at_least(0), "seed": checks.at_least(0),
+            "rollout_devices": checks.at_least(0),
             "expert_noise": checks.PROBABILITY}
   ranges.update(dict.fromkeys(("num_queries", "align_d", "num_steps", "eval_every",
                                "num_eval_questions", "checkpoint_every", "num_micro",
@@ -209,7 +210,8 @@ def load_judge(spec: str) -> rewards.Judge:
 @dataclasses.dataclass(frozen=True)
 class Program:
   """What an M-GRPO program sets up once (`start`): the config, its wiring, the mesh, the
-  task, the agents it owns, their checkpointer and the first step to run."""
+  task, the agents it owns, their checkpointer and the first step to run; with
+  `config.rollout_devices` the sampler's own mesh (`mesh` is then the training devices')."""
 
   c: ml_collections.ConfigDict
   wiring: Wiring
@@ -218,16 +220,37 @@ class Program:
   agents: dict
   ckpt: ckpt_lib.Checkpointer
   start: int
+  rollout_mesh: jax.sharding.Mesh | None = None
 
   def run(self, workdir: str, *, rollout: loop.Rollout | None, learn: loop.Learn,
           train: loop.Train, evaluate: Callable[[int], dict], desc: str, show,
-          schedule: loop.Schedule | None = None) -> dict:
+          schedule: loop.Schedule | None = None, play: Callable | None = None,
+          versions: Callable | None = None) -> dict:
     """Runs the program's phases (`loop.step_driver`) from `start` in the one training loop;
-    the schedule is the config's unless given."""
-    return loop.train_loop(
-        workdir, self.agents, self.ckpt, schedule or loop.Schedule.of(self.c), start=self.start,
-        update=loop.step_driver(rollout=rollout, learn=learn, train=train), evaluate=evaluate,
-        tokenizer=self.env.tokenizer, desc=desc, show=show)
+    the schedule is the config's unless given.
+
+    With `config.max_staleness` >= 1 and `play(step, weights)` (a rollout from published
+    sampler weights) the steps are pipelined (`pipeline.Pipeline`; `versions(rollouts)`:
+    the behaviour versions the rows recorded, checked against the bound).
+    """
+    schedule = schedule or loop.Schedule.of(self.c)
+    k = self.c.get("max_staleness", 0)
+    if play is None or k < 1:
+      update = loop.step_driver(rollout=rollout, learn=learn, train=train)
+    else:
+      publisher = handoff.Handoff(self.agents, self.rollout_mesh,
+                                  fixed=[a for a in self.agents if a not in self.wiring.trained])
+      update = pipeline.Pipeline(
+          play=play, learn=learn, train=train, publish=publisher.publish, k=k,
+          start=self.start, num_steps=schedule.num_steps, versions=versions,
+          timeline_dir=workdir if jax.process_index() == 0 else "")
+    try:
+      return loop.train_loop(
+          workdir, self.agents, self.ckpt, schedule, start=self.start, update=update,
+          evaluate=evaluate, tokenizer=self.env.tokenizer, desc=desc, show=show)
+    finally:
+      if hasattr(update, "close"):
+        update.close()  # The rollout thread stops with the loop, an error's included.
 
 
 def start(c: ml_collections.ConfigDict, workdir: str, *, only: str | None = None,
@@ -251,7 +274,7 @@ def start(c: ml_collections.ConfigDict, workdir: str, *, only: str | None = None
     raise ConfigValueError(f"config.variant={c.variant!r} has no separate sub-agent; "
                            "decoupled runs need 'mgrpo' or 'frozen_sub'.")
   os.makedirs(workdir, exist_ok=True)
-  mesh = sharding.make_mesh(dict(c.mesh))
+  mesh, rollout_mesh = meshes(c, pipelined=only is None)
   for field, rows in (batch_rows or {}).items():
     checks.check_batch_divides_mesh(rows, mesh, f"config.{field}")
   env = tasks.build_env(c)
@@ -261,4 +284,25 @@ def start(c: ml_collections.ConfigDict, workdir: str, *, only: str | None = None
   ckpt = ckpt_lib.Checkpointer(checkpoints or os.path.join(workdir, "checkpoints"),
                                cache_dir=cache_dir,
                                max_to_keep=c.max_to_keep if max_to_keep is None else max_to_keep)
-  return Program(c, w, mesh, env, agents, ckpt, loop.resume(ckpt, agents, workdir, c))
+  return Program(c, w, mesh, env, agents, ckpt, loop.resume(ckpt, agents, workdir, c),
+                 rollout_mesh)
+
+
+def meshes(c, *, pipelined: bool = True) -> tuple[jax.sharding.Mesh, jax.sharding.Mesh | None]:
+  """(the training mesh, the sampler's mesh or None): `config.mesh` over all devices, or
+  with `config.rollout_devices = N > 0` over the first N devices (the sampler's) and over
+  the rest (training's). A split needs the pipeline (`max_staleness` >= 1) of the colocated
+  program (`pipelined`)."""
+  n = c.get("rollout_devices", 0)
+  if not n:
+    return sharding.make_mesh(dict(c.mesh)), None
+  if not pipelined or c.get("max_staleness", 0) < 1:
+    raise ConfigValueError(f"config.rollout_devices={n} gives the sampler devices of its own, "
+                           "which only the colocated program's pipeline uses: set "
+                           "config.max_staleness >= 1 (or rollout_devices=0).")
+  try:
+    rollout, train = handoff.split_devices(n)
+    return sharding.make_mesh(dict(c.mesh), train), sharding.make_mesh(dict(c.mesh), rollout)
+  except (ValueError, sharding.ShardingError) as e:
+    raise ConfigValueError(f"config.rollout_devices={n} with config.mesh="
+                           f"{dict(c.mesh)}: {e}") from None
