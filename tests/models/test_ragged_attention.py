@@ -1,0 +1,167 @@
+"""The ragged decode attention (jax's Pallas decode kernel) against the reference."""
+
+import functools
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchmarks import hlo_stats
+from mgrpo_jax import models, sampling
+from mgrpo_jax.models import attention, decode, qwen3, ragged_attention
+
+# Three kv heads of four query heads each; 256 slots; rows from 1 slot to the full cache,
+# and lengths on both sides of a 16-slot block and a 128-slot part.
+B, K, G, S, H = 6, 3, 4, 256, 16
+LENGTHS = (1, 256, 17, 128, 129, 200)
+
+
+def _qkv(dtype=jnp.float32, seed=0):
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.normal(size=(B, K, G, 1, H)), dtype)
+  k = jnp.asarray(rng.normal(size=(B, K, S, H)), dtype)
+  v = jnp.asarray(rng.normal(size=(B, K, S, H)), dtype)
+  return q, k, v
+
+
+def _reference(q, k, v, pos):
+  up = lambda x: x.astype(jnp.float32)
+  return attention.reference(up(q), up(k), up(v), pos, jnp.ones((B, S), bool))
+
+
+def test_tiles_cut_the_cache_evenly():
+  assert ragged_attention.tiles(8192) == (16, 128)
+  assert ragged_attention.tiles(256, 16, 128) == (16, 16)
+  assert ragged_attention.tiles(256, 3, 128) == (2, 128)
+  assert ragged_attention.tiles(96) == (6, 16)
+  assert ragged_attention.tiles(16) == (1, 16)
+  assert ragged_attention.tiles(4096, 1, 64) == (1, 64)
+  with pytest.raises(ValueError, match="multiple of 16"):
+    ragged_attention.tiles(100)
+
+
+@pytest.mark.parametrize("splits", [1, 3, 16])
+def test_kernel_equals_reference(splits):
+  # The Pallas kernel itself (interpreted on CPU), float32 with exact matmuls.
+  q, k, v = _qkv()
+  pos = jnp.asarray(LENGTHS)[:, None] - 1
+  with jax.default_matmul_precision("highest"):
+    want = _reference(q, k, v, pos)
+    got = jax.jit(functools.partial(ragged_attention.decode, window=S, splits=splits,
+                                    interpret=True))(q, k, v, pos)
+  assert got.shape == want.shape and got.dtype == jnp.float32
+  np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-6)
+
+
+def test_kernel_reads_nothing_past_a_row_length():
+  # Slots past a row's length hold garbage (a finite 1e4, as a stale longer row might):
+  # the output does not change.
+  q, k, v = _qkv()
+  pos = jnp.asarray(LENGTHS)[:, None] - 1
+  past = jnp.arange(S)[None, None, :, None] > pos[:, :, None, None]
+  k2, v2 = jnp.where(past, 1e4, k), jnp.where(past, -1e4, v)
+  run = jax.jit(functools.partial(ragged_attention.decode, window=S, interpret=True))
+  with jax.default_matmul_precision("highest"):
+    np.testing.assert_array_equal(run(q, k2, v2, pos), run(q, k, v, pos))
+
+
+def test_kernel_bf16_close_to_reference():
+  q, k, v = _qkv(jnp.bfloat16)
+  pos = jnp.asarray(LENGTHS)[:, None] - 1
+  with jax.default_matmul_precision("highest"):
+    want = _reference(q, k, v, pos)
+  got = jax.jit(functools.partial(ragged_attention.decode, window=S, interpret=True))(
+      q, k, v, pos)
+  assert got.dtype == jnp.bfloat16
+  # bf16 inputs and outputs; the kernel keeps each part's partial output in bf16 too.
+  assert float(jnp.abs(got.astype(jnp.float32) - want).max()) < 3e-2
+
+
+def test_off_gpu_the_window_path_gives_the_same():
+  # On CPU `decode` runs the XLA path over the window (every row within it).
+  q, k, v = _qkv()
+  pos = jnp.asarray(LENGTHS)[:, None] - 1
+  pos = jnp.minimum(pos, 199)
+  with jax.default_matmul_precision("highest"):
+    want = _reference(q, k, v, pos)
+    got = jax.jit(functools.partial(ragged_attention.decode, window=208))(q, k, v, pos)
+  np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-6)
+
+
+# A dense tiny model; head_dim 16 and 3 groups of 2 query heads.
+_CONFIG = models.Qwen3Config(vocab_size=131, hidden_size=46, intermediate_size=58,
+                             num_layers=2, num_heads=6, num_kv_heads=3, head_dim=16,
+                             rope_theta=10_000.0, max_position_embeddings=512)
+
+
+def _decode_logits(config, dparams, tokens_BxT, split_B, cache_len):
+  """Prefill of each row's first tokens, then 4 steps, row b at position split_b + j."""
+  b, t = tokens_BxT.shape
+  cache = decode.init_cache(config, b, cache_len)
+  positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+  _, cache, _ = decode.forward(config, dparams, tokens_BxT, positions, cache)
+  out = []
+  for j in range(4):
+    pos_B = split_B + j
+    tok_B = jnp.take_along_axis(tokens_BxT, jnp.minimum(pos_B, t - 1)[:, None], axis=1)
+    logits, cache, _ = decode.forward(config, dparams, tok_B, pos_B[:, None], cache)
+    out.append(logits[:, 0])
+  return jnp.stack(out, 1), cache
+
+
+@pytest.mark.parametrize("interpret", [False, True])
+def test_model_decode_steps_equal_the_xla_layout(interpret, monkeypatch):
+  # The sampler's decode steps with attention="ragged" (keys stored [B, K, S, H]) give the
+  # logits of the default layout; `interpret` runs the kernel itself inside the model.
+  if interpret:
+    monkeypatch.setattr(ragged_attention, "decode",
+                        functools.partial(ragged_attention.decode, interpret=True))
+  ragged = models.Qwen3Config(**{**_CONFIG.__dict__, "attention": "ragged"})
+  params = qwen3.init_params(_CONFIG, jax.random.key(0))
+  dparams = sampling.decode_params(_CONFIG, params)
+  tokens = jax.random.randint(jax.random.key(2), (4, 11), 0, _CONFIG.vocab_size)
+  split = jnp.asarray([0, 3, 7, 10])
+  with jax.default_matmul_precision("highest"):
+    run = lambda c: jax.jit(_decode_logits, static_argnums=(0, 4))(c, dparams, tokens,
+                                                                    split, 32)
+    want, cache = run(_CONFIG)
+    got, rcache = run(ragged)
+  assert cache.k[0].shape == (4, 3, 16, 32) and rcache.k[0].shape == (4, 3, 32, 16)
+  np.testing.assert_allclose(np.swapaxes(rcache.k[0], 2, 3), cache.k[0], atol=1e-6)
+  np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+  assert decode.key_slot_axis(ragged) == 2 and decode.key_slot_axis(_CONFIG) == 3
+
+
+def test_ragged_is_auto_outside_decode_steps():
+  r = functools.partial(attention.resolve, dtype=jnp.float32, head_dim=16)
+  assert r("ragged", cached=True, packed=False, t=64, s=64) == r(
+      "auto", cached=True, packed=False, t=64, s=64)
+  assert r("ragged", cached=False, packed=True, t=256, s=256) == "blockwise"
+
+
+def test_kernel_is_a_triton_call_compiled_for_an_h100():
+  # Deviceless: the decode step's attention lowers to the Pallas (Triton) kernel for an
+  # H100 target and XLA:GPU compiles it on this CPU (needs the CUDA wheels, jax[cuda12]).
+  from jax.experimental import topologies
+  spec = pathlib.Path(__file__).parents[2] / "benchmarks" / "gpu_targets" / "h100_sxm.txtpb"
+  try:
+    devices = topologies.get_topology_desc(platform="cuda", target_config=spec.read_text(),
+                                           topology="1x1x1").devices
+  except Exception as e:  # noqa: BLE001 - no CUDA plugin: nothing to compile for.
+    pytest.skip(f"no deviceless CUDA compiler here: {e}")
+  one = jax.sharding.SingleDeviceSharding(devices[0])
+  shape = lambda x, dt=jnp.bfloat16: jax.ShapeDtypeStruct(x.shape, dt, sharding=one)
+  q, k, v = _qkv()
+  pos = jnp.zeros((B, 1), jnp.int32)
+  run = functools.partial(ragged_attention.decode, window=S)
+  hlo = jax.jit(run).lower(shape(q), shape(k), shape(v), shape(pos, jnp.int32)).compile()
+  module = hlo_stats.parse(hlo.as_text())
+  runs = list(module.executed())
+  assert [i.custom_call_target for i, _, _ in runs if i.custom_call_target] == [
+      "__gpu$xla.gpu.triton"]
+  # No copy of the cache: the kernel reads keys and values where they lie, and every
+  # kernel writes less than half of one of them (its per-part outputs, their merge).
+  written = [module.bytes_written(i, c) for i, _, c in runs]
+  assert max(written) < k.size * 2 / 2
