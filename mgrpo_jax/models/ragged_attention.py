@@ -18,6 +18,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 from jax.experimental.pallas.ops.gpu import decode_attention as pallas_decode
 
 from mgrpo_jax.models import attention
@@ -48,26 +50,54 @@ def tiles(s: int, splits: int = SPLITS, block_k: int = BLOCK_K) -> tuple[int, in
   return n, bk
 
 
+def _parts(q_GxH, k_SxH, v_SxH, length, *, n: int, bk: int, interpret: bool):
+  """The library's kernel over one (row, kv head): per part of the keys, its unnormalised
+  output [n, G, H] (in q's dtype), softmax sum and max [n, G] (float32)."""
+  g, h = q_GxH.shape
+  part = k_SxH.shape[0] // n
+  kernel = functools.partial(pallas_decode.attn_forward_kernel, sm_scale=h ** -0.5,
+                             block_k=bk, block_h=BLOCK_H, num_heads=g)
+  stat = lambda: jax.ShapeDtypeStruct((n, g), jnp.float32)
+  # The BlockSpecs of the library's `decode_attn_unbatched`: program (i, j) takes the query
+  # heads of block i and part j of the keys; parts past the row's length return at once.
+  return pl.pallas_call(
+      kernel, grid=(pl.cdiv(g, BLOCK_H), n),
+      in_specs=[pl.BlockSpec((BLOCK_H, h), lambda i, j: (i, 0)),
+                pl.BlockSpec((None, part, h), lambda i, j: (j, 0, 0)),
+                pl.BlockSpec((None, part, h), lambda i, j: (j, 0, 0)),
+                None, pl.BlockSpec((), lambda i, j: ())],
+      out_specs=[pl.BlockSpec((None, BLOCK_H, h), lambda i, j: (j, i, 0)),
+                 pl.BlockSpec((None, BLOCK_H), lambda i, j: (j, i)),
+                 pl.BlockSpec((None, BLOCK_H), lambda i, j: (j, i))],
+      out_shape=[jax.ShapeDtypeStruct((n, g, h), q_GxH.dtype), stat(), stat()],
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+      interpret=interpret, name="ragged_decode",
+  )(q_GxH, k_SxH.reshape(n, part, h), v_SxH.reshape(n, part, h), None, length)
+
+
 def kernel(q_BxKxGxH, k_BxKxSxH, v_BxKxSxH, lengths_B, *, splits: int = SPLITS,
            block_k: int = BLOCK_K, interpret: bool = False):
   """Attention of one query per row over the first `lengths_B[b]` slots of row b's keys.
 
   Rows of length 0 are not supported (a decode row sees at least its own token).
   """
-  b, kv, g, h = q_BxKxGxH.shape
+  h = q_BxKxGxH.shape[-1]
   n, bk = tiles(k_BxKxSxH.shape[2], splits, block_k)
-  # The library's per-(row, kv head) entry, batched by vmap (which adds grid axes): its
-  # `gqa` wrapper would take keys [B, S, K, H] and transpose the whole cache every step.
-  one = functools.partial(
-      pallas_decode.decode_attn_unbatched, sm_scale=h ** -0.5, block_h=BLOCK_H, block_k=bk,
-      k_splits=n, num_warps=None, num_stages=2, grid=None, interpret=interpret, debug=False,
-      return_residuals=False, normalize_output=True)
-  lengths_BxK = jnp.broadcast_to(lengths_B.astype(jnp.int32)[:, None], (b, kv))
-  per_head = jax.vmap(one, in_axes=(0, 0, 0, None, 0))
-  out = jax.vmap(per_head, in_axes=(0, 0, 0, None, 0))(
-      q_BxKxGxH, k_BxKxSxH, v_BxKxSxH, None, lengths_BxK)
-  # The library divides by a float32 sum: back to the compute dtype, as the XLA path returns.
-  return out.astype(q_BxKxGxH.dtype)
+  # Batched by vmap, which adds grid axes (the library's `gqa` would take keys [B, S, K, H]
+  # and transpose the whole cache every step).
+  one = functools.partial(_parts, n=n, bk=bk, interpret=interpret)
+  per_head = jax.vmap(one, in_axes=(0, 0, 0, None))
+  o, l, m = jax.vmap(per_head)(q_BxKxGxH, k_BxKxSxH, v_BxKxSxH, lengths_B.astype(jnp.int32))
+  # Merge the parts by their maxima (flash-decoding); a skipped part has l = 0 and the
+  # kernel's initial max (float32's min), so its weight is 0. Our own merge, not the
+  # library's, which takes four kernels a layer: the parts summed as n static terms fuse
+  # into two (maxima and weights; the weighted sums and the division). The library puts an
+  # optimization barrier after the maxima against NaNs it saw on GPU once they fused;
+  # with it this merge takes three kernels. Checked on GPU by the `gpu` test only.
+  w = jnp.exp(m - jnp.max(m, axis=2, keepdims=True))  # [B, K, n, G]
+  num = sum(o[:, :, i].astype(jnp.float32) * w[:, :, i, :, None] for i in range(n))
+  den = sum(l[:, :, i] * w[:, :, i] for i in range(n))
+  return (num / den[..., None]).astype(q_BxKxGxH.dtype)
 
 
 def decode(q_BxKxGx1xH, k_BxKxSxH, v_BxKxSxH, q_idx_Bx1, *, window: int,

@@ -79,6 +79,19 @@ def test_kernel_bf16_close_to_reference():
   assert float(jnp.abs(got.astype(jnp.float32) - want).max()) < 3e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,atol", [(jnp.float32, 5e-3), (jnp.bfloat16, 3e-2)])
+def test_kernel_equals_reference_on_gpu(dtype, atol):
+  # The compiled Triton kernel and its merge (f32 matmuls may run in TF32 there).
+  q, k, v = _qkv(dtype)
+  pos = jnp.asarray(LENGTHS)[:, None] - 1
+  with jax.default_matmul_precision("highest"):
+    want = _reference(q, k, v, pos)
+  got = jax.jit(functools.partial(ragged_attention.decode, window=S))(q, k, v, pos)
+  assert bool(jnp.isfinite(got.astype(jnp.float32)).all())
+  assert float(jnp.abs(got.astype(jnp.float32) - want).max()) < atol
+
+
 def test_off_gpu_the_window_path_gives_the_same():
   # On CPU `decode` runs the XLA path over the window (every row within it).
   q, k, v = _qkv()
