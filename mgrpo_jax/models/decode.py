@@ -63,6 +63,15 @@ def init_cache(config: Qwen3Config, batch: int, max_len: int, dtype=None) -> Lay
   return LayerCache(zeros(keys), zeros((b, k, s, h)))
 
 
+def pad_cache(config: Qwen3Config, cache: LayerCache, length: int) -> LayerCache:
+  """`cache` grown to `length` slots per row (new slots hold zeros), along the slot axis of
+  the config's layout (`key_slot_axis`)."""
+  more = length - cache.max_len
+  pad = lambda x, axis: jnp.pad(x, [(0, more if a == axis else 0) for a in range(x.ndim)])
+  return LayerCache(tuple(pad(x, key_slot_axis(config)) for x in cache.k),
+                    tuple(pad(x, 2) for x in cache.v))
+
+
 def _restructure(config: Qwen3Config, params, layer_leaf, other_leaf) -> DecodeParams:
   """DecodeParams from a stacked parameter tree (arrays, shardings or shapes): layer i of a
   stack is `layer_leaf(leaf, index in its stack)`, any other leaf `other_leaf(leaf)`."""

@@ -109,14 +109,17 @@ _CONFIG = models.Qwen3Config(vocab_size=131, hidden_size=46, intermediate_size=5
                              rope_theta=10_000.0, max_position_embeddings=512)
 
 
-def _decode_logits(config, dparams, tokens_BxT, split_B, cache_len):
-  """Prefill of each row's first tokens, then 4 steps, row b at position split_b + j."""
+def _decode_logits(config, dparams, tokens_BxT, split_B):
+  """Prefill of each row's first tokens, then 4 steps, row b at position split_b + j; the
+  cache grows from 16 to 32 slots after the second step."""
   b, t = tokens_BxT.shape
-  cache = decode.init_cache(config, b, cache_len)
+  cache = decode.init_cache(config, b, 16)
   positions = jnp.broadcast_to(jnp.arange(t), (b, t))
   _, cache, _ = decode.forward(config, dparams, tokens_BxT, positions, cache)
   out = []
   for j in range(4):
+    if j == 2:
+      cache = decode.pad_cache(config, cache, 32)
     pos_B = split_B + j
     tok_B = jnp.take_along_axis(tokens_BxT, jnp.minimum(pos_B, t - 1)[:, None], axis=1)
     logits, cache, _ = decode.forward(config, dparams, tok_B, pos_B[:, None], cache)
@@ -135,16 +138,28 @@ def test_model_decode_steps_equal_the_xla_layout(interpret, monkeypatch):
   params = qwen3.init_params(_CONFIG, jax.random.key(0))
   dparams = sampling.decode_params(_CONFIG, params)
   tokens = jax.random.randint(jax.random.key(2), (4, 11), 0, _CONFIG.vocab_size)
-  split = jnp.asarray([0, 3, 7, 10])
+  split = jnp.asarray([0, 3, 7, 13])  # Row 3 decodes past the first 16 slots.
   with jax.default_matmul_precision("highest"):
-    run = lambda c: jax.jit(_decode_logits, static_argnums=(0, 4))(c, dparams, tokens,
-                                                                    split, 32)
+    run = lambda c: jax.jit(_decode_logits, static_argnums=0)(c, dparams, tokens, split)
     want, cache = run(_CONFIG)
     got, rcache = run(ragged)
   assert cache.k[0].shape == (4, 3, 16, 32) and rcache.k[0].shape == (4, 3, 32, 16)
   np.testing.assert_allclose(np.swapaxes(rcache.k[0], 2, 3), cache.k[0], atol=1e-6)
   np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
   assert decode.key_slot_axis(ragged) == 2 and decode.key_slot_axis(_CONFIG) == 3
+
+
+def test_sampler_greedy_tokens_are_the_same_with_ragged():
+  # The sampler end to end (prefill, then decode chunks; its cache holds every row here):
+  # greedy tokens and log-probs of attention="ragged" equal the default's.
+  ragged = models.Qwen3Config(**{**_CONFIG.__dict__, "attention": "ragged"})
+  params = qwen3.init_params(_CONFIG, jax.random.key(0))
+  prompts = [[5, 9, 2], [7, 1, 4, 4, 8, 3, 2, 9, 6], [11]]
+  out = {c.attention: sampling.generate(c, params, prompts, max_new_tokens=12,
+                                        temperature=0.0, key=jax.random.key(3))
+         for c in (_CONFIG, ragged)}
+  np.testing.assert_array_equal(out["ragged"].tokens, out["auto"].tokens)
+  np.testing.assert_allclose(out["ragged"].logprobs, out["auto"].logprobs, atol=1e-5)
 
 
 def test_ragged_is_auto_outside_decode_steps():
