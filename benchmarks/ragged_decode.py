@@ -121,8 +121,14 @@ def main(argv):
     r = reads[name] = slots_read(lengths, cache)
     r["xla_kv_gb_per_step"] = r["xla_read"] * slot_bytes / 1e9
     r["ragged_kv_gb_per_step"] = r["ragged_read"] * slot_bytes / 1e9
+    # Bytes written per step over what the step then reads: the bf16 weights and the slots
+    # each path reads for these rows (the compiled figure's denominator is the whole cache).
+    for path, impl in (("xla", "auto"), ("ragged", "ragged")):
+      read = cfg.num_params() * 2 / 1e9 + r[f"{path}_kv_gb_per_step"]
+      r[f"{path}_written_to_read"] = cases[impl]["bytes_written_per_step_gb"] / read
     print(f"{name}: XLA reads {r['xla_read_over_live']:.2f}x the live slots, ragged "
-          f"{r['ragged_read_over_live']:.2f}x", flush=True)
+          f"{r['ragged_read_over_live']:.2f}x; written / read {r['xla_written_to_read']:.3f} "
+          f"and {r['ragged_written_to_read']:.3f}", flush=True)
   case = {"target": target, "preset": preset, "rows": rows, "cache": cache,
           "command": "python benchmarks/ragged_decode.py " + " ".join(sys.argv[1:]),
           "compiled": cases, "slots_read": reads}
