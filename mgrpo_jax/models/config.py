@@ -127,6 +127,9 @@ class Qwen3Config:
       raise ConfigError(f"Qwen3Config.attention={self.attention!r} with compute_dtype="
                         f"{self.compute_dtype!r}, head_dim={self.head_dim}: cuDNN's fused "
                         f"kernel cannot run ({why}); use attention='auto'.")
+    if self.attention == "ragged" and self.head_dim & (self.head_dim - 1):
+      raise ConfigError(f"Qwen3Config.attention='ragged' with head_dim={self.head_dim}: the "
+                        "Pallas decode kernel's blocks are powers of two; use attention='auto'.")
     if not isinstance(self.attention_block, int) or self.attention_block < 8:
       raise ConfigError(
           f"Qwen3Config.attention_block must be an int >= 8, got {self.attention_block!r}.")

@@ -3,9 +3,12 @@
 A decode step has one query per row, and row b sees the cache slots 0..q_idx[b] (cached rows
 are prefixes: a row's earlier slots hold its real tokens). The XLA path reads every row up to
 one static window, the longest row's, bucketed; with rows of mixed lengths most of that read
-is wasted. `jax.experimental.pallas.ops.gpu.decode_attention` (flash-decoding in Triton) takes
-each row's length: a row's keys are cut into `splits` parts, a part past the row's length
-is skipped without a read, and inside a part the loop stops at the row's last block.
+is wasted. The kernel of `jax.experimental.pallas.ops.gpu.decode_attention` (flash-decoding in
+Triton) takes each row's length: a row's keys are cut into `splits` parts, a part past the
+row's length is skipped without a read, and inside a part the loop stops at the row's last
+block. We call it (`_parts`) and merge its parts ourselves, in fewer kernels than the library.
+Triton's blocks are powers of two: the head dim must be one (`Qwen3Config` checks), and the
+cache a multiple of 16 slots (`tiles`).
 
 The kernel reads keys and values as [S, H] per (row, kv head): the per-layer cache of a
 config with attention="ragged" stores both as [B, K, S, H] (`decode.init_cache`). It lowers
@@ -55,13 +58,13 @@ def _parts(q_GxH, k_SxH, v_SxH, length, *, n: int, bk: int, interpret: bool):
   output [n, G, H] (in q's dtype), softmax sum and max [n, G] (float32)."""
   g, h = q_GxH.shape
   part = k_SxH.shape[0] // n
-  kernel = functools.partial(pallas_decode.attn_forward_kernel, sm_scale=h ** -0.5,
-                             block_k=bk, block_h=BLOCK_H, num_heads=g)
+  body = functools.partial(pallas_decode.attn_forward_kernel, sm_scale=h ** -0.5,
+                           block_k=bk, block_h=BLOCK_H, num_heads=g)
   stat = lambda: jax.ShapeDtypeStruct((n, g), jnp.float32)
   # The BlockSpecs of the library's `decode_attn_unbatched`: program (i, j) takes the query
   # heads of block i and part j of the keys; parts past the row's length return at once.
   return pl.pallas_call(
-      kernel, grid=(pl.cdiv(g, BLOCK_H), n),
+      body, grid=(pl.cdiv(g, BLOCK_H), n),
       in_specs=[pl.BlockSpec((BLOCK_H, h), lambda i, j: (i, 0)),
                 pl.BlockSpec((None, part, h), lambda i, j: (j, 0, 0)),
                 pl.BlockSpec((None, part, h), lambda i, j: (j, 0, 0)),

@@ -162,6 +162,12 @@ def test_sampler_greedy_tokens_are_the_same_with_ragged():
   np.testing.assert_allclose(out["ragged"].logprobs, out["auto"].logprobs, atol=1e-5)
 
 
+def test_config_refuses_a_head_dim_the_kernel_cannot_tile():
+  with pytest.raises(models.ConfigError, match="head_dim=14.*powers of two"):
+    models.Qwen3Config(**{**_CONFIG.__dict__, "head_dim": 14, "attention": "ragged"})
+  models.Qwen3Config(**{**_CONFIG.__dict__, "head_dim": 14})  # Accepted by the others.
+
+
 def test_ragged_is_auto_outside_decode_steps():
   r = functools.partial(attention.resolve, dtype=jnp.float32, head_dim=16)
   assert r("ragged", cached=True, packed=False, t=64, s=64) == r(
