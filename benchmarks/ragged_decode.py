@@ -79,7 +79,7 @@ def slots_read(lengths, cache: int) -> dict:
   lengths = np.asarray(lengths)
   window = sampling._window(int(lengths.max()), cache)
   _, block = ragged_attention.tiles(cache)
-  ragged = int((-(-lengths // block) * block).sum())
+  ragged = ragged_attention.slots_read(lengths, cache)
   live = int(lengths.sum())
   return {"rows": len(lengths), "live": live, "longest": int(lengths.max()), "window": window,
           "xla_read": len(lengths) * window, "ragged_read": ragged, "key_block": block,

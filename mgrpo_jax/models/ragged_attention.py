@@ -21,6 +21,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.experimental.pallas.ops.gpu import decode_attention as pallas_decode
@@ -51,6 +52,15 @@ def tiles(s: int, splits: int = SPLITS, block_k: int = BLOCK_K) -> tuple[int, in
   while bk * 2 <= min(block_k, part) and part % (bk * 2) == 0:
     bk *= 2
   return n, bk
+
+
+def slots_read(lengths_B, s: int, splits: int = SPLITS, block_k: int = BLOCK_K) -> int:
+  """KV slots the kernel reads for rows of `lengths_B` in a cache of `s` slots (per layer
+  and kv head): each row up to its length rounded up to a key block (the kernel's loop
+  bounds), for pricing a decode step."""
+  _, bk = tiles(s, splits, block_k)
+  lengths = np.minimum(np.asarray(lengths_B, np.int64), s)
+  return int((-(-lengths // bk) * bk).sum())
 
 
 def _parts(q_GxH, k_SxH, v_SxH, length, *, n: int, bk: int, interpret: bool):

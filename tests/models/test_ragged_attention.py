@@ -42,6 +42,13 @@ def test_tiles_cut_the_cache_evenly():
     ragged_attention.tiles(100)
 
 
+def test_slots_read_round_each_row_up_to_a_key_block():
+  # 8192 slots: key blocks of 128. 1 -> 128, 128 -> 128, 129 -> 256, 8192 -> 8192.
+  assert ragged_attention.slots_read([1, 128, 129, 8192], 8192) == 128 + 128 + 256 + 8192
+  # 256 slots in 16 parts: blocks of 16. 17 -> 32; a length past the cache reads all of it.
+  assert ragged_attention.slots_read([17, 300], 256) == 32 + 256
+
+
 @pytest.mark.parametrize("splits", [1, 3, 16])
 def test_kernel_equals_reference(splits):
   # The Pallas kernel itself (interpreted on CPU), float32 with exact matmuls.
