@@ -138,22 +138,30 @@ def _decode_logits(config, dparams, tokens_BxT, split_B):
 def test_model_decode_steps_equal_the_xla_layout(interpret, monkeypatch):
   # The sampler's decode steps with attention="ragged" (keys stored [B, K, S, H]) give the
   # logits of the default layout; `interpret` runs the kernel itself inside the model.
+  calls = []
   if interpret:
-    monkeypatch.setattr(ragged_attention, "decode",
-                        functools.partial(ragged_attention.decode, interpret=True))
+    original = ragged_attention.decode
+    def interpreted(*args, **kwargs):
+      calls.append(1)
+      return original(*args, interpret=True, **kwargs)
+    monkeypatch.setattr(ragged_attention, "decode", interpreted)
   ragged = models.Qwen3Config(**{**_CONFIG.__dict__, "attention": "ragged"})
   params = qwen3.init_params(_CONFIG, jax.random.key(0))
   dparams = sampling.decode_params(_CONFIG, params)
   tokens = jax.random.randint(jax.random.key(2), (4, 11), 0, _CONFIG.vocab_size)
   split = jnp.asarray([0, 3, 7, 13])  # Row 3 decodes past the first 16 slots.
   with jax.default_matmul_precision("highest"):
-    run = lambda c: jax.jit(_decode_logits, static_argnums=0)(c, dparams, tokens, split)
+    # A new function per run: jit's cache would otherwise hand the second parameter the
+    # program traced before the kernel was patched in.
+    run = lambda c: jax.jit(lambda *a: _decode_logits(c, *a))(dparams, tokens, split)
     want, cache = run(_CONFIG)
     got, rcache = run(ragged)
   assert cache.k[0].shape == (4, 3, 16, 32) and rcache.k[0].shape == (4, 3, 32, 16)
   np.testing.assert_allclose(np.swapaxes(rcache.k[0], 2, 3), cache.k[0], atol=1e-6)
   np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
   assert decode.key_slot_axis(ragged) == 2 and decode.key_slot_axis(_CONFIG) == 3
+  # Traced with the kernel: each layer's 4 decode steps (the prefill takes "auto").
+  assert len(calls) == (4 * _CONFIG.num_layers if interpret else 0)
 
 
 def test_sampler_greedy_tokens_are_the_same_with_ragged():
