@@ -25,7 +25,9 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.experimental.pallas.ops.gpu import decode_attention as pallas_decode
+from jax.sharding import PartitionSpec as P
 
+from mgrpo_jax import sharding
 from mgrpo_jax.models import attention
 
 # The library's defaults: 16 parts of the keys per row (one program each, so a long row is
@@ -113,6 +115,30 @@ def kernel(q_BxKxGxH, k_BxKxSxH, v_BxKxSxH, lengths_B, *, splits: int = SPLITS,
   return (num / den[..., None]).astype(q_BxKxGxH.dtype)
 
 
+def _per_shard(fn, q_BxKxGxH, k_BxKxSxH, v_BxKxSxH, lengths_B):
+  """`fn` on each device's rows and kv heads, under the mesh set by `jax.set_mesh` (if any).
+
+  XLA cannot split a custom call: without this, a mesh that shards the rows makes every
+  device all-gather each layer's whole cache and run the kernel over all rows. Rows and kv
+  heads are independent, so the shards need no communication. The cache's sharding
+  (`sharding.cache_sharding`): rows over the batch axes, kv heads over `tensor` when it
+  divides them.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return fn(q_BxKxGxH, k_BxKxSxH, v_BxKxSxH, lengths_B)
+  size = lambda axes: int(np.prod([mesh.shape[a] for a in axes]))
+  rows = tuple(a for a in sharding.BATCH if a in mesh.axis_names)
+  if q_BxKxGxH.shape[0] % size(rows):
+    rows = ()  # Rows that do not split evenly stay whole (XLA gathers them).
+  heads = "tensor" if "tensor" in mesh.axis_names and (
+      q_BxKxGxH.shape[1] % mesh.shape["tensor"] == 0) else None
+  spec = P(rows or None, heads)
+  return jax.shard_map(fn, mesh=mesh, in_specs=(spec, spec, spec, P(rows or None)),
+                       out_specs=spec, check_vma=False)(
+                           q_BxKxGxH, k_BxKxSxH, v_BxKxSxH, lengths_B)
+
+
 def decode(q_BxKxGx1xH, k_BxKxSxH, v_BxKxSxH, q_idx_Bx1, *, window: int,
            splits: int = SPLITS, interpret: bool = False):
   """One decode step's attention over the whole per-layer cache (no slice of it is copied):
@@ -121,8 +147,8 @@ def decode(q_BxKxGx1xH, k_BxKxSxH, v_BxKxSxH, q_idx_Bx1, *, window: int,
   lengths_B = q_idx_Bx1[:, 0].astype(jnp.int32) + 1
 
   def ragged(q, k, v, lengths):
-    out = kernel(q[:, :, :, 0], k, v, lengths, splits=splits, interpret=interpret)
-    return out[:, :, :, None]
+    one = functools.partial(kernel, splits=splits, interpret=interpret)
+    return _per_shard(one, q[:, :, :, 0], k, v, lengths)[:, :, :, None]
 
   def windowed(q, k, v, lengths):
     k, v = k[:, :, :window], v[:, :, :window]

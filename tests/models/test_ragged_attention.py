@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from benchmarks import hlo_stats
-from mgrpo_jax import models, sampling
+from mgrpo_jax import models, sampling, sharding
 from mgrpo_jax.models import attention, decode, qwen3, ragged_attention
 
 # Three kv heads of four query heads each; 256 slots; rows from 1 slot to the full cache,
@@ -60,6 +60,25 @@ def test_kernel_equals_reference(splits):
                                     interpret=True))(q, k, v, pos)
   assert got.shape == want.shape and got.dtype == jnp.float32
   np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-6)
+
+
+@pytest.mark.devices(6)
+def test_kernel_runs_per_shard_of_rows_and_kv_heads():
+  # Under a mesh, each device runs the kernel over its own rows (data=2) and kv heads
+  # (tensor=3), as the cache is sharded; the result is the reference's.
+  mesh = sharding.make_mesh(dict(data=2, fsdp=1, tensor=3, expert=1), jax.devices()[:6])
+  q, k, v = _qkv()
+  pos = jnp.asarray(LENGTHS)[:, None] - 1
+  spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(sharding.BATCH, "tensor"))
+  q, k, v = (jax.device_put(x, spec) for x in (q, k, v))
+  run = jax.jit(functools.partial(ragged_attention.decode, window=S, interpret=True))
+  with jax.default_matmul_precision("highest"), jax.set_mesh(mesh):
+    got = run(q, k, v, pos)
+    text = run.lower(q, k, v, pos).compile().as_text()
+  with jax.default_matmul_precision("highest"):
+    np.testing.assert_allclose(got, _reference(q, k, v, pos), atol=2e-6, rtol=1e-6)
+  assert got.sharding.spec[:2] == spec.spec[:2]
+  assert "all-gather" not in text and "all-to-all" not in text
 
 
 def test_kernel_reads_nothing_past_a_row_length():
