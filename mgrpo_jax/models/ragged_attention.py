@@ -129,10 +129,12 @@ def _per_shard(fn, q_BxKxGxH, k_BxKxSxH, v_BxKxSxH, lengths_B):
     return fn(q_BxKxGxH, k_BxKxSxH, v_BxKxSxH, lengths_B)
   size = lambda axes: int(np.prod([mesh.shape[a] for a in axes]))
   rows = tuple(a for a in sharding.BATCH if a in mesh.axis_names)
-  if q_BxKxGxH.shape[0] % size(rows):
+  if size(rows) == 1 or q_BxKxGxH.shape[0] % size(rows):
     rows = ()  # Rows that do not split evenly stay whole (XLA gathers them).
-  heads = "tensor" if "tensor" in mesh.axis_names and (
+  heads = "tensor" if "tensor" in mesh.axis_names and mesh.shape["tensor"] > 1 and (
       q_BxKxGxH.shape[1] % mesh.shape["tensor"] == 0) else None
+  if not rows and heads is None:
+    return fn(q_BxKxGxH, k_BxKxSxH, v_BxKxSxH, lengths_B)
   spec = P(rows or None, heads)
   return jax.shard_map(fn, mesh=mesh, in_specs=(spec, spec, spec, P(rows or None)),
                        out_specs=spec, check_vma=False)(
