@@ -250,3 +250,23 @@ def test_gpu_compile_script_lists_its_cases():
   assert {"update/qwen3_30b_a3b/main", "decode/qwen3_30b_a3b/b64", "decode/qwen3_1p7b/b256+f32",
           "prefill/qwen3_0p6b/b64x1024"} <= set(cases), cases
   assert len(cases) == 22, cases
+
+
+def test_ragged_decode_runs_one_pallas_kernel_a_layer_within_the_bars(decode_loops):
+  # attention="ragged": the Pallas decode kernel (Triton, compiled here by XLA:GPU) reads
+  # each row's own length; the loop keeps the bars of the XLA path it replaces.
+  cfg = models.get_preset(PRESET, param_dtype="bfloat16", compute_dtype="bfloat16",
+                          attention="ragged", **LAYERS)
+  case, compiled = step_cases.decode_case(
+      PRESET, ROWS, REACHED, MAX_LEN, model_overrides=dict(attention="ragged", **LAYERS),
+      device_list=_devices(1), return_compiled=True)
+  stats = hlo_stats.decode_step_stats(
+      compiled.as_text(), cfg, ROWS, case["cache_len"],
+      weights=_rollout_weights(cfg, qwen3.abstract_params(cfg)))
+  assert stats["custom_calls_per_step"].get("__gpu$xla.gpu.triton") == cfg.num_layers
+  assert stats["copies"] == [], stats["copies"]
+  assert stats["written_to_read"] < 0.1, (stats["written_to_read"], stats["top_writers"])
+  # As many kernels a layer as the XLA attention (the kernel, two for merging its parts);
+  # here XLA also copies two [rows] int32 loop values a step (at 28 and 36 layers the
+  # totals differ by 0 and 1: docs/results/ragged-attention.md).
+  assert stats["kernels_per_step"] <= decode_loops["bfloat16"]["kernels_per_step"] + 2

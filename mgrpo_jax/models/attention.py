@@ -20,6 +20,8 @@ slots, while RoPE positions may restart inside a packed row. Implementations:
   through its sequence-packing mode (per-row segment lengths and offsets); otherwise as
   "cudnn". GPU only, opt-in: "auto" never takes it until a lent GPU has checked it
   (tests/models/test_attention.py's `gpu` test).
+- "ragged": a decode step over the sampler's per-layer cache reads each row's own length
+  (`models/ragged_attention.py`: jax's Pallas decode kernel on GPU); elsewhere as "auto".
 - "auto": cuDNN where it applies on GPU (unpacked rows), else the reference for small
   [T, S] (the sampler's cached queries up to 1024 x 1024, `_AUTO_REFERENCE_MAX_TS`; the
   train step's rows up to 128 x 128, `_AUTO_REFERENCE_MAX_TS_UNCACHED`), else blockwise, in
@@ -31,7 +33,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-IMPLEMENTATIONS = ("auto", "cudnn", "cudnn_packed", "blockwise", "reference")
+IMPLEMENTATIONS = ("auto", "cudnn", "cudnn_packed", "blockwise", "reference", "ragged")
 CUDNN_IMPLEMENTATIONS = ("cudnn", "cudnn_packed")
 # "auto" keeps the reference while one row's scores per head stay this small: 1024 x 1024
 # for the sampler's cached queries (forward only), 128 x 128 for the train step's rows. Under
@@ -413,6 +415,9 @@ def resolve(impl: str, *, cached: bool, packed: bool, t: int, s: int, dtype,
   if impl in CUDNN_IMPLEMENTATIONS and why_not:
     raise ValueError(f"attention={impl!r} cannot run: {why_not}. Use attention='auto', which "
                      "takes cuDNN only where it applies.")
+  if impl == "ragged":
+    # The ragged kernel runs before `attend` (qwen3.Attention, decode steps only).
+    impl = "auto"
   if impl == "cudnn_packed" and not cached:
     return "cudnn_packed" if packed else "cudnn"
   cudnn_ok = not cached and not packed

@@ -60,15 +60,18 @@ class Qwen3Config:
   remat: bool = False
   remat_policy: str = "nothing"
   # Attention kernel (models/attention.py): "auto" | "cudnn" | "cudnn_packed" (cuDNN for
-  # packed rows too; GPU, opt-in) | "blockwise" | "reference",
-  # and the blockwise kernel's tile size. Runtime choices, not part of config.json.
+  # packed rows too; GPU, opt-in) | "blockwise" | "reference" | "ragged" ("auto", but the
+  # sampler's decode steps read each row's own length on GPU; its cache stores keys as
+  # values, [B, K, S, H]), and the blockwise kernel's tile size. Runtime choices, not part
+  # of config.json.
   attention: str = "auto"
   attention_block: int = 512
   # "cudnn_packed": the most sequences one packed row holds (the packer keeps to it; cuDNN's
   # softmax statistics take rows x this x heads x T floats). Runtime.
   attention_max_segments: int = 64
   # Decode attention over the cache in this many chunks at once (flash-decoding,
-  # attention.split_kv); 0 or 1: one pass. Runtime.
+  # attention.split_kv); 0 or 1: one pass. With attention="ragged": the kernel's parts of
+  # each row (0: ragged_attention.SPLITS). Runtime.
   decode_splits: int = 0
   # Mixture of experts (Qwen3-MoE); num_experts = 0 is the dense Qwen3. A layer i is sparse
   # when num_experts > 0, (i + 1) % decoder_sparse_step == 0 and i not in mlp_only_layers
@@ -124,6 +127,9 @@ class Qwen3Config:
       raise ConfigError(f"Qwen3Config.attention={self.attention!r} with compute_dtype="
                         f"{self.compute_dtype!r}, head_dim={self.head_dim}: cuDNN's fused "
                         f"kernel cannot run ({why}); use attention='auto'.")
+    if self.attention == "ragged" and self.head_dim & (self.head_dim - 1):
+      raise ConfigError(f"Qwen3Config.attention='ragged' with head_dim={self.head_dim}: the "
+                        "Pallas decode kernel's blocks are powers of two; use attention='auto'.")
     if not isinstance(self.attention_block, int) or self.attention_block < 8:
       raise ConfigError(
           f"Qwen3Config.attention_block must be an int >= 8, got {self.attention_block!r}.")

@@ -35,7 +35,9 @@ class LayerCache:
   """Keys and values, one array per layer; slot s of row b holds position s.
 
   Keys are stored [B, K, H, S] (slots minor), values [B, K, S, H]: each as the attention's
-  matmul reads it (q k^T and p v), so no step transposes or copies them.
+  matmul reads it (q k^T and p v), so no step transposes or copies them. With
+  attention="ragged" keys are stored as values, [B, K, S, H], as the Pallas decode kernel
+  reads them (`key_slot_axis`).
   """
 
   k: tuple  # L x [B, K, H, S]
@@ -46,12 +48,28 @@ class LayerCache:
     return self.v[0].shape[2]
 
 
+def key_slot_axis(config: Qwen3Config) -> int:
+  """The slot axis of a layer's cached keys: 3 ([B, K, H, S]), or 2 ([B, K, S, H]) for
+  attention="ragged" (the axis a cache grows along)."""
+  return 2 if config.attention == "ragged" else 3
+
+
 def init_cache(config: Qwen3Config, batch: int, max_len: int, dtype=None) -> LayerCache:
   """An empty per-layer cache for `batch` rows of up to `max_len` positions."""
   b, k, s, h = batch, config.num_kv_heads, max_len, config.head_dim
   dtype = dtype or config.compute_jnp_dtype
   zeros = lambda shape: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
-  return LayerCache(zeros((b, k, h, s)), zeros((b, k, s, h)))
+  keys = (b, k, s, h) if key_slot_axis(config) == 2 else (b, k, h, s)
+  return LayerCache(zeros(keys), zeros((b, k, s, h)))
+
+
+def pad_cache(config: Qwen3Config, cache: LayerCache, length: int) -> LayerCache:
+  """`cache` grown to `length` slots per row (new slots hold zeros), along the slot axis of
+  the config's layout (`key_slot_axis`)."""
+  more = length - cache.max_len
+  pad = lambda x, axis: jnp.pad(x, [(0, more if a == axis else 0) for a in range(x.ndim)])
+  return LayerCache(tuple(pad(x, key_slot_axis(config)) for x in cache.k),
+                    tuple(pad(x, 2) for x in cache.v))
 
 
 def _restructure(config: Qwen3Config, params, layer_leaf, other_leaf) -> DecodeParams:

@@ -19,6 +19,7 @@ from flax import nnx
 
 from mgrpo_jax.models import attention
 from mgrpo_jax.models import moe
+from mgrpo_jax.models import ragged_attention
 from mgrpo_jax.models.config import Qwen3Config
 
 
@@ -225,13 +226,24 @@ class Attention(nnx.Module):
     v = _adapted(self, "v", v, x_BxTxD, "btd,dr->btr", "btr,rkh->bkth")
     q = _apply_rope(q.reshape(b, kv * g, t, -1), sin, cos).reshape(q.shape)
     k = _apply_rope(k, sin, cos)
-    new_cache = None
+    new_cache, out = None, None
     q_idx_BxT = jnp.broadcast_to(jnp.arange(t), (b, t))
     if cache_kv is not None:
       ck, cv, layer, window = cache_kv
       # Per-row positions: each row writes where it is; out-of-range writes are dropped.
       start_B = positions_BxT[:, 0]
-      if layer is None:
+      if layer is None and cfg.attention == "ragged":
+        # A layer's own arrays, keys as values, [B, K, S, H]: the ragged kernel's layout.
+        ck_l = _write_rows(ck, k.astype(ck.dtype), start_B)
+        cv_l = _write_rows(cv, v.astype(cv.dtype), start_B)
+        new_cache = (ck_l, cv_l)
+        if t == 1:
+          # The whole cache goes in: each row is read to its own length, not to the window
+          # (a slice of the cache would be copied before the kernel reads it).
+          out = ragged_attention.decode(q, ck_l.astype(dt), cv_l.astype(dt), positions_BxT,
+                                        window=window,
+                                        splits=cfg.decode_splits or ragged_attention.SPLITS)
+      elif layer is None:
         # A layer's own arrays, keys as [B, K, H, S]: the layout the scores' matmul reads
         # (slots minor), so XLA keeps the cache as it is and writes it in place.
         ck_l = _write_rows(ck, jnp.swapaxes(k, 2, 3).astype(ck.dtype), start_B, axis=3)
@@ -247,11 +259,12 @@ class Attention(nnx.Module):
       k, v = ck_l[:, :, :window].astype(dt), cv_l[:, :, :window].astype(dt)
       key_mask_BxS = key_mask_BxS[:, :window]
       q_idx_BxT = positions_BxT  # A cached token's slot is its position.
-    out = attention.attend(q, k, v, q_idx_BxT=q_idx_BxT, kv_valid_BxS=key_mask_BxS,
-                           q_seg_BxT=segment_ids_BxT, kv_seg_BxS=segment_ids_BxT,
-                           impl=cfg.attention, cached=cache_kv is not None,
-                           block=cfg.attention_block, decode_splits=cfg.decode_splits,
-                           max_segments=cfg.attention_max_segments)
+    if out is None:
+      out = attention.attend(q, k, v, q_idx_BxT=q_idx_BxT, kv_valid_BxS=key_mask_BxS,
+                             q_seg_BxT=segment_ids_BxT, kv_seg_BxS=segment_ids_BxT,
+                             impl=cfg.attention, cached=cache_kv is not None,
+                             block=cfg.attention_block, decode_splits=cfg.decode_splits,
+                             max_segments=cfg.attention_max_segments)
     if cache_kv is not None and cache_kv[2] is None:
       # Sampler: heads to the minor axes, then one [B*T, N*H] x [N*H, D] matmul, the weight
       # read as stored (contracting (k, g, h) in place made XLA:GPU transpose it every step).
