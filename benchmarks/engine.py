@@ -59,14 +59,16 @@ class Lengths:
 
 
 
-def _shape(vocab: int, max_len: int):
+def _shape(vocab: int, max_len: int, attention: str):
   """The one-layer random model that runs the schedule on CPU (its size changes no figure
-  but wall time: the schedule is the engine's, the prices are `--price_as`'s)."""
+  but wall time: the schedule is the engine's, the prices are `--price_as`'s). With
+  attention="ragged" the record counts the KV the GPU kernel reads (on CPU the XLA path
+  runs: the same numbers, read to the window)."""
   from mgrpo_jax import models
   return models.Qwen3Config(vocab_size=-(-vocab // 64) * 64, hidden_size=16,
                             intermediate_size=32, num_layers=1, num_heads=1, num_kv_heads=1,
                             head_dim=8, rope_theta=10_000.0, tie_embeddings=True,
-                            max_position_embeddings=max(4096, max_len))
+                            max_position_embeddings=max(4096, max_len), attention=attention)
 
 
 AGENT_CONFIGS = {"multihop": "task=multihop,gpu,policy=expert", "qa": "task=qa,gpu,policy=expert"}
@@ -101,7 +103,7 @@ def run_agents(args, record, lengths: Lengths, slots: list) -> dict:
   wiring = setup.resolve_wiring(c)
   experts = play.expert_policies(c, wiring, env)
   lim = play.limits(c)
-  shape = _shape(env.tokenizer.vocab_size, lim.max_len)
+  shape = _shape(env.tokenizer.vocab_size, lim.max_len, args.attention)
   params = models.init_params(shape, jax.random.key(args.seed))
   policies = {role: rollout.LLMPolicy(shape, params, env.tokenizer, role, limits=lim,
                                       chunk=c.sampling.chunk,
@@ -170,7 +172,7 @@ def run_magrpo(args, record, lengths: Lengths, slots: list) -> dict:
     return out
 
   task = dataclasses.replace(task, score=score)
-  shape = _shape(tok.vocab_size, c.max_len)
+  shape = _shape(tok.vocab_size, c.max_len, args.attention)
   params = models.init_params(shape, jax.random.key(args.seed))
   pick = np.random.default_rng(args.seed).choice(len(task.train), args.questions, replace=False)
   examples = [task.train[i] for i in pick]
@@ -226,6 +228,9 @@ def main(argv=None) -> dict:
   p.add_argument("--tool_latency_ms", type=float, default=50.0)
   p.add_argument("--turns", type=int, default=2, help="magrpo: turns of the joint rollout.")
   p.add_argument("--qa_data", default="/work/shared/data/musique_sample.jsonl")
+  p.add_argument("--attention", default="ragged", choices=("ragged", "auto"),
+                 help="The decode attention priced: each row to its own length (ragged, GPU) "
+                 "or every slot to the window (auto: XLA).")
   p.add_argument("--price_as", default="qwen3_8b", help="Model preset priced on an H100.")
   p.add_argument("--out", default="")
   args = p.parse_args(argv)
@@ -242,7 +247,8 @@ def main(argv=None) -> dict:
              policy=args.policy, turn_lengths=args.turn_lengths if args.policy == "random"
              else None, seed=args.seed, questions=args.questions, rollouts=args.rollouts,
              slots=record["slots"], tool_latency_ms=args.tool_latency_ms,
-             price_as=args.price_as, command="python benchmarks/engine.py " + " ".join(
+             price_as=args.price_as, attention=args.attention,
+             command="python benchmarks/engine.py " + " ".join(
                  sys.argv[1:] if argv is None else argv),
              **record_lib.metrics(record, models.get_preset(args.price_as)),
              per_model={m: _per_model(record, m) for m in models_ran},

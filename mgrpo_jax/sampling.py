@@ -250,24 +250,23 @@ def _window(end: int, capacity: int) -> int:
   return min(capacity, -(-end // granule) * granule)
 
 
-@functools.partial(jax.jit, static_argnums=(2,))
-def _pad_cache(cache: decode.LayerCache, experts, length: int):
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _pad_cache(config: Qwen3Config, cache: decode.LayerCache, experts, length: int):
   more = length - cache.max_len
   if experts is not None:  # Routes are indexed by slot too: [B, S, L, k].
     experts = jnp.pad(experts, ((0, 0), (0, more), (0, 0), (0, 0)))
-  k = [jnp.pad(x, ((0, 0),) * 3 + ((0, more),)) for x in cache.k]  # [B, K, H, S]
-  v = [jnp.pad(x, ((0, 0),) * 2 + ((0, more), (0, 0))) for x in cache.v]  # [B, K, S, H]
-  return decode.LayerCache(tuple(k), tuple(v)), experts
+  return decode.pad_cache(config, cache, length), experts
 
 
-def _grow(seqs: Sequences, length: int) -> Sequences:
+def _grow(config: Qwen3Config, seqs: Sequences, length: int) -> Sequences:
   """The cache (and routes) copied into `length` slots per row (new slots hold zeros); frees
   the old ones.
 
   The old cache belongs to a donated Sequences: its buffers are deleted here, or the
   caller's reference would keep it alive beside the new one for the whole decode.
   """
-  cache, experts = jax.block_until_ready(_pad_cache(seqs.cache, seqs.experts_BxSxLxK, length))
+  cache, experts = jax.block_until_ready(_pad_cache(config, seqs.cache, seqs.experts_BxSxLxK,
+                                                    length))
   for x in jax.tree.leaves((seqs.cache, seqs.experts_BxSxLxK)):
     x.delete()
   return seqs.replace(cache=cache, experts_BxSxLxK=experts)
@@ -373,7 +372,7 @@ def extend(config: Qwen3Config, params: nnx.State | DecodeParams, seqs: Sequence
   params = decode_params(config, params)
   need = int((lengths + counts).max())
   if need > seqs.capacity:
-    seqs = _grow(seqs, cache_len(need, seqs.max_len))
+    seqs = _grow(config, seqs, cache_len(need, seqs.max_len))
   tokens = _pad_rows(new_tokens, b, bucket(int(counts.max()), 16), pad_id)
   # Padding tokens past the capacity are dropped by the cache write.
   window = _window(int(lengths.max()) + tokens.shape[1], seqs.capacity)
@@ -492,7 +491,7 @@ def _decode_some(config, params, state: _LoopState, sp, key, longest: int,
   """
   seqs = state.seqs
   if longest >= seqs.capacity:
-    state = state.replace(seqs=_grow(seqs, cache_len(longest + 1, seqs.max_len)))
+    state = state.replace(seqs=_grow(config, seqs, cache_len(longest + 1, seqs.max_len)))
   capacity = state.seqs.capacity
   steps = min(chunk, capacity - longest)
   # Attend to just the slots this chunk can reach.

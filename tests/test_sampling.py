@@ -552,7 +552,8 @@ def test_cache_grows_by_need_not_max_len(tiny, monkeypatch):
     prompts = _prompts(m.vocab, lens=LONG_LENS, seed=12)
     grows = []
     grow = sampling._grow
-    monkeypatch.setattr(sampling, "_grow", lambda c, n: grows.append((c.capacity, n)) or grow(c, n))
+    monkeypatch.setattr(sampling, "_grow",
+                        lambda cfg, c, n: grows.append((c.capacity, n)) or grow(cfg, c, n))
     res = sampling.generate(m.config, m.params, prompts, max_new_tokens=N_NEW, temperature=0.0,
                             max_len=32768)
     # Rows reach 63 + 32 = 95 tokens: prefilled into 64 slots, grown once to 128, not 32768.

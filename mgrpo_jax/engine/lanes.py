@@ -26,6 +26,7 @@ from mgrpo_jax import kv_cache_plan, sampling
 from mgrpo_jax.distributed import fetch
 from mgrpo_jax.engine import slots as slots_lib
 from mgrpo_jax.engine.record import Record
+from mgrpo_jax.models import ragged_attention
 
 MAX_UNITS = 16  # Slots prefilled in one call, at most.
 
@@ -134,7 +135,7 @@ class SlotLane:
     elif need > self.slots.capacity:
       if self.record is not None:
         self.record.copies.append(self.num_slots * self.slots.capacity)
-      self.slots = slots_lib.grow(self.slots, cap)
+      self.slots = slots_lib.grow(self.config, self.slots, cap)
 
   def admit(self) -> None:
     """Gives ready turns their slots, prefills what they need and starts them."""
@@ -314,9 +315,10 @@ class SlotLane:
       live = len(rows)
       end_len = lengths[rows]
       for j in range(steps):
+        now = end_len - steps + j + 1  # Each live row's positions attention sees at step j.
         self.record.steps.append(dict(
             model=self.name, clock=clock0 + j, rows=self.num_slots, live=live,
-            live_len=int((end_len - steps + j + 1).sum()), kv_read=self.num_slots * self._window))
+            live_len=int(now.sum()), kv_read=self._kv_read(now)))
       self.record.decoded += live * steps
     if self.stop_strings:
       self._stop_strings(running, finish, n)
@@ -348,6 +350,14 @@ class SlotLane:
       seat.forced, seat.turn_start = None, None
     self.slots = slots_lib.release(self.slots, jnp.asarray(idx))
     return out
+
+  def _kv_read(self, lengths) -> int:
+    """KV positions one decode step's attention reads: on GPU, with attention="ragged", each
+    live row to its own length (the kernel's key blocks); else every slot to the window."""
+    if self.config.attention == "ragged":
+      return ragged_attention.slots_read(lengths, self.slots.capacity,
+                                         self.config.decode_splits or ragged_attention.SPLITS)
+    return self.num_slots * self._window
 
   def _stop_strings(self, running, finish, n) -> None:
     """Ends turns whose text holds a stop string (checked between decode calls)."""

@@ -42,7 +42,8 @@ FINISH_NAMES = {**sampling.FINISH_NAMES, IDLE: "idle"}
 class Slots:
   """Every slot's cache and the state of the turn it runs."""
 
-  cache: decode.LayerCache  # [S, K, H, capacity] keys, [S, K, capacity, H] values.
+  cache: decode.LayerCache  # [S, K, H, capacity] keys (`key_axis` 3; 2: [S, K, capacity, H]),
+  # [S, K, capacity, H] values.
   lengths_S: jax.Array  # Tokens in each slot's cache.
   next_logits_SxV: jax.Array  # Float32 logits of the token after the last one.
   finish_S: jax.Array  # RUNNING, a finish reason, or IDLE.
@@ -55,6 +56,7 @@ class Slots:
   max_len: int = flax.struct.field(pytree_node=False)
   # MoE: experts chosen at each cached position [S, capacity, sparse layers, k]; else None.
   experts_SxCxLxK: jax.Array | None = None
+  key_axis: int = flax.struct.field(pytree_node=False, default=3)  # `decode.key_slot_axis`.
 
   @property
   def capacity(self) -> int:
@@ -73,7 +75,8 @@ def init(config: Qwen3Config, num_slots: int, capacity: int, *, max_new_tokens: 
                jnp.zeros((s, config.vocab_size), jnp.float32), jnp.full(s, IDLE, jnp.int32),
                jnp.zeros(s, jnp.int32), jnp.zeros(s, jnp.int32), jnp.zeros(s, bool),
                jax.random.split(jax.random.key(0), s), jnp.zeros((s, n), jnp.int32),
-               jnp.zeros((s, n), jnp.float32), max_len, sampling.init_routes(config, s, capacity))
+               jnp.zeros((s, n), jnp.float32), max_len, sampling.init_routes(config, s, capacity),
+               decode.key_slot_axis(config))
 
 
 @functools.partial(jax.jit, donate_argnames=("slots",))
@@ -162,10 +165,16 @@ def decode_steps(configs: tuple, params: tuple, slots: tuple, sps: tuple, max_st
   return jax.lax.while_loop(cond, body, (jnp.int32(0), tuple(slots)))
 
 
-def _rows(cache: decode.LayerCache, idx_U, window: int) -> decode.LayerCache:
+def _first(x, axis: int, length: int):
+  """The first `length` positions of `x` along `axis`."""
+  return jax.lax.slice_in_dim(x, 0, length, axis=axis)
+
+
+def _rows(slots: Slots, idx_U, window: int) -> decode.LayerCache:
   """The first `window` positions of rows `idx_U` (clipped ids) as a cache of their own."""
-  return decode.LayerCache(tuple(k[idx_U, :, :, :window] for k in cache.k),
-                           tuple(v[idx_U, :, :window] for v in cache.v))
+  return decode.LayerCache(tuple(_first(k[idx_U], slots.key_axis, window)
+                                 for k in slots.cache.k),
+                           tuple(_first(v[idx_U], 2, window) for v in slots.cache.v))
 
 
 def _put(big, small, idx_U, off_U, width: int, valid_U, axis: int):
@@ -199,11 +208,11 @@ def prefill(config: Qwen3Config, params: decode.DecodeParams, slots: Slots, toke
   off = jnp.where(valid, slots.lengths_S[rows], 0)
   positions = off[:, None] + jnp.arange(w)[None, :]
   logits, sub, routing = decode.forward(config, params, tokens_UxW, positions,
-                                        _rows(slots.cache, rows, window),
+                                        _rows(slots, rows, window),
                                         logits_idx_B=jnp.maximum(count_U - 1, 0),
                                         attn_window=window)
   cache = decode.LayerCache(
-      tuple(_put(big, small, rows, off, w, valid, axis=3)
+      tuple(_put(big, small, rows, off, w, valid, axis=slots.key_axis)
             for big, small in zip(slots.cache.k, sub.k)),
       tuple(_put(big, small, rows, off, w, valid, axis=2)
             for big, small in zip(slots.cache.v, sub.v)))
@@ -223,7 +232,7 @@ def prefill(config: Qwen3Config, params: decode.DecodeParams, slots: Slots, toke
 class Saved:
   """A slot's cached prefix held off the slots (a waiting turn's, or a shared prompt's)."""
 
-  k: tuple  # L x [K, H, length]
+  k: tuple  # L x [K, H, length] (or [K, length, H], as the slots store keys)
   v: tuple  # L x [K, length, H]
   next_logits_V: jax.Array
   experts: jax.Array | None  # [length, sparse layers, k]
@@ -234,8 +243,9 @@ class Saved:
 def save(slots: Slots, slot, length: int) -> Saved:
   """Copies the first `length` positions of `slot` (and its next-token logits) off it."""
   ex = slots.experts_SxCxLxK
-  return Saved(tuple(k[slot, :, :, :length] for k in slots.cache.k),
-               tuple(v[slot, :, :length] for v in slots.cache.v), slots.next_logits_SxV[slot],
+  return Saved(tuple(_first(k[slot], slots.key_axis - 1, length) for k in slots.cache.k),
+               tuple(_first(v[slot], 1, length) for v in slots.cache.v),
+               slots.next_logits_SxV[slot],
                None if ex is None else ex[slot, :length], length)
 
 
@@ -244,7 +254,8 @@ def restore(slots: Slots, slot, saved: Saved, length) -> Slots:
   """Writes `saved` into `slot` (positions 0..saved.length-1); the slot holds `length`."""
   put = lambda big, small, axis: jax.lax.dynamic_update_index_in_dim(
       big, jax.lax.dynamic_update_slice_in_dim(big[slot], small, 0, axis - 1), slot, 0)
-  cache = decode.LayerCache(tuple(put(b, x, 3) for b, x in zip(slots.cache.k, saved.k)),
+  cache = decode.LayerCache(tuple(put(b, x, slots.key_axis)
+                                  for b, x in zip(slots.cache.k, saved.k)),
                             tuple(put(b, x, 2) for b, x in zip(slots.cache.v, saved.v)))
   ex = slots.experts_SxCxLxK
   if ex is not None:
@@ -255,11 +266,11 @@ def restore(slots: Slots, slot, saved: Saved, length) -> Slots:
                        next_logits_SxV=slots.next_logits_SxV.at[slot].set(saved.next_logits_V))
 
 
-def grow(slots: Slots, capacity: int) -> Slots:
+def grow(config: Qwen3Config, slots: Slots, capacity: int) -> Slots:
   """The slots with `capacity` positions each (the old cache copied and freed)."""
   fake = sampling.Sequences(slots.cache, slots.lengths_S, slots.next_logits_SxV,
                             slots.max_len, slots.experts_SxCxLxK)
-  grown = sampling._grow(fake, capacity)
+  grown = sampling._grow(config, fake, capacity)
   return slots.replace(cache=grown.cache, experts_SxCxLxK=grown.experts_BxSxLxK)
 
 

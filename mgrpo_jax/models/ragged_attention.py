@@ -94,7 +94,7 @@ def kernel(q_BxKxGxH, k_BxKxSxH, v_BxKxSxH, lengths_B, *, splits: int = SPLITS,
            block_k: int = BLOCK_K, interpret: bool = False):
   """Attention of one query per row over the first `lengths_B[b]` slots of row b's keys.
 
-  Rows of length 0 are not supported (a decode row sees at least its own token).
+  A row of length 0 (an idle slot, which writes nowhere) reads nothing and gives zeros.
   """
   h = q_BxKxGxH.shape[-1]
   n, bk = tiles(k_BxKxSxH.shape[2], splits, block_k)
@@ -112,6 +112,7 @@ def kernel(q_BxKxGxH, k_BxKxSxH, v_BxKxSxH, lengths_B, *, splits: int = SPLITS,
   w = jnp.exp(m - jnp.max(m, axis=2, keepdims=True))  # [B, K, n, G]
   num = sum(o[:, :, i].astype(jnp.float32) * w[:, :, i, :, None] for i in range(n))
   den = sum(l[:, :, i] * w[:, :, i] for i in range(n))
+  den = jnp.where(den > 0, den, 1.0)  # A row of length 0: num is 0 too.
   return (num / den[..., None]).astype(q_BxKxGxH.dtype)
 
 
@@ -146,7 +147,10 @@ def decode(q_BxKxGx1xH, k_BxKxSxH, v_BxKxSxH, q_idx_Bx1, *, window: int,
   """One decode step's attention over the whole per-layer cache (no slice of it is copied):
   row b sees slots 0..q_idx[b]. On GPU the Pallas kernel reads only those; elsewhere the
   XLA path reads the first `window` slots of every row (`window` covers every q_idx)."""
-  lengths_B = q_idx_Bx1[:, 0].astype(jnp.int32) + 1
+  pos_B = q_idx_Bx1[:, 0].astype(jnp.int32)
+  # A row whose position is past the cache writes nowhere (an idle slot, a finished row):
+  # it reads nothing either.
+  lengths_B = jnp.where(pos_B < k_BxKxSxH.shape[2], pos_B + 1, 0)
 
   def ragged(q, k, v, lengths):
     one = functools.partial(kernel, splits=splits, interpret=interpret)
@@ -155,7 +159,7 @@ def decode(q_BxKxGx1xH, k_BxKxSxH, v_BxKxSxH, q_idx_Bx1, *, window: int,
   def windowed(q, k, v, lengths):
     k, v = k[:, :, :window], v[:, :, :window]
     valid = jnp.ones((q.shape[0], window), bool)
-    return attention.query_chunked(q, k, v, (lengths - 1)[:, None], valid)
+    return attention.query_chunked(q, k, v, q_idx_Bx1, valid)
 
   args = (q_BxKxGx1xH, k_BxKxSxH, v_BxKxSxH, lengths_B)
   if interpret:

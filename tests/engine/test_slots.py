@@ -5,6 +5,8 @@ A tiny random Qwen3 (f32, byte tokenizer). The references are the batched sample
 engine run with one slot per episode.
 """
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -37,8 +39,11 @@ def _complete(policy, prompts, key, *, width=512, record=None):
   return engine_run.complete([lane], [prompts], chunk=8, record=record)[0]
 
 
-def test_greedy_completions_equal_the_batched_sampler_with_refills_and_chunks(tiny):
+@pytest.mark.parametrize("attention", ["auto", "ragged"])  # Two layouts of the keys.
+def test_greedy_completions_equal_the_batched_sampler_with_refills_and_chunks(tiny, attention):
   cfg, params = tiny
+  cfg = dataclasses.replace(cfg, attention=attention)
+  tiny = cfg, params
   prompts = [TOK.encode(p) for p in PROMPTS]
   want = sampling.generate(cfg, params, prompts, max_new_tokens=12, temperature=0.0,
                            max_len=256)
