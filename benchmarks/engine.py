@@ -137,7 +137,7 @@ def _code_expert(problem, agent: int) -> str:
   return f"```python\n{sig}\n{problem.canonical_solution}```"
 
 
-def _forced_code(policy, agent: int, examples, lengths: Lengths, tok, limit: int):
+def _forced_code(agent: int, examples, lengths: Lengths, tok, limit: int):
   """A MAGRPO lane's `force`: the code expert's text for a job's prompt, at a drawn length
   (row r of turn t named `agent/t/r`, joint_rollout's order whatever the engine)."""
 
@@ -145,7 +145,7 @@ def _forced_code(policy, agent: int, examples, lengths: Lengths, tok, limit: int
     text = tok.decode(job.tokens)
     ex = next(e for e in examples if f"def {e.entry_point}(" in text)
     return lengths.shape(tok.encode(_code_expert(ex, agent)), tok, limit,
-                         f"{agent}/{policy.calls}/{job.q}")
+                         f"{agent}/{job.k}/{job.q}")
 
   return force
 
@@ -155,13 +155,13 @@ def run_magrpo(args, record, lengths: Lengths, slots: list) -> dict:
   `args.questions` prompts x `args.rollouts` samples per agent per node."""
   from configs import magrpo as magrpo_config
   from mgrpo_jax import models
-  from mgrpo_jax import tokenizer as tk
+  from mgrpo_jax import tokenizer_io
   from mgrpo_jax.magrpo import rollout, tasks
   from mgrpo_jax.rl import joint
   arg = f"task=code,turns={args.turns}"
   c = magrpo_config.get_config(arg)
   task = tasks.build_task(c.task)
-  tok = tk.load_tokenizer(c.tokenizer)
+  tok = tokenizer_io.load_tokenizer(c.tokenizer)
   latency, workers = args.tool_latency_ms / 1e3, c.task.workers
   base_score = task.score
 
@@ -183,7 +183,7 @@ def run_magrpo(args, record, lengths: Lengths, slots: list) -> dict:
                          top_k=c.sampling.top_k, chunk=c.sampling.chunk,
                          slots=slots[i] if i < len(slots) else 0)
     pol.record = record
-    pol.force = _forced_code(pol, i, examples, lengths, tok, c.max_new_tokens)
+    pol.force = _forced_code(i, examples, lengths, tok, c.max_new_tokens)
     policies.append(pol)
   turns = rollout.joint_rollout(task, policies, examples, group=args.rollouts,
                                 mode=c.joint_mode, num_turns=c.num_turns,
@@ -191,7 +191,7 @@ def run_magrpo(args, record, lengths: Lengths, slots: list) -> dict:
   # Each completion of turn t + 1 waits for the joint action (node) it continues.
   index = joint.joint_indices(task.num_agents, args.rollouts, c.joint_mode)
   n_joint = len(index)
-  name = lambda a, t, r: f"agent{a}/{r}/{t}/-1/0"  # The engine's name of job r of turn t.
+  name = lambda a, t, r: f"agent{a}/{r}/{t}/-1/{t}"  # The engine's name of job r of turn t.
   for t in range(1, len(turns)):
     for a in range(task.num_agents):
       for r in range(len(turns[t].completions[a])):

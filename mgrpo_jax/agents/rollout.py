@@ -135,6 +135,9 @@ class TurnPolicy(Protocol):
     """Environment tokens appended to some rows (tool replies)."""
 
 
+DEFAULT_MAX_SLOTS = 64  # Slots per model when `config.sampling.slots` is 0.
+
+
 class LLMPolicy:
   """A Qwen3 policy over the batched KV-cache sampler.
 
@@ -169,9 +172,10 @@ class LLMPolicy:
 
   def slots_for(self, rows: int) -> int:
     """Decode slots of the engine's lane: `slots` when given, else one per episode that can
-    be running (`rows`, rounded up to a power of two), at most what `kv_cache_budget_bytes`
-    holds at the full context (each slot's cache reaches `max_len`)."""
-    n = self.slots or kv_cache_plan.bucket(rows, 1)
+    be running (`rows`, rounded up to a power of two) up to `DEFAULT_MAX_SLOTS`, at most what
+    `kv_cache_budget_bytes` holds at the full context (each slot's cache reaches `max_len`).
+    More episodes than slots queue for them: every slot computes each step, busy or not."""
+    n = self.slots or min(kv_cache_plan.bucket(rows, 1), DEFAULT_MAX_SLOTS)
     if self.budget:
       per_slot = kv_cache_plan.kv_cache_bytes(self.config, 1, self.limits.max_len)
       n = min(n, max(1, self.budget // per_slot))

@@ -246,10 +246,8 @@ class SlotLane:
         chunk, seat.pending = seat.pending[:width], seat.pending[width:]
         tokens[u, :len(chunk)], idx[u], count[u] = chunk, seat.slot, len(chunk)
         ends.append(len(seat.ep.tokens) - len(seat.pending))
-      window = sampling._window(max(ends) - int(count[:len(call)].min()) + width,
-                                self.slots.capacity)
-      window = max(window, min(self.slots.capacity, max(e - c + width
-                                                        for e, c in zip(ends, count))))
+      # Every unit's cached prefix and its new tokens; a power of two (few compiles).
+      window = _window(max(e - c for e, c in zip(ends, count)) + width, self.slots.capacity)
       start = time.perf_counter()
       self.slots = slots_lib.prefill(self.config, self.policy._decode_params(), self.slots,
                                      jnp.asarray(tokens), jnp.asarray(idx), jnp.asarray(count),
@@ -296,7 +294,7 @@ class SlotLane:
     longest = int(max(lengths[s.slot] for s in self._running))
     self._ensure(longest + 1)
     steps = min(max_steps, self.slots.capacity - longest)
-    self._window = sampling._window(longest + steps + 1, self.slots.capacity)
+    self._window = _window(longest + steps + 1, self.slots.capacity)
     return steps, self._window
 
   def after_decode(self, steps: int, clock0: int, seconds: float) -> list:
@@ -386,6 +384,13 @@ class SlotLane:
     width = kv_cache_plan.bucket(max(count, 1), 16)
     out = fetch(slots_lib.read_routes(self.slots, jnp.int32(seat.slot), jnp.int32(start), width))
     return out[:count]
+
+
+def _window(end: int, capacity: int) -> int:
+  """The static attention window for positions below `end`: a power of two (at least 64),
+  so that a run compiles few windows per model, and the joint decode few pairs of them. With
+  attention="ragged" the GPU kernel reads each row to its own length whatever the window."""
+  return min(capacity, kv_cache_plan.bucket(end, 64))
 
 
 @jax.jit

@@ -45,12 +45,14 @@ def _ready(turns: dict) -> dict:
           for tid, t in turns.items()}
 
 
-def longest_chain(turns: dict) -> int:
-  """Tokens of the longest chain of turns, each waiting for the one before."""
+def longest_chain(turns: dict, *, tools: bool = False) -> int:
+  """Tokens of the longest chain of turns, each waiting for the one before; `tools`: plus
+  the steps each turn's input (a tool reply) was in flight, which no engine can shorten."""
   best = {}
   for tid in sorted(turns, key=lambda t: turns[t]["start"]):  # Deps start earlier.
     t = turns[tid]
-    best[tid] = t["tokens"] + max([best[d] for d in t["deps"]] or [0])
+    wait = t.get("input_steps", 0) if tools else 0
+    best[tid] = t["tokens"] + wait + max([best[d] for d in t["deps"]] or [0])
   return max(best.values())
 
 
@@ -105,6 +107,10 @@ def metrics(record: dict, shape) -> dict:
   return {
       "ready_waiting": ready_waiting(record),
       "critical_path_over_longest_chain": round((last - first + 1) / longest_chain(turns), 4),
+      # The same with each chain's tool replies in flight counted as steps: 1.0 when no turn
+      # of the chain that bounds the run waited on anything but its inputs.
+      "critical_path_over_chain_with_tools": round(
+          (last - first + 1) / longest_chain(turns, tools=True), 4),
       "slot_occupancy": round(kept / sum(s["rows"] for s in steps), 4),
       "prefill_computed_over_needed": round(sum(p["computed"] for p in prefills) / needed, 4)
                                       if needed else None,

@@ -168,9 +168,15 @@ class Engine:
     if parent is not None:
       main, req, t0 = parent
       text = self.roles.result(main, req, ep, time.perf_counter() - t0)
-      self.replies.put(([main], [text], time.perf_counter() - t0,
-                        self.record.clock if self.record else 0,
-                        self._last_turn(ep)))
+      last = self._last_turn(ep)
+      sent = 0
+      if self.record is not None:
+        # The result was ready after the sub-agent's last turn, or (an episode ended by a
+        # tool reply that would overflow its context) after that reply: the steps since
+        # its last turn are the delegation's time in flight.
+        turn = self.record.turns.get(last[0]) if last else None
+        sent = self.record.clock if turn is None else turn["end"] + 1
+      self.replies.put(([main], [text], time.perf_counter() - t0, sent, last))
 
   def _send(self, pending: list, call: Callable) -> None:
     """Runs `call() -> replies` for the episodes of `pending`, in a thread (or, with several
@@ -273,12 +279,12 @@ def complete(lanes: Sequence, prompts: Sequence[Sequence[list]], *, chunk: int =
   """One turn for each prompt of each lane (`prompts[m]` for `lanes[m]`), every lane's
   slots decoding together and refilled as turns end: per lane, per prompt in order,
   (ids, log-probs, finish reason, routes of prompt and turn or None). Prompt i samples
-  from the lane's key and stream i. `turn` names the record's turns (`lane/i/turn/-1/0`)."""
+  from the lane's key and stream i. `turn` names the record's turns (`lane/i/turn/-1/turn`) and their keys."""
   out = [[None] * len(p) for p in prompts]
   where = {}
   for m, (lane, ps) in enumerate(zip(lanes, prompts)):
     for i, p in enumerate(ps):
-      job = Job(lane.name, i, list(p), k=turn)
+      job = Job(lane.name, i, list(p), k=turn, turns=[None] * turn)
       where[id(job)] = (m, i)
       lane.add(job, i)
   while True:

@@ -10,6 +10,8 @@ chat (algorithm.md 2.2). Orders follow `rl.joint`: samples `node * G + g`, joint
 
 import contextlib
 import dataclasses
+import queue
+import threading
 from typing import Sequence
 
 import jax
@@ -86,18 +88,21 @@ class Policy:
     return complete_together([self], [prompts], [key])[0]
 
 
+def _check_fits(longest: int, limits) -> None:
+  if longest + limits.max_new_tokens > limits.max_len:
+    # Later turns carry the whole chat; fail before sampling, naming the fields to change.
+    raise PromptTooLongError(
+        f"A prompt of {longest} tokens leaves no room for config.max_new_tokens="
+        f"{limits.max_new_tokens} within config.max_len={limits.max_len}; raise "
+        "max_len or lower max_new_tokens / num_turns.")
+
+
 def complete_together(policies: Sequence[Policy], prompts: Sequence[Sequence[list[int]]],
                       keys: Sequence) -> list[list[Completion]]:
   """`policies[i]` completes `prompts[i]` (sample r from `keys[i]`, stream r), all agents'
   slots decoding together."""
   for pol, ps in zip(policies, prompts):
-    longest = max(len(p) for p in ps)
-    if longest + pol.limits.max_new_tokens > pol.limits.max_len:
-      # Later turns carry the whole chat; fail before sampling, naming the fields to change.
-      raise PromptTooLongError(
-          f"A prompt of {longest} tokens leaves no room for config.max_new_tokens="
-          f"{pol.limits.max_new_tokens} within config.max_len={pol.limits.max_len}; raise "
-          "max_len or lower max_new_tokens / num_turns.")
+    _check_fits(max(len(p) for p in ps), pol.limits)
   record = policies[0].record
   lanes_ = [lanes.SlotLane(f"agent{i}", pol, key=k, num_slots=pol.slots_for(len(ps)),
                            chunk=pol.chunk, record=record, force=pol.force)
@@ -159,6 +164,9 @@ def joint_rollout(task, policies: Sequence[Policy], examples: Sequence, *, group
   names = task.agent_names
   n_joint = len(index)
   tok = policies[0].tokenizer
+  if pipeline != "sequential" and all(isinstance(p, Policy) for p in policies):
+    return _tree_on_engine(task, policies, examples, group=group, index=index,
+                           num_turns=num_turns, key=key, pipeline=pipeline)
   # One chat per (node, agent); node order is (p, node) flattened.
   chats = [[[{"role": "user", "content": p}] for p in task.prompts(ex)] for ex in examples]
   node_examples = list(examples)
@@ -204,6 +212,115 @@ def joint_rollout(task, policies: Sequence[Policy], examples: Sequence, *, group
       chats = new_chats
       node_examples = [ex for ex in node_examples for _ in range(n_joint)]
   return turns
+
+
+def _node_chats(chat: list, outs: tuple, feedback: str, names, pipeline: str) -> list:
+  """Every agent's chat of the node that follows joint action `outs` of node `chat`."""
+  n = len(chat)
+  others = lambda i: ([(names[k], outs[k]) for k in range(n) if k != i]
+                      if pipeline == "discussion" else [])
+  return [_with_others(chat[i] + [{"role": "assistant", "content": outs[i]},
+                                  {"role": "user", "content": feedback}], others(i))
+          for i in range(n)]
+
+
+def _tree_on_engine(task, policies: Sequence[Policy], examples, *, group: int, index,
+                    num_turns: int, key, pipeline: str) -> list[Turn]:
+  """The tree on the agent engine, node by node: a node's joint actions are scored as soon
+  as its G samples of every agent are done, and its children's turns start then, while other
+  nodes still decode (`joint_rollout` with samplers, parallel or discussion).
+
+  Sample r of agent i at turn t draws from fold_in(fold_in(fold_in(key, i), t), r): the same
+  samples whatever the order nodes finish in.
+  """
+  n_agents, n_joint, p = len(policies), len(index), len(examples)
+  tok = policies[0].tokenizer
+  most = p * group * n_joint ** (num_turns - 1)  # Samples of the widest turn, per agent.
+  record = policies[0].record
+  lanes_ = [lanes.SlotLane(f"agent{i}", pol, key=jax.random.fold_in(key, i),
+                           num_slots=pol.slots_for(most), chunk=pol.chunk, record=record,
+                           force=pol.force) for i, pol in enumerate(policies)]
+  done = [[[None] * (p * n_joint ** t * group) for _ in range(n_agents)]
+          for t in range(num_turns)]
+  scores = [[None] * (p * n_joint ** (t + 1)) for t in range(num_turns)]
+  nodes = {}  # (t, node) -> [chats, example, samples still running]
+  where = {}  # id(job) -> (t, node, agent, r)
+  scored = queue.Queue()
+  sync = jax.process_count() > 1
+  pending = [0]
+
+  def start(t, node, chats, ex):
+    nodes[(t, node)] = [chats, ex, n_agents * group]
+    for i, lane in enumerate(lanes_):
+      prompt = _chat(tok, chats[i])
+      _check_fits(len(prompt), policies[i].limits)
+      for g in range(group):
+        r = node * group + g
+        job = engine_run.Job(lane.name, r, list(prompt), k=t, turns=[None] * t)
+        where[id(job)] = (t, node, i, r)
+        lane.add(job, r)
+
+  def score(t, node):
+    chats, ex, _ = nodes[(t, node)]
+    texts = [tuple(done[t][i][node * group + index[j, i]].text for i in range(n_agents))
+             for j in range(n_joint)]
+    if sync:  # Process 0's scores on every host: a sandboxed run may time out on one only.
+      scored.put((t, node, texts, distributed.broadcast_object(task.score([ex] * n_joint,
+                                                                          texts))))
+    else:
+      threading.Thread(target=lambda: scored.put(
+          (t, node, texts, _try(task.score, [ex] * n_joint, texts))), daemon=True).start()
+    pending[0] += 1
+
+  def scored_node(t, node, texts, node_scores):
+    pending[0] -= 1
+    if isinstance(node_scores, BaseException):
+      raise node_scores
+    chats, ex, _ = nodes.pop((t, node))
+    for j, sc in enumerate(node_scores):
+      scores[t][node * n_joint + j] = (sc, texts[j])
+      if t + 1 < num_turns:
+        start(t + 1, node * n_joint + j,
+              _node_chats(chats, texts[j], sc.feedback, task.agent_names, pipeline), ex)
+
+  for node, ex in enumerate(examples):
+    start(0, node, [[{"role": "user", "content": q}] for q in task.prompts(ex)], ex)
+  chunk = min(pol.chunk for pol in policies)
+  while True:
+    for lane in lanes_:
+      lane.admit()
+    running = [lane for lane in lanes_ if lane.running()]
+    for seat, ids, logps, routes in (engine_run.decode(running, chunk, record)
+                                     if running else []):
+      t, node, i, r = where.pop(id(seat.ep))
+      pol = policies[i]
+      body = ids[:-1] if ids and ids[-1] in tok.stop_ids else ids
+      done[t][i][r] = Completion(list(seat.ep.tokens), list(ids), [float(x) for x in logps],
+                                 tok.decode(body, skip_special=True), seat.finish, routes)
+      lanes_[i].finish(seat.ep)
+      nodes[(t, node)][2] -= 1
+      if nodes[(t, node)][2] == 0:
+        score(t, node)
+    block = not running and pending[0] > 0
+    while not scored.empty() or block:
+      scored_node(*scored.get())
+      block = False
+    if not running and not pending[0] and not any(lane.ready for lane in lanes_):
+      break
+  for pol in policies:
+    pol.calls += num_turns
+  return [Turn(done[t], np.asarray([sc.reward for sc, _ in scores[t]],
+                                   np.float32).reshape(p, -1),
+               [sc.metrics for sc, _ in scores[t]], [tx for _, tx in scores[t]])
+          for t in range(num_turns)]
+
+
+def _try(fn, *args):
+  """fn(*args), or the exception it raised (handed to the loop's thread)."""
+  try:
+    return fn(*args)
+  except BaseException as e:  # noqa: BLE001 - re-raised by the caller.
+    return e
 
 
 def turn_rows(turns: Sequence[Turn], agent: int, adv_per_turn: Sequence[np.ndarray],
