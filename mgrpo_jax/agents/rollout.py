@@ -19,6 +19,7 @@ for the trainer to replay.
 
 import contextlib
 import dataclasses
+import threading
 from concurrent import futures
 import time
 from typing import Any, Callable, Protocol, Sequence
@@ -439,6 +440,7 @@ class ColocatedSubAgent:
     self.policy, self.tokenizer, self.tools, self.limits = policy, tokenizer, tools, limits
     self.key, self.system_prompt = key, system_prompt
     self.episodes: list[Episode] = []
+    self._lock = threading.Lock()  # `delegate` may serve batches from several threads.
 
   def new_episode(self, r: "DelegationRequest") -> Episode:
     """The sub-agent episode of request `r` (ended at once if its prompt cannot fit)."""
@@ -470,7 +472,9 @@ class ColocatedSubAgent:
   def keep(self, episodes) -> None:
     """Adds finished episodes to `episodes`, kept in (q, k, call) order: the same list
     whichever engine served them, in whatever order they ended."""
-    self.episodes = sorted(self.episodes + list(episodes), key=lambda e: (e.q, e.k, e.call))
+    with self._lock:
+      self.episodes = sorted(self.episodes + list(episodes),
+                             key=lambda e: (e.q, e.k, e.call))
 
   def _tools(self, pending):
     # The calls of a batch run at once (a retriever's requests overlap).

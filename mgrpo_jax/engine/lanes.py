@@ -28,7 +28,8 @@ from mgrpo_jax.engine import slots as slots_lib
 from mgrpo_jax.engine.record import Record
 from mgrpo_jax.models import ragged_attention
 
-MAX_UNITS = 16  # Slots prefilled in one call, at most.
+UNITS = (1, 2, 4, 8, 16)  # Slots prefilled in one call: its batch sizes (few compiles).
+MAX_UNITS = UNITS[-1]
 
 
 @dataclasses.dataclass(eq=False)
@@ -82,9 +83,11 @@ class SlotLane:
 
   # ---------------------------------------------------------------- episodes come and go
 
-  def add(self, ep, stream: int, deps=()) -> None:
-    """A new episode: its first turn is ready once its prompt is cached."""
-    seat = Seat(ep, stream, list(ep.tokens), prompt=tuple(ep.tokens), deps=tuple(deps))
+  def add(self, ep, stream: int, deps=(), input_steps: int = 0) -> None:
+    """A new episode: its first turn is ready once its prompt is cached (`input_steps`: the
+    steps what it starts from was in flight, for the record)."""
+    seat = Seat(ep, stream, list(ep.tokens), prompt=tuple(ep.tokens), deps=tuple(deps),
+                input_steps=input_steps)
     self.seats[id(ep)] = seat
     entry = self.prompts.setdefault(seat.prompt, [None, 0, 0])
     entry[1] += 1
@@ -161,7 +164,9 @@ class SlotLane:
     placed += restores
     if not placed:
       return
-    self._ensure(max(len(s.ep.tokens) for s in placed) + self.width)
+    # Room for each slot's first chunk (a chunk ends at most at its tokens' bucketed end).
+    self._ensure(max(len(s.ep.tokens) + kv_cache_plan.bucket(min(len(s.pending), self.width),
+                                                             16) for s in placed))
     fresh = []
     for seat in restores:
       entry = self.prompts.get(seat.prompt) if seat.prompt is not None else None
@@ -237,17 +242,18 @@ class SlotLane:
       width = kv_cache_plan.bucket(min(len(seats[0].pending), self.width), 16)
       call = [s for s in seats if kv_cache_plan.bucket(min(len(s.pending), self.width), 16)
               * 2 > width][:MAX_UNITS]
-      units = kv_cache_plan.bucket(len(call), 1)
+      units = next(u for u in UNITS if u >= len(call))
+      # Each unit writes `width` positions from its slot's length: they must fit the slot.
+      self._ensure(max(len(s.ep.tokens) - len(s.pending) for s in call) + width)
       tokens = np.full((units, width), self.tokenizer.pad_id, np.int32)
       idx = np.full(units, self.num_slots, np.int32)
       count = np.zeros(units, np.int32)
-      ends = []
       for u, seat in enumerate(call):
         chunk, seat.pending = seat.pending[:width], seat.pending[width:]
         tokens[u, :len(chunk)], idx[u], count[u] = chunk, seat.slot, len(chunk)
-        ends.append(len(seat.ep.tokens) - len(seat.pending))
-      # Every unit's cached prefix and its new tokens; a power of two (few compiles).
-      window = _window(max(e - c for e, c in zip(ends, count)) + width, self.slots.capacity)
+      # The whole row: a prefill's cost is its tokens' compute, next to which reading the
+      # rows is small, and one window per capacity keeps its compiles few.
+      window = self.slots.capacity
       start = time.perf_counter()
       self.slots = slots_lib.prefill(self.config, self.policy._decode_params(), self.slots,
                                      jnp.asarray(tokens), jnp.asarray(idx), jnp.asarray(count),
@@ -294,7 +300,12 @@ class SlotLane:
     longest = int(max(lengths[s.slot] for s in self._running))
     self._ensure(longest + 1)
     steps = min(max_steps, self.slots.capacity - longest)
-    self._window = _window(longest + steps + 1, self.slots.capacity)
+    if jax.default_backend() == "cpu":
+      # On CPU compiles cost more than reads: every decode call reads the whole slot (one
+      # program per capacity, and per pair of capacities for two models).
+      self._window = self.slots.capacity
+    else:
+      self._window = _window(longest + steps + 1, self.slots.capacity)
     return steps, self._window
 
   def after_decode(self, steps: int, clock0: int, seconds: float) -> list:

@@ -249,8 +249,10 @@ def _tree_on_engine(task, policies: Sequence[Policy], examples, *, group: int, i
   sync = jax.process_count() > 1
   pending = [0]
 
-  def start(t, node, chats, ex):
-    nodes[(t, node)] = [chats, ex, n_agents * group]
+  clock = lambda: record.clock if record is not None else 0
+
+  def start(t, node, chats, ex, waited=0):
+    nodes[(t, node)] = [chats, ex, n_agents * group, 0]
     for i, lane in enumerate(lanes_):
       prompt = _chat(tok, chats[i])
       _check_fits(len(prompt), policies[i].limits)
@@ -258,10 +260,11 @@ def _tree_on_engine(task, policies: Sequence[Policy], examples, *, group: int, i
         r = node * group + g
         job = engine_run.Job(lane.name, r, list(prompt), k=t, turns=[None] * t)
         where[id(job)] = (t, node, i, r)
-        lane.add(job, r)
+        lane.add(job, r, input_steps=waited)
 
   def score(t, node):
-    chats, ex, _ = nodes[(t, node)]
+    chats, ex, _, _ = nodes[(t, node)]
+    nodes[(t, node)][3] = clock()  # Scored from here: the children's input is in flight.
     texts = [tuple(done[t][i][node * group + index[j, i]].text for i in range(n_agents))
              for j in range(n_joint)]
     if sync:  # Process 0's scores on every host: a sandboxed run may time out on one only.
@@ -276,12 +279,13 @@ def _tree_on_engine(task, policies: Sequence[Policy], examples, *, group: int, i
     pending[0] -= 1
     if isinstance(node_scores, BaseException):
       raise node_scores
-    chats, ex, _ = nodes.pop((t, node))
+    chats, ex, _, sent = nodes.pop((t, node))
     for j, sc in enumerate(node_scores):
       scores[t][node * n_joint + j] = (sc, texts[j])
       if t + 1 < num_turns:
         start(t + 1, node * n_joint + j,
-              _node_chats(chats, texts[j], sc.feedback, task.agent_names, pipeline), ex)
+              _node_chats(chats, texts[j], sc.feedback, task.agent_names, pipeline), ex,
+              waited=clock() - sent)
 
   for node, ex in enumerate(examples):
     start(0, node, [[{"role": "user", "content": q}] for q in task.prompts(ex)], ex)

@@ -21,6 +21,7 @@ One URL (any kvstore URL or JSON spec) holds a whole decoupled run:
   <run>/sub/checkpoints/<step>  the sub-agent's
 """
 
+import threading
 import time
 from typing import Sequence
 
@@ -61,6 +62,8 @@ class ExchangeSubAgent:
     # Results from a sub-agent policy older than version - max_staleness are refused.
     self.version, self.max_staleness = version, max_staleness
     self.waves = 0
+    # The engine sends each decode call's delegations from a thread of their own.
+    self._lock = threading.Lock()
 
   def _keys(self, requests) -> list[tuple[int, int, int, int]]:
     return [(self.step, r.q, r.k, r.call) for r in requests]
@@ -70,10 +73,11 @@ class ExchangeSubAgent:
     keys = self._keys(requests)
     for r, key in zip(requests, keys):
       self.exchange.put("request", key, {"subtask": r.subtask, "context": r.context})
-    # The wave record makes the sub-agent batch exactly this turn's requests together.
-    self.exchange.put("wave", (self.step, self.waves), {"keys": [list(k) for k in keys]})
-    self.waves += 1
-    return self.waves - 1
+    with self._lock:  # Wave indices are handed out once each, in order.
+      wave, self.waves = self.waves, self.waves + 1
+      # The wave record makes the sub-agent batch exactly these requests together.
+      self.exchange.put("wave", (self.step, wave), {"keys": [list(k) for k in keys]})
+    return wave
 
   def receive(self, requests: Sequence[rollout.DelegationRequest]):
     """The results of `requests`, waiting for them up to `timeout_s`."""
