@@ -22,10 +22,10 @@ and Adam moments, remat, packed 32k-token micro-batches per GPU, chunked log-pro
   decode/<preset>/b<rows>+f32  the same from the float32 master weights the `gpu` config's
                                rollouts decode from
   prefill/<preset>/b<rows>x<t> the sampler's prefill of rows of t prompt tokens
-  engine/<presets>/s<slots>x<capacity>[+ragged]
+  engine/<presets>/s<slots>x<capacity>[@w<window>][+ragged]
                                the agent engine's decode call (`engine.slots.decode_jit`),
                                those models' slots stepping together, every row at the
-                               capacity; `+ragged`: attention="ragged"
+                               capacity (or at the window); `+ragged`: attention="ragged"
   engine/gpu-config/...        the same for the `gpu` config's two Qwen3-0.6B lanes
   engine-prefill/qwen3_8b/u<units>x<width>-s<slots>x<capacity>[+ragged]
                                the engine's prefill of units of width tokens into slots
@@ -195,7 +195,18 @@ def engine_decode(target: str, presets: tuple, slots: int, capacity: int,
       presets, slots, reached or capacity, capacity, attention=attention,
       device_list=gpu_devices(target, 1), return_compiled=True)
   t0 = time.perf_counter()
-  out.update(**hlo_stats.step_stats(compiled.as_text(), models_),
+  text = compiled.as_text()
+  module = hlo_stats.parse(text)
+  inside = {id(i) for i, _, _ in module.loop_kernels(module.outer_loop())}
+  # What a call writes around its steps (e.g. a cache re-laid out for the loop and back).
+  around = [(t * module.bytes_written(i, c), i) for i, t, c in module.executed()
+            if id(i) not in inside]
+  out.update(**hlo_stats.step_stats(text, models_),
+             bytes_written_per_call_outside_steps_gb=sum(b for b, _ in around) / GB,
+             top_writers_outside_steps=[
+                 {"kernel": i.name, "roots": hlo_stats.fusion_roots(module, i), "bytes": b,
+                  "writes": [f"{a.dtype}{list(a.dims)}" for a in i.shape][:2]}
+                 for b, i in sorted(around, key=lambda r: -r[0])[:4]],
              gpu_memory_gb=memory_gb(target), analysis_s=round(time.perf_counter() - t0, 1))
   out["fits"] = out["total_gb"] <= out["gpu_memory_gb"]
   return out
@@ -252,6 +263,11 @@ def engine_cases(target: str) -> dict:
     for slots, cap in ((16, 32768), (16, 8192), (8, 32768)):
       cases[f"engine/gpu-config/s{slots}x{cap}{tag}"] = lambda n=slots, c=cap, a=att: (
           engine_decode(target, ("qwen3_0p6b", "qwen3_0p6b"), n, c, a))
+    # Rows shorter than the lane's capacity (grown for a longer episode): a window of 1024.
+    cases[f"engine/qwen3_8b/s64x8192@w1024{tag}"] = lambda a=att: engine_decode(
+        target, ("qwen3_8b",), 64, 8192, a, reached=1024)
+    cases[f"engine/gpu-config/s16x8192@w1024{tag}"] = lambda a=att: engine_decode(
+        target, ("qwen3_0p6b", "qwen3_0p6b"), 16, 8192, a, reached=1024)
     cases[f"engine-prefill/qwen3_8b/u8x512-s64x8192{tag}"] = lambda a=att: engine_prefill(
         target, "qwen3_8b", 8, 512, 64, 8192, a)
   return cases
