@@ -22,6 +22,15 @@ and Adam moments, remat, packed 32k-token micro-batches per GPU, chunked log-pro
   decode/<preset>/b<rows>+f32  the same from the float32 master weights the `gpu` config's
                                rollouts decode from
   prefill/<preset>/b<rows>x<t> the sampler's prefill of rows of t prompt tokens
+  engine/<presets>/s<slots>x<capacity>[@w<window>][+ragged]
+                               the agent engine's decode call (`engine.slots.decode_jit`),
+                               those models' slots stepping together, every row at the
+                               capacity (or at the window); `+ragged`: attention="ragged"
+  engine/gpu-config/...        the same for the `gpu` config's two Qwen3-0.6B lanes
+  engine-prefill/qwen3_8b/u<units>x<width>-s<slots>x<capacity>[+ragged]
+                               the engine's prefill of units of width tokens into slots
+  python benchmarks/gpu_compile.py --target=h200 --cases=engine \\
+      --out=benchmarks/results/engine-gpu-compile-h200.json
 """
 
 import os
@@ -172,6 +181,98 @@ def prefill(target: str, preset: str, rows: int, length: int,
   return out
 
 
+def memory_gb(target: str) -> float:
+  """The target GPU's memory (its TargetConfig's `device_memory_size`), in GB."""
+  return int(target_config(target).split("device_memory_size: ")[1].split()[0]) / GB
+
+
+def engine_decode(target: str, presets: tuple, slots: int, capacity: int,
+                  attention: str = "auto", reached: int | None = None) -> dict:
+  """The engine's decode call (`engine.slots.decode_jit`): the models of `presets` stepping
+  together on one GPU, `slots` slots of `capacity` positions each, every row at `reached`
+  tokens (default: the capacity, attention's widest window)."""
+  out, compiled, models_ = step_cases.engine_decode_case(
+      presets, slots, reached or capacity, capacity, attention=attention,
+      device_list=gpu_devices(target, 1), return_compiled=True)
+  t0 = time.perf_counter()
+  text = compiled.as_text()
+  module = hlo_stats.parse(text)
+  inside = {id(i) for i, _, _ in module.loop_kernels(module.outer_loop())}
+  # What a call writes around its steps (e.g. a cache re-laid out for the loop and back).
+  around = [(t * module.bytes_written(i, c), i) for i, t, c in module.executed()
+            if id(i) not in inside]
+  out.update(**hlo_stats.step_stats(text, models_),
+             bytes_written_per_call_outside_steps_gb=sum(b for b, _ in around) / GB,
+             top_writers_outside_steps=[
+                 {"kernel": i.name, "roots": hlo_stats.fusion_roots(module, i), "bytes": b,
+                  "writes": [f"{a.dtype}{list(a.dims)}" for a in i.shape][:2]}
+                 for b, i in sorted(around, key=lambda r: -r[0])[:4]],
+             gpu_memory_gb=memory_gb(target), analysis_s=round(time.perf_counter() - t0, 1))
+  out["fits"] = out["total_gb"] <= out["gpu_memory_gb"]
+  return out
+
+
+def _written_under(module, function: str) -> float:
+  """Bytes the kernels whose source stack passes through `function` (or a function defined
+  in it) write, times their runs."""
+  named = lambda f: f == function or f.startswith(function + ".")
+  return sum(t * module.bytes_written(i, c) for i, t, c in module.executed()
+             if any(named(f) for f in module.frames.get(hlo_stats._frame_id(i), ())))
+
+
+def engine_prefill(target: str, preset: str, units: int, width: int, slots: int,
+                   capacity: int, attention: str = "auto") -> dict:
+  """The engine's prefill (`engine.slots.prefill`) of `units` chunks of `width` tokens into
+  slots of `capacity` positions, over the widest window: the bytes its kernels write, and
+  of them what copies the units' rows into their own batch (`slots._rows`), writes the
+  new positions back (`slots._put`) and blocks keys and values for the attention."""
+  out, compiled = step_cases.engine_prefill_case(
+      preset, units, width, slots, capacity, capacity, attention=attention,
+      device_list=gpu_devices(target, 1), return_compiled=True)
+  module = hlo_stats.parse(compiled.as_text())
+  runs = list(module.executed())
+  written = sum(t * module.bytes_written(i, c) for i, t, c in runs)
+  top = sorted(((t * module.bytes_written(i, c), i) for i, t, c in runs), key=lambda r: -r[0])
+  out.update(kernels=sum(t for _, t, _ in runs), custom_calls=_custom_calls(module),
+             bytes_written_gb=written / GB,
+             rows_copy_written_gb=_written_under(module, "_rows") / GB,
+             write_back_written_gb=_written_under(module, "_put") / GB,
+             # The blockwise attention's key and value blocks, moved first (a copy).
+             attention_blocks_written_gb=_written_under(module, "_blocked") / GB,
+             top_writers=[{"kernel": i.name, "roots": hlo_stats.fusion_roots(module, i),
+                           "bytes": b, "op": i.op_name[-120:]} for b, i in top[:6]],
+             gpu_memory_gb=memory_gb(target))
+  out["fits"] = out["total_gb"] <= out["gpu_memory_gb"]
+  return out
+
+
+def engine_cases(target: str) -> dict:
+  """The engine's decode and prefill at Qwen3-8B's size, and the `gpu` config's lanes."""
+  cases = {}
+  for att in ("auto", "ragged"):
+    tag = "" if att == "auto" else "+ragged"
+    # 8B x 64 slots x 8192 holds 77 GB of KV: an H200's; 32 slots fit an H100.
+    for presets, slots in ((("qwen3_8b",), 64), (("qwen3_8b",), 32),
+                           (("qwen3_8b", "qwen3_8b"), 32), (("qwen3_8b", "qwen3_0p6b"), 32),
+                           (("qwen3_8b", "qwen3_0p6b"), 16)):
+      name = f"engine/{'+'.join(presets)}/s{slots}x8192{tag}"
+      cases[name] = lambda p=presets, n=slots, a=att: engine_decode(target, p, n, 8192, a)
+    # The `gpu` config (configs/mgrpo.py:gpu): two Qwen3-0.6B lanes of 16 slots each (one
+    # per episode of 2 x 8), their caches grown to the 32k context, and at 8k; and 8 slots
+    # each at 32k (what `kv_cache_budget_bytes` = 32 GB allows a lane).
+    for slots, cap in ((16, 32768), (16, 8192), (8, 32768)):
+      cases[f"engine/gpu-config/s{slots}x{cap}{tag}"] = lambda n=slots, c=cap, a=att: (
+          engine_decode(target, ("qwen3_0p6b", "qwen3_0p6b"), n, c, a))
+    # Rows shorter than the lane's capacity (grown for a longer episode): a window of 1024.
+    cases[f"engine/qwen3_8b/s64x8192@w1024{tag}"] = lambda a=att: engine_decode(
+        target, ("qwen3_8b",), 64, 8192, a, reached=1024)
+    cases[f"engine/gpu-config/s16x8192@w1024{tag}"] = lambda a=att: engine_decode(
+        target, ("qwen3_0p6b", "qwen3_0p6b"), 16, 8192, a, reached=1024)
+    cases[f"engine-prefill/qwen3_8b/u8x512-s64x8192{tag}"] = lambda a=att: engine_prefill(
+        target, "qwen3_8b", 8, 512, 64, 8192, a)
+  return cases
+
+
 def all_cases(target: str) -> dict:
   cases = {}
   for preset, count in (("qwen3_0p6b", 1), ("qwen3_1p7b", 1), ("qwen3_8b", 8)):
@@ -190,7 +291,7 @@ def all_cases(target: str) -> dict:
   cases["decode/qwen3_30b_a3b/b64"] = lambda: decode(
       target, "qwen3_30b_a3b", 64, count=64, mesh_axes=step_cases.MOE_MESH)
   cases["prefill/qwen3_0p6b/b64x1024"] = lambda: prefill(target, "qwen3_0p6b", 64, 1024)
-  return cases
+  return cases | engine_cases(target)
 
 
 def main(argv):
@@ -215,6 +316,8 @@ def main(argv):
     r["command"] = "python benchmarks/gpu_compile.py " + " ".join(sys.argv[1:])
     r["wall_s"] = round(time.perf_counter() - t0, 1)
     line = f"  total {r['total_gb']:.2f} GB per GPU, compiled in {r['compile_s']} s"
+    if "fits" in r:
+      line += f" of {r['gpu_memory_gb']:.1f} (fits: {r['fits']})"
     if "written_to_read" in r:
       line += (f"; per step {r['kernels_per_step']:.0f} kernels, writes "
                f"{r['bytes_written_per_step_gb']:.3f} GB, must read "
@@ -236,7 +339,8 @@ if __name__ == "__main__":
   # Flags only when run: memory.py has some of the same names, and tests load both.
   _TARGET = flags.DEFINE_enum("target", "h100_sxm", TARGETS, "GPU to compile for.")
   _CASES = flags.DEFINE_list("cases", ["update", "decode", "prefill"],
-                             "Case name prefixes to run (update, decode, prefill, or full names).")
+                             "Case name prefixes to run (update, decode, prefill, engine, or "
+                             "full names).")
   _OUT = flags.DEFINE_string("out", "", "Where to write JSON (default "
                              "benchmarks/results/gpu-compile-<target>.json).")
   _LIST = flags.DEFINE_bool("list", False, "List the cases and exit.")

@@ -552,22 +552,34 @@ def named_arrays(tree) -> dict:
 def decode_step_stats(text: str, config, rows: int, capacity: int, *,
                       weights=None) -> dict:
   """Per step of the decode loop compiled in `text` (the sampler's `_decode_chunk` for a
-  Qwen3 `config`, `rows` rows, a cache of `capacity` slots): kernels (per layer), bytes
-  written beside the bytes a step must read (every weight in bf16, and the KV cache), custom
-  calls, and the kernels that copy or cast a slice of a stacked weight or cache or a whole
-  2-D weight (`copies`). `kernels_per_layer` is the step's kernels over the layers (the
-  sampling and the head included). `weights`: the pytree the loop reads its weights from
-  (default the model's abstract params)."""
-  module = parse(text)
-  loop = module.outer_loop()
-  summary = loop_summary(module, loop, config.num_layers)
+  Qwen3 `config`, `rows` rows, a cache of `capacity` slots): see `step_stats`. `weights`:
+  the pytree the loop reads its weights from (default the model's abstract params)."""
   weights = qwen3.abstract_params(config) if weights is None else weights
   cache = jax.eval_shape(lambda: sampling.init_cache(config, rows, capacity))
-  must_read = config.num_params() * 2 + kv_cache_plan.kv_cache_bytes(config, rows, capacity)
-  targets = copy_targets(named_arrays(weights) | named_arrays(cache), config.num_layers)
+  return step_stats(text, [(config, weights, cache,
+                            kv_cache_plan.kv_cache_bytes(config, rows, capacity))])
+
+
+def step_stats(text: str, models: Sequence[tuple]) -> dict:
+  """Per step of the decode loop compiled in `text`, which steps every model of `models`,
+  each `(config, weights, cache, KV bytes a step attends over)` (weights and cache: the
+  pytrees the loop reads): kernels (per layer, all models' layers together), bytes written
+  beside the bytes a step must read (every weight in bf16, and the KV attended over),
+  custom calls, and the kernels that copy or cast a slice of a stacked weight or cache or a
+  whole 2-D weight (`copies`). `kernels_per_layer` is the step's kernels over the layers
+  (the sampling and the head included)."""
+  module = parse(text)
+  loop = module.outer_loop()
+  layers = sum(cfg.num_layers for cfg, *_ in models)
+  summary = loop_summary(module, loop, layers)
+  must_read = sum(cfg.num_params() * 2 + kv for cfg, _, _, kv in models)
+  targets = {}
+  for m, (cfg, weights, cache, _) in enumerate(models):
+    named = copy_targets(named_arrays(weights) | named_arrays(cache), cfg.num_layers)
+    targets |= {(f"model{m}" if len(models) > 1 else "") + k: v for k, v in named.items()}
   found = copies(module, loop, targets)
   layer_loops = [w for w, _ in module.whiles(loop.attr("body"))
-                 if w.trip_count == config.num_layers]
+                 if w.trip_count in {cfg.num_layers for cfg, *_ in models}]
   return {"kernels_per_step": summary["kernels"],
           "kernels_per_layer": summary["kernels_per_layer"],
           # One iteration of a loop over the layers, if the step has one (a layer scan).

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from mgrpo_jax import kv_cache_plan, models, sampling, sharding
+from mgrpo_jax.engine import slots as slots_lib
 from mgrpo_jax.models import decode, lora, qwen3
 from mgrpo_jax.rl import train_step as ts
 from mgrpo_jax.rl.batch import Batch
@@ -24,6 +25,7 @@ MOE_MESH = dict(data=1, fsdp=8, tensor=1, expert=8)
 # Tokens per packed micro-batch per device: one 32k trace (main) or four 8k traces (sub).
 TOKEN_BUDGET = 32768
 LOGITS_CHUNK = 4096
+ENGINE_NEW_TOKENS = 1024  # A turn's token buffer (the paper's max new tokens).
 
 
 def model_config(preset: str, remat_policy: str = "nothing", **kw) -> models.Qwen3Config:
@@ -240,4 +242,90 @@ def prefill_case(preset: str, rows: int, length: int, *, device_list=None,
         sampling._window(length, capacity), None).compile()
   out = memory_stats(compiled, time.perf_counter() - t0)
   out.update(preset=preset, rows=rows, length=length, cache_len=capacity)
+  return (out, compiled) if return_compiled else out
+
+
+def _engine_inputs(cfg, num_slots: int, capacity: int, max_len: int, device=None):
+  """A lane's abstract weights (`sampling.decode_params`' per-layer bf16 copies) and its
+  `num_slots` Slots of `capacity` positions (`engine.slots.init`), on `device` if given."""
+  params = jax.eval_shape(functools.partial(sampling.decode_params, cfg),
+                          qwen3.abstract_params(cfg))
+  slots = jax.eval_shape(functools.partial(slots_lib.init, cfg, num_slots, capacity,
+                                           max_new_tokens=ENGINE_NEW_TOKENS, max_len=max_len))
+  if device is None:
+    return abstract(params), abstract(slots)
+  on = lambda tree: abstract(tree, jax.tree.map(
+      lambda _: jax.sharding.SingleDeviceSharding(device), tree))
+  return on(params), on(slots)
+
+
+def _scalar(dtype, device=None):
+  return jax.ShapeDtypeStruct((), dtype, sharding=None if device is None else
+                              jax.sharding.SingleDeviceSharding(device))
+
+
+def engine_decode_case(presets=("qwen3_8b",), slots: int = 64, reached: int = 8192,
+                       capacity: int = 8192, max_len: int = 32768, *, attention: str = "auto",
+                       device_list=None, return_compiled: bool = False,
+                       model_overrides: dict | None = None):
+  """The engine's decode call (`engine.slots.decode_jit`): one model per preset of
+  `presets` (e.g. a main and a sub-agent) stepping together, each with `slots` slots of
+  `capacity` cached positions from bf16 weights, every slot's row at `reached` tokens (the
+  attention window: `sampling._window(reached)`, what the lane asks for). On
+  `device_list[0]` (default `jax.devices()[0]`) with the compiler options the engine sets
+  on its platform. `return_compiled`: returns (stats, the compiled call, its models as
+  `hlo_stats.step_stats` takes them). `model_overrides`: Qwen3Config fields over the
+  presets' (e.g. fewer layers)."""
+  device = None if device_list is None else device_list[0]
+  window = sampling._window(reached, capacity)
+  cfgs, params, lanes, models_ = [], [], [], []
+  for preset in presets:
+    cfg = models.get_preset(preset, param_dtype="bfloat16", compute_dtype="bfloat16",
+                            attention=attention, **(model_overrides or {}))
+    p, st = _engine_inputs(cfg, slots, capacity, max_len, device)
+    cfgs.append(cfg), params.append(p), lanes.append(st)
+    # What a step attends over: every slot's window (the ragged kernel: each row's own
+    # length, here `reached` for every row).
+    models_.append((cfg, p, st.cache, kv_cache_plan.kv_cache_bytes(cfg, slots, window)))
+  f32, i32 = _scalar(jnp.float32, device), _scalar(jnp.int32, device)
+  sp = sampling._SamplingParams(f32, f32, i32, jax.ShapeDtypeStruct(
+      (sampling._MAX_STOP_IDS,), jnp.int32, sharding=i32.sharding))
+  backend = jax.default_backend() if device is None else device.platform
+  t0 = time.perf_counter()
+  compiled = slots_lib.decode_jit(backend).lower(
+      tuple(cfgs), tuple(params), tuple(lanes), (sp,) * len(cfgs), i32,
+      (window,) * len(cfgs)).compile()
+  out = memory_stats(compiled, time.perf_counter() - t0)
+  out.update(presets=list(presets), slots=slots, reached=reached, window=window,
+             capacity=capacity, attention=attention,
+             params_gb=sum(c.num_params() * 2 for c in cfgs) / GB,
+             kv_cache_gb=sum(kv_cache_plan.kv_cache_bytes(c, slots, capacity)
+                             for c in cfgs) / GB)
+  return (out, compiled, models_) if return_compiled else out
+
+
+def engine_prefill_case(preset: str = "qwen3_8b", units: int = 8, width: int = 512,
+                        slots: int = 64, capacity: int = 8192, window: int = 8192, *,
+                        attention: str = "auto", device_list=None,
+                        return_compiled: bool = False, model_overrides: dict | None = None):
+  """The engine's prefill (`engine.slots.prefill`) of `units` chunks of `width` tokens into
+  as many of `slots` slots of `capacity` positions, attending over their first `window`
+  positions; on `device_list[0]` (default `jax.devices()[0]`). `return_compiled`: returns
+  (stats, the compiled prefill)."""
+  device = None if device_list is None else device_list[0]
+  cfg = models.get_preset(preset, param_dtype="bfloat16", compute_dtype="bfloat16",
+                          attention=attention, **(model_overrides or {}))
+  params, st = _engine_inputs(cfg, slots, capacity, capacity, device)
+  sh = None if device is None else jax.sharding.SingleDeviceSharding(device)
+  ints = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh)
+  t0 = time.perf_counter()
+  compiled = slots_lib.prefill.lower(cfg, params, st, ints((units, width)), ints((units,)),
+                                     ints((units,)), window).compile()
+  out = memory_stats(compiled, time.perf_counter() - t0)
+  out.update(preset=preset, units=units, width=width, slots=slots, capacity=capacity,
+             window=window, attention=attention,
+             # The units' rows the prefill reads into a batch of its own, once (attention
+             # then reads that copy): the bytes of that copy, one way.
+             rows_copy_gb=kv_cache_plan.kv_cache_bytes(cfg, units, window) / GB,
+             kv_cache_gb=kv_cache_plan.kv_cache_bytes(cfg, slots, capacity) / GB)
   return (out, compiled) if return_compiled else out

@@ -9,6 +9,7 @@ Without the CUDA wheels the compiles fail with the install command: no silent sk
 """
 
 import functools
+import math
 import os
 import pathlib
 import subprocess
@@ -248,8 +249,10 @@ def test_gpu_compile_script_lists_its_cases():
   assert r.returncode == 0, r.stderr[-3000:]
   cases = r.stdout.split()
   assert {"update/qwen3_30b_a3b/main", "decode/qwen3_30b_a3b/b64", "decode/qwen3_1p7b/b256+f32",
-          "prefill/qwen3_0p6b/b64x1024"} <= set(cases), cases
-  assert len(cases) == 22, cases
+          "prefill/qwen3_0p6b/b64x1024", "engine/qwen3_8b/s64x8192+ragged",
+          "engine/qwen3_8b+qwen3_0p6b/s32x8192", "engine/gpu-config/s16x32768",
+          "engine-prefill/qwen3_8b/u8x512-s64x8192"} <= set(cases), cases
+  assert len(cases) == 44, cases
 
 
 def test_ragged_decode_runs_one_pallas_kernel_a_layer_within_the_bars(decode_loops):
@@ -270,3 +273,66 @@ def test_ragged_decode_runs_one_pallas_kernel_a_layer_within_the_bars(decode_loo
   # here XLA also copies two [rows] int32 loop values a step (at 28 and 36 layers the
   # totals differ by 0 and 1: docs/results/ragged-attention.md).
   assert stats["kernels_per_step"] <= decode_loops["bfloat16"]["kernels_per_step"] + 2
+
+
+@pytest.fixture(scope="module")
+def engine_steps():
+  """{(attention, layers): stats} of the engine's decode call compiled for an H100: a main
+  and a sub-agent (Qwen3-0.6B's widths) stepping together, ROWS slots each of MAX_LEN
+  positions, every row at REACHED tokens (the window it attends over)."""
+  devices = _devices(1)
+  out = {}
+  for attention, layers in (("auto", 1), ("auto", 2), ("ragged", 2)):
+    _, compiled, lanes = step_cases.engine_decode_case(
+        (PRESET, PRESET), ROWS, REACHED, MAX_LEN, attention=attention, device_list=devices,
+        return_compiled=True, model_overrides=dict(num_layers=layers))
+    text = compiled.as_text()
+    out[attention, layers] = stats = hlo_stats.step_stats(text, lanes)
+    # Kernels that copy a window's worth of a cache out (window < capacity here); the cache
+    # as the step's in-place write leaves it too (XLA:GPU scatters bf16 as u16).
+    window = step_cases.sampling._window(REACHED, MAX_LEN)
+    targets = {f"{m}{name}{as_}": (hlo_stats.Array(as_ or hlo_stats.array_of(shape, dt).dtype,
+                                                   tuple(shape)),
+                                   math.prod(shape) * window // MAX_LEN)
+               for m, (_, _, cache, _) in enumerate(lanes)
+               for name, (shape, dt) in hlo_stats.named_arrays(cache).items()
+               for as_ in ("", "u16")}
+    module = hlo_stats.parse(text)
+    stats["window_copies"] = hlo_stats.copies(module, module.outer_loop(), targets)
+  return out
+
+
+@pytest.mark.parametrize("attention", ["auto", "ragged"])
+def test_engine_decode_step_writes_under_a_tenth_of_what_it_reads(engine_steps, attention):
+  stats = engine_steps[attention, 2]
+  assert stats["copies"] == [], stats["copies"]
+  assert stats["written_to_read"] < 0.1, (stats["written_to_read"], stats["top_writers"])
+  # Not vacuous: what a step must read is both models' bf16 weights and their windows' KV.
+  cfg = models.get_preset(PRESET, **LAYERS)
+  assert 2 * cfg.num_params() * 2 / 1e9 < stats["bytes_must_read_per_step_gb"]
+  if attention == "ragged":  # The Pallas kernel, once a layer of each model.
+    assert stats["custom_calls_per_step"].get("__gpu$xla.gpu.triton") == 2 * cfg.num_layers
+
+
+def test_engine_decode_step_runs_at_most_20_kernels_a_layer(engine_steps):
+  # The layers are unrolled: a step's kernels are affine in the depth. From 1 and 2 layers
+  # a model, the count at Qwen3-0.6B's 28, over its 2 x 28 layers (sampling and heads
+  # included), is within the bar. The ragged step runs as many as the XLA attention's (here
+  # XLA also copies two [rows] int32 loop values a step, as in the sampler's loop).
+  k1, k2 = (engine_steps["auto", n]["kernels_per_step"] for n in (1, 2))
+  per_layer = (k2 - k1) / 2
+  layers = models.get_preset(PRESET).num_layers
+  assert 5 < per_layer <= 20, (k1, k2)
+  assert (k2 + (layers - 2) * 2 * per_layer) / (2 * layers) <= 20, (k1, k2)
+  assert engine_steps["ragged", 2]["kernels_per_step"] <= k2 + 2
+
+
+@pytest.mark.parametrize("attention", [
+    pytest.param("auto", marks=pytest.mark.xfail(strict=True, reason=(
+        "XLA:GPU copies each layer's value window out of the cache every step when the "
+        "window is shorter than the slots' capacity (docs/results/gpu-compile.md)"))),
+    "ragged"])
+def test_engine_decode_step_reads_a_window_of_the_cache_in_place(engine_steps, attention):
+  # Rows shorter than their lane's capacity attend over a window of it: read where it lies.
+  found = engine_steps[attention, 2]["window_copies"]
+  assert found == [], [(c["reads"], c["writes"], c["roots"]) for c in found]
