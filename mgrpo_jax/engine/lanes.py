@@ -77,6 +77,10 @@ class SlotLane:
     self.prompts: dict[tuple, list] = {}  # prompt -> [Saved | None, episodes still to start]
     self.saved_bytes = 0
     self._running: set[Seat] = set()  # Seats whose turn is decoding.
+    # On CPU compiles cost more than reads: every decode call reads the whole slot (one
+    # program per capacity, and per pair of capacities for two models). Elsewhere it reads
+    # the longest running row's window, a power of two.
+    self.whole_slots = jax.default_backend() == "cpu"
     self._window = 0
     if record is not None:
       record.slots[name] = num_slots
@@ -300,9 +304,7 @@ class SlotLane:
     longest = int(max(lengths[s.slot] for s in self._running))
     self._ensure(longest + 1)
     steps = min(max_steps, self.slots.capacity - longest)
-    if jax.default_backend() == "cpu":
-      # On CPU compiles cost more than reads: every decode call reads the whole slot (one
-      # program per capacity, and per pair of capacities for two models).
+    if self.whole_slots:
       self._window = self.slots.capacity
     else:
       self._window = _window(longest + steps + 1, self.slots.capacity)

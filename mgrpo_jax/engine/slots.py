@@ -143,11 +143,47 @@ def decode_jit(backend: str | None = None):
                  compiler_options=xla_options.decode(backend) or None)
 
 
+def _first_positions(slots: Slots, window: int) -> Slots:
+  """The slots holding only their first `window` positions (cache and routes)."""
+  if window == slots.capacity:
+    return slots
+  ex = slots.experts_SxCxLxK
+  return slots.replace(
+      cache=decode.LayerCache(tuple(_first(k, slots.key_axis, window) for k in slots.cache.k),
+                              tuple(_first(v, 2, window) for v in slots.cache.v)),
+      experts_SxCxLxK=None if ex is None else ex[:, :window])
+
+
+def _merge_positions(big: Slots, small: Slots) -> Slots:
+  """`small` (from `_first_positions`) written back over the first positions of `big`."""
+  if small.capacity == big.capacity:
+    return small
+  back = lambda b, x, axis: jax.lax.dynamic_update_slice_in_dim(b, x, 0, axis)
+  ex = big.experts_SxCxLxK
+  return small.replace(
+      cache=decode.LayerCache(
+          tuple(back(b, x, big.key_axis) for b, x in zip(big.cache.k, small.cache.k)),
+          tuple(back(b, x, 2) for b, x in zip(big.cache.v, small.cache.v))),
+      experts_SxCxLxK=None if ex is None else back(ex, small.experts_SxCxLxK, 1))
+
+
 def decode_steps(configs: tuple, params: tuple, slots: tuple, sps: tuple, max_steps,
                  windows: tuple):
   """Up to `max_steps` decode steps of every running slot of every model (one step of each
   model per step: the models' turns advance together); returns (steps run, slots) as soon as
-  a slot that was running has stopped. `windows[m]` covers every position model m reaches."""
+  a slot that was running has stopped. `windows[m]` covers every position model m reaches.
+
+  The steps run on the first `windows[m]` positions of each cache, sliced once per call and
+  written back after it: a step that attends to a slice of the cache made XLA:GPU copy the
+  slice, and transpose the whole key cache around the loop (docs/results/gpu-compile.md).
+  """
+  full = slots
+  slots = tuple(_first_positions(s, w) for s, w in zip(slots, windows))
+  n, out = _decode_loop(configs, params, slots, sps, max_steps, windows)
+  return n, tuple(_merge_positions(b, o) for b, o in zip(full, out))
+
+
+def _decode_loop(configs, params, slots, sps, max_steps, windows):
   running0 = [s.finish_S == RUNNING for s in slots]
 
   def cond(carry):

@@ -33,14 +33,18 @@ def _policy(tiny, *, slots, temperature=0.0, max_new=12, max_len=256):
                                                  max_len=max_len))
 
 
-def _complete(policy, prompts, key, *, width=512, record=None):
+def _complete(policy, prompts, key, *, width=512, record=None, whole=True):
   lane = lanes.SlotLane("m", policy, key=key, num_slots=policy.slots, width=width,
                         record=record)
+  lane.whole_slots = whole
   return engine_run.complete([lane], [prompts], chunk=8, record=record)[0]
 
 
-@pytest.mark.parametrize("attention", ["auto", "ragged"])  # Two layouts of the keys.
-def test_greedy_completions_equal_the_batched_sampler_with_refills_and_chunks(tiny, attention):
+# Two layouts of the keys; decode calls reading each cache whole or its first positions.
+@pytest.mark.parametrize("attention,whole", [("auto", True), ("ragged", True),
+                                             ("auto", False)])
+def test_greedy_completions_equal_the_batched_sampler_with_refills_and_chunks(
+    tiny, attention, whole):
   cfg, params = tiny
   cfg = dataclasses.replace(cfg, attention=attention)
   tiny = cfg, params
@@ -48,7 +52,7 @@ def test_greedy_completions_equal_the_batched_sampler_with_refills_and_chunks(ti
   want = sampling.generate(cfg, params, prompts, max_new_tokens=12, temperature=0.0,
                            max_len=256)
   # Two slots for six prompts (each refilled), prompts prefilled 16 tokens at a time.
-  got = _complete(_policy(tiny, slots=2), prompts, jax.random.key(0), width=16)
+  got = _complete(_policy(tiny, slots=2), prompts, jax.random.key(0), width=16, whole=whole)
   for i, (ids, logps, finish, _) in enumerate(got):
     n = int(want.lengths[i])
     assert ids == want.tokens[i, :n].tolist(), i
