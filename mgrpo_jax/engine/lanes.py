@@ -339,7 +339,7 @@ class SlotLane:
       return []
     for seat in ended:
       self._running.discard(seat)
-    idx = np.asarray([seat.slot for seat in ended], np.int32)
+    idx = _padded([seat.slot for seat in ended], 0)  # Padding reads slot 0, unused.
     width = kv_cache_plan.bucket(int(n[idx].max()), 16)
     tokens, logps, _ = jax.tree.map(fetch, slots_lib.read(self.slots, jnp.asarray(idx), width))
     out = []
@@ -359,7 +359,8 @@ class SlotLane:
             model=self.name, tokens=k, start=seat.turn_start, end=clock0 + steps - 1,
             deps=list(seat.deps), ready=seat.ready_at, input_steps=seat.input_steps)
       seat.forced, seat.turn_start = None, None
-    self.slots = slots_lib.release(self.slots, jnp.asarray(idx))
+    self.slots = slots_lib.release(
+        self.slots, jnp.asarray(_padded([seat.slot for seat in ended], self.num_slots)))
     return out
 
   def _kv_read(self, lengths) -> int:
@@ -372,7 +373,7 @@ class SlotLane:
 
   def _stop_strings(self, running, finish, n) -> None:
     """Ends turns whose text holds a stop string (checked between decode calls)."""
-    idx = np.asarray([seat.slot for seat in running], np.int32)
+    idx = _padded([seat.slot for seat in running], 0)
     width = kv_cache_plan.bucket(int(n[idx].max(initial=1)), 16)
     tokens = fetch(slots_lib.read(self.slots, jnp.asarray(idx), width)[0])  # noqa
     cut_idx, cut_n = [], []
@@ -411,6 +412,14 @@ def _turn_keys(key, turn_U, stream_U):
   """fold_in(fold_in(key, turn), stream) per unit: the old sampler's per-row streams."""
   return jax.vmap(lambda t, s: jax.random.fold_in(jax.random.fold_in(key, t), s))(turn_U,
                                                                                   stream_U)
+
+
+def _padded(ids: list, pad: int) -> np.ndarray:
+  """`ids` padded with `pad` to a power of two: index arrays of few shapes, so the jitted
+  functions that take them compile a few times, not once per count."""
+  out = np.full(kv_cache_plan.bucket(len(ids), 1), pad, np.int32)
+  out[:len(ids)] = ids
+  return out
 
 
 def _nbytes(saved) -> int:
