@@ -256,25 +256,17 @@ def test_cudnn_packed_segments_describe_the_rows():
       np.testing.assert_allclose(o_ref[b:b + 1, :, :, span], alone, atol=2e-6)
 
 
-def test_cudnn_packed_is_the_fused_call_compiled_for_an_h100(monkeypatch):
+def test_cudnn_packed_is_the_fused_call_compiled_for_an_h100(monkeypatch, h100_device):
   # Deviceless: the packed kernel lowers to cuDNN's fused attention custom call for an
   # H100 target (XLA:GPU's pipeline on this CPU; needs the CUDA wheels, jax[cuda12]).
-  import pathlib
   from jax._src.cudnn import fused_attention_stablehlo
-  from jax.experimental import topologies
   # jax asks the local GPU for its compute capability (packing needs Hopper); there is
   # none here, so it is told the target's: an H100, 9.0.
   monkeypatch.setattr(fused_attention_stablehlo, "check_compute_capability",
                       lambda c: tuple(map(int, c.split("."))) <= (9, 0))
-  spec = pathlib.Path(__file__).parents[2] / "benchmarks" / "gpu_targets" / "h100_sxm.txtpb"
-  try:
-    devices = topologies.get_topology_desc(platform="cuda", target_config=spec.read_text(),
-                                           topology="1x1x1").devices
-  except Exception as e:  # noqa: BLE001 - no CUDA plugin: nothing to compile for.
-    pytest.skip(f"no deviceless CUDA compiler here: {e}")
   _, _, seg, _, live = _cases()["packed"]
   shape = lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16,
-                                         sharding=jax.sharding.SingleDeviceSharding(devices[0]))
+                                         sharding=jax.sharding.SingleDeviceSharding(h100_device))
   q, k, v = _qkv()
   hb = 16  # cuDNN's head dim: a multiple of 8.
   q, k, v = (jnp.concatenate([x, x], -1) for x in (q, k, v))

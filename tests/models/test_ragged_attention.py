@@ -1,7 +1,6 @@
 """The ragged decode attention (jax's Pallas decode kernel) against the reference."""
 
 import functools
-import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -209,17 +208,10 @@ def test_ragged_is_auto_outside_decode_steps():
   assert r("ragged", cached=False, packed=True, t=256, s=256) == "blockwise"
 
 
-def test_kernel_is_a_triton_call_compiled_for_an_h100():
+def test_kernel_is_a_triton_call_compiled_for_an_h100(h100_device):
   # Deviceless: the decode step's attention lowers to the Pallas (Triton) kernel for an
   # H100 target and XLA:GPU compiles it on this CPU (needs the CUDA wheels, jax[cuda12]).
-  from jax.experimental import topologies
-  spec = pathlib.Path(__file__).parents[2] / "benchmarks" / "gpu_targets" / "h100_sxm.txtpb"
-  try:
-    devices = topologies.get_topology_desc(platform="cuda", target_config=spec.read_text(),
-                                           topology="1x1x1").devices
-  except Exception as e:  # noqa: BLE001 - no CUDA plugin: nothing to compile for.
-    pytest.skip(f"no deviceless CUDA compiler here: {e}")
-  one = jax.sharding.SingleDeviceSharding(devices[0])
+  one = jax.sharding.SingleDeviceSharding(h100_device)
   shape = lambda x, dt=jnp.bfloat16: jax.ShapeDtypeStruct(x.shape, dt, sharding=one)
   q, k, v = _qkv()
   pos = jnp.zeros((B, 1), jnp.int32)
