@@ -204,7 +204,7 @@ def decode_case(preset: str, rows: int = 64, reached: int = 1024,
                             None if routes is None else row(routes.shape, routes.dtype))
   ints, floats = row((rows, 64), jnp.int32), row((rows, 64), jnp.float32)
   state = sampling._LoopState(seqs, ints, floats, floats, *[row((rows,), jnp.int32)] * 4)
-  sp = sampling._SamplingParams(s((), jnp.float32), s((), jnp.float32), s((), jnp.int32),
+  sp = sampling.SamplingParams(s((), jnp.float32), s((), jnp.float32), s((), jnp.int32),
                                 s((8,), jnp.int32))
   key = jax.eval_shape(lambda: jax.random.key(0))
   t0 = time.perf_counter()
@@ -288,8 +288,8 @@ def engine_decode_case(presets=("qwen3_8b",), slots: int = 64, reached: int = 81
     # length, here `reached` for every row).
     models_.append((cfg, p, st.cache, kv_cache_plan.kv_cache_bytes(cfg, slots, window)))
   f32, i32 = _scalar(jnp.float32, device), _scalar(jnp.int32, device)
-  sp = sampling._SamplingParams(f32, f32, i32, jax.ShapeDtypeStruct(
-      (sampling._MAX_STOP_IDS,), jnp.int32, sharding=i32.sharding))
+  sp = sampling.SamplingParams(f32, f32, i32, jax.ShapeDtypeStruct(
+      (sampling.MAX_STOP_IDS,), jnp.int32, sharding=i32.sharding))
   backend = jax.default_backend() if device is None else device.platform
   t0 = time.perf_counter()
   compiled = slots_lib.decode_jit(backend).lower(

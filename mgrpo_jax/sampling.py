@@ -51,7 +51,7 @@ from mgrpo_jax.models.config import Qwen3Config
 RUNNING, STOP_TOKEN, STOP_STRING, LENGTH, CONTEXT = 0, 1, 2, 3, 4
 FINISH_NAMES = {RUNNING: "running", STOP_TOKEN: "stop", STOP_STRING: "stop_string",
                 LENGTH: "length", CONTEXT: "context"}
-_MAX_STOP_IDS = 8  # Stop ids are a fixed-size traced array; -1 pads unused slots.
+MAX_STOP_IDS = 8  # Stop ids are a fixed-size traced array; -1 pads unused slots.
 
 
 @flax.struct.dataclass
@@ -87,11 +87,11 @@ class SampleResult:
 
 
 @flax.struct.dataclass
-class _SamplingParams:
+class SamplingParams:
   temperature: jax.Array
   top_p: jax.Array
   top_k: jax.Array
-  stop_ids: jax.Array  # [_MAX_STOP_IDS]
+  stop_ids: jax.Array  # [MAX_STOP_IDS]
 
 
 def init_routes(config: Qwen3Config, batch: int, length: int) -> jax.Array | None:
@@ -102,7 +102,7 @@ def init_routes(config: Qwen3Config, batch: int, length: int) -> jax.Array | Non
   return jnp.zeros(shape, moe.route_dtype(config.num_experts))
 
 
-def _record(experts_BxSxLxK, routing, positions_BxT):
+def record_routes(experts_BxSxLxK, routing, positions_BxT):
   """Writes the routes a forward chose at `positions_BxT`; positions >= S are dropped."""
   if experts_BxSxLxK is None:
     return None
@@ -134,7 +134,7 @@ def _filter_logits(logits_BxV, top_k, top_p):
   return jnp.where(logits_BxV >= cutoff_B[:, None], logits_BxV, -jnp.inf)
 
 
-def _sample_token(logits_BxV, sp: _SamplingParams, keys_B):
+def sample_token(logits_BxV, sp: SamplingParams, keys_B):
   """Returns (token, log-prob under logits/T, log-prob under the truncated distribution).
 
   Each row draws with its own key, so its token does not depend on the other rows.
@@ -167,7 +167,7 @@ def _prefill(config, params, tokens_BxT, lengths_B, offsets_B, cache, window, ex
   last = jnp.maximum(lengths_B - 1, 0)
   logits, cache, routing = decode.forward(config, params, tokens_BxT, positions, cache,
                                           logits_idx_B=last, attn_window=window)
-  return cache, logits[:, 0], _record(experts, routing, positions)
+  return cache, logits[:, 0], record_routes(experts, routing, positions)
 
 
 @flax.struct.dataclass
@@ -190,7 +190,7 @@ def decode_jit(backend: str | None = None, *, options: bool = True):
                  compiler_options=(xla_options.decode(backend) if options else None) or None)
 
 
-def _decode_chunk(config, params, state: _LoopState, sp: _SamplingParams, steps, key,
+def _decode_chunk(config, params, state: _LoopState, sp: SamplingParams, steps, key,
                   window: int):
   """Up to `steps` (traced) decode steps; exits early once every row has finished.
 
@@ -211,7 +211,7 @@ def _decode_chunk(config, params, state: _LoopState, sp: _SamplingParams, steps,
     seqs = st.seqs
     running = st.finish_B == RUNNING
     keys_B = jax.vmap(jax.random.fold_in)(row_keys_B, st.n_B)
-    token, logp, slogp = _sample_token(seqs.next_logits_BxV, sp, keys_B)
+    token, logp, slogp = sample_token(seqs.next_logits_BxV, sp, keys_B)
     b_idx = jnp.arange(token.shape[0])
     col = jnp.where(running, st.n_B, st.tokens_BxN.shape[1])  # Finished rows write nowhere.
     tokens = st.tokens_BxN.at[b_idx, col].set(token, mode="drop")
@@ -231,7 +231,7 @@ def _decode_chunk(config, params, state: _LoopState, sp: _SamplingParams, steps,
     finish = jnp.where((finish == RUNNING) & (lengths >= max_len), CONTEXT, finish)
     next_logits = jnp.where(running[:, None], logits[:, 0], seqs.next_logits_BxV)
     seqs = seqs.replace(cache=cache, lengths_B=lengths, next_logits_BxV=next_logits,
-                        experts_BxSxLxK=_record(seqs.experts_BxSxLxK, routing, pos))
+                        experts_BxSxLxK=record_routes(seqs.experts_BxSxLxK, routing, pos))
     new = st.replace(seqs=seqs, tokens_BxN=tokens,
                      logp_BxN=logp_all, sample_logp_BxN=slogp_all, n_B=n, finish_B=finish)
     return i + 1, new
@@ -258,7 +258,7 @@ def _pad_cache(config: Qwen3Config, cache: decode.LayerCache, experts, length: i
   return decode.pad_cache(config, cache, length), experts
 
 
-def _grow(config: Qwen3Config, seqs: Sequences, length: int) -> Sequences:
+def grow(config: Qwen3Config, seqs: Sequences, length: int) -> Sequences:
   """The cache (and routes) copied into `length` slots per row (new slots hold zeros); frees
   the old ones.
 
@@ -282,7 +282,7 @@ def _take_rows(seqs: Sequences, idx_B) -> Sequences:
 
 
 @functools.partial(jax.jit, static_argnums=(2,))
-def _gather_routes(experts_BxSxLxK, starts_B, width: int):
+def gather_routes(experts_BxSxLxK, starts_B, width: int):
   """Routes of positions start..start+width-1 of each row: [B, width, L, k]."""
   idx_BxW = starts_B[:, None] + jnp.arange(width)[None, :]
   return jnp.take_along_axis(experts_BxSxLxK, idx_BxW[:, :, None, None], axis=1, mode="clip")
@@ -297,7 +297,7 @@ def read_routes(seqs: Sequences, starts: Sequence[int],
   b = seqs.lengths_B.shape[0]
   st = np.zeros(b, np.int32)
   st[:len(starts)] = starts
-  routes = fetch(_gather_routes(seqs.experts_BxSxLxK, jnp.asarray(st),
+  routes = fetch(gather_routes(seqs.experts_BxSxLxK, jnp.asarray(st),
                                 bucket(max(list(counts) + [1]), 16)))
   return [routes[i, :n].copy() for i, n in enumerate(counts)]
 
@@ -372,7 +372,7 @@ def extend(config: Qwen3Config, params: nnx.State | DecodeParams, seqs: Sequence
   params = decode_params(config, params)
   need = int((lengths + counts).max())
   if need > seqs.capacity:
-    seqs = _grow(config, seqs, cache_len(need, seqs.max_len))
+    seqs = grow(config, seqs, cache_len(need, seqs.max_len))
   tokens = _pad_rows(new_tokens, b, bucket(int(counts.max()), 16), pad_id)
   # Padding tokens past the capacity are dropped by the cache write.
   window = _window(int(lengths.max()) + tokens.shape[1], seqs.capacity)
@@ -385,7 +385,7 @@ def extend(config: Qwen3Config, params: nnx.State | DecodeParams, seqs: Sequence
                    experts)
 
 
-def _stop_string_end(ids: list[int], stop_strings: Sequence[str], tokenizer) -> int | None:
+def stop_string_end(ids: list[int], stop_strings: Sequence[str], tokenizer) -> int | None:
   """Number of tokens up to and including the first completed stop string.
 
   Prefixes are decoded whole (not token by token), so a character whose bytes are split
@@ -419,17 +419,17 @@ def sample(config: Qwen3Config, params: nnx.State | DecodeParams, seqs: Sequence
   it, its cache length rolled back to match. `active` restricts decoding to some rows.
   `row_ids` name the rows' PRNG streams (default 0, 1, ...).
   """
-  if len(stop_token_ids) > _MAX_STOP_IDS:
-    raise ValueError(f"At most {_MAX_STOP_IDS} stop token ids, got {len(stop_token_ids)}.")
+  if len(stop_token_ids) > MAX_STOP_IDS:
+    raise ValueError(f"At most {MAX_STOP_IDS} stop token ids, got {len(stop_token_ids)}.")
   if stop_strings and tokenizer is None:
     raise ValueError("stop_strings need a tokenizer to decode the generated text.")
   params = decode_params(config, params)
   b = seqs.lengths_B.shape[0]
   num_rows = b if num_rows is None else num_rows
   key = jax.random.key(0) if key is None else key
-  stop_ids = np.full(_MAX_STOP_IDS, -1, np.int32)
+  stop_ids = np.full(MAX_STOP_IDS, -1, np.int32)
   stop_ids[:len(stop_token_ids)] = list(stop_token_ids)
-  sp = _SamplingParams(jnp.float32(temperature), jnp.float32(top_p), jnp.int32(top_k),
+  sp = SamplingParams(jnp.float32(temperature), jnp.float32(top_p), jnp.int32(top_k),
                        jnp.asarray(stop_ids))
   n_cols = bucket(max_new_tokens, 16)
   finish = np.full(b, LENGTH, np.int32)  # Bucket padding rows start finished.
@@ -475,7 +475,7 @@ def sample(config: Qwen3Config, params: nnx.State | DecodeParams, seqs: Sequence
   experts = None
   if seqs.experts_BxSxLxK is not None:
     # Read after any stop-string cut re-extended a row: the routes its cache now holds.
-    routes = fetch(_gather_routes(seqs.experts_BxSxLxK, jnp.asarray(start_lengths), n_cols))
+    routes = fetch(gather_routes(seqs.experts_BxSxLxK, jnp.asarray(start_lengths), n_cols))
     experts = np.where(valid[:, :, None, None], routes[:num_rows, :max_new_tokens], 0)
   return SampleResult(np.where(valid, tokens, pad_id).astype(np.int32), logp.astype(np.float32),
                       slogp.astype(np.float32), n[:num_rows].copy(), reasons, seqs, experts)
@@ -491,7 +491,7 @@ def _decode_some(config, params, state: _LoopState, sp, key, longest: int,
   """
   seqs = state.seqs
   if longest >= seqs.capacity:
-    state = state.replace(seqs=_grow(config, seqs, cache_len(longest + 1, seqs.max_len)))
+    state = state.replace(seqs=grow(config, seqs, cache_len(longest + 1, seqs.max_len)))
   capacity = state.seqs.capacity
   steps = min(chunk, capacity - longest)
   # Attend to just the slots this chunk can reach.
@@ -508,7 +508,7 @@ def _apply_stop_strings(state: _LoopState, stop_strings, tokenizer, start_length
   finish = fetch(state.finish_B).copy()
   changed = False
   for i in np.flatnonzero(was_active):
-    end = _stop_string_end([int(t) for t in tokens[i, :n[i]]], stop_strings, tokenizer)
+    end = stop_string_end([int(t) for t in tokens[i, :n[i]]], stop_strings, tokenizer)
     # The earliest stop wins: a stop string before a row's stop token (same chunk) cuts it.
     if end is not None and (finish[i] != STOP_TOKEN or end < n[i]):
       n[i], finish[i], changed = end, STOP_STRING, True

@@ -504,9 +504,9 @@ def test_sampling_is_keyed_and_truncation_limits_to_greedy(tiny, greedy_ref):
 def test_sample_token_frequencies_follow_truncated_softmax(temperature, top_p, top_k):
     n = 4096
     logits_V = np.array([2.0, 1.5, 1.0, 0.3, -1.0, 0.8, -0.5], np.float32)
-    sp = sampling._SamplingParams(jnp.float32(temperature), jnp.float32(top_p),
+    sp = sampling.SamplingParams(jnp.float32(temperature), jnp.float32(top_p),
                                   jnp.int32(top_k), jnp.full(8, -1, jnp.int32))
-    tok, logp, slogp = jax.jit(sampling._sample_token)(
+    tok, logp, slogp = jax.jit(sampling.sample_token)(
         jnp.asarray(np.tile(logits_V, (n, 1))), sp, jax.random.split(jax.random.key(4), n))
     tok, logp, slogp = map(np.asarray, (tok, logp, slogp))
     scaled = logits_V / temperature
@@ -551,8 +551,8 @@ def test_cache_grows_by_need_not_max_len(tiny, monkeypatch):
     m = tiny["untied"]
     prompts = _prompts(m.vocab, lens=LONG_LENS, seed=12)
     grows = []
-    grow = sampling._grow
-    monkeypatch.setattr(sampling, "_grow",
+    grow = sampling.grow
+    monkeypatch.setattr(sampling, "grow",
                         lambda cfg, c, n: grows.append((c.capacity, n)) or grow(cfg, c, n))
     res = sampling.generate(m.config, m.params, prompts, max_new_tokens=N_NEW, temperature=0.0,
                             max_len=32768)
@@ -602,7 +602,7 @@ def test_0p6b_kv_cache_for_1024_token_traces_is_under_10gb():
                               s((rows, cfg.vocab_size), jnp.float32), max_len)
     ints, floats = s((rows, 16), jnp.int32), s((rows, 16), jnp.float32)
     state = sampling._LoopState(seqs, ints, floats, floats, *[s((rows,), jnp.int32)] * 4)
-    sp = sampling._SamplingParams(s((), jnp.float32), s((), jnp.float32), s((), jnp.int32),
+    sp = sampling.SamplingParams(s((), jnp.float32), s((), jnp.float32), s((), jnp.int32),
                                   s((8,), jnp.int32))
     key = jax.eval_shape(lambda: jax.random.key(0))
     out = sampling.decode_jit(jax.default_backend()).lower(

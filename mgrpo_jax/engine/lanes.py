@@ -50,7 +50,7 @@ class Seat:
   finish: str = ""  # Why its last turn ended (`slots.FINISH_NAMES`).
 
 
-def _turn_id(ep, i: int) -> str:
+def turn_id(ep, i: int) -> str:
   return f"{ep.role}/{ep.q}/{ep.k}/{ep.call}/{i}"
 
 
@@ -355,7 +355,7 @@ class SlotLane:
       out.append((seat, ids, logps[j, :k].tolist(), routes))
       if self.record is not None:
         ep = seat.ep
-        self.record.turns[_turn_id(ep, len(ep.turns))] = dict(
+        self.record.turns[turn_id(ep, len(ep.turns))] = dict(
             model=self.name, tokens=k, start=seat.turn_start, end=clock0 + steps - 1,
             deps=list(seat.deps), ready=seat.ready_at, input_steps=seat.input_steps)
       seat.forced, seat.turn_start = None, None
@@ -379,7 +379,7 @@ class SlotLane:
     cut_idx, cut_n = [], []
     for j, seat in enumerate(running):
       k = int(n[seat.slot])
-      end = sampling._stop_string_end(tokens[j, :k].tolist(), self.stop_strings,
+      end = sampling.stop_string_end(tokens[j, :k].tolist(), self.stop_strings,
                                       self.tokenizer)
       if end is not None and (finish[seat.slot] != slots_lib.STOP_TOKEN or end < k):
         cut_idx.append(seat.slot)

@@ -159,7 +159,7 @@ class Engine:
         self.lane(sub).add(sub, stream_of(req), deps=self._last_turn(ep))
 
   def _last_turn(self, ep) -> tuple:
-    return (lanes_lib._turn_id(ep, len(ep.turns) - 1),) if ep.turns else ()
+    return (lanes_lib.turn_id(ep, len(ep.turns) - 1),) if ep.turns else ()
 
   def _episode_done(self, ep) -> None:
     lane = self.lane(ep)

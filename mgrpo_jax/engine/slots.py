@@ -111,11 +111,11 @@ def release(slots: Slots, idx_U) -> Slots:
 
 
 def _step(config: Qwen3Config, params: decode.DecodeParams, st: Slots,
-          sp: sampling._SamplingParams, window: int) -> Slots:
+          sp: sampling.SamplingParams, window: int) -> Slots:
   """One decode step of every running slot."""
   running = st.finish_S == RUNNING
   keys = jax.vmap(jax.random.fold_in)(st.keys_S, st.n_S)
-  token, logp, _ = sampling._sample_token(st.next_logits_SxV, sp, keys)
+  token, logp, _ = sampling.sample_token(st.next_logits_SxV, sp, keys)
   s_idx = jnp.arange(token.shape[0])
   col = jnp.where(running, st.n_S, st.tokens_SxN.shape[1])
   pos = jnp.where(running, st.lengths_S, st.capacity)[:, None]
@@ -132,7 +132,7 @@ def _step(config: Qwen3Config, params: decode.DecodeParams, st: Slots,
       next_logits_SxV=jnp.where(running[:, None], logits[:, 0], st.next_logits_SxV),
       tokens_SxN=st.tokens_SxN.at[s_idx, col].set(token, mode="drop"),
       logp_SxN=st.logp_SxN.at[s_idx, col].set(logp, mode="drop"),
-      experts_SxCxLxK=sampling._record(st.experts_SxCxLxK, routing, pos))
+      experts_SxCxLxK=sampling.record_routes(st.experts_SxCxLxK, routing, pos))
 
 
 @functools.cache
@@ -306,7 +306,7 @@ def grow(config: Qwen3Config, slots: Slots, capacity: int) -> Slots:
   """The slots with `capacity` positions each (the old cache copied and freed)."""
   fake = sampling.Sequences(slots.cache, slots.lengths_S, slots.next_logits_SxV,
                             slots.max_len, slots.experts_SxCxLxK)
-  grown = sampling._grow(config, fake, capacity)
+  grown = sampling.grow(config, fake, capacity)
   return slots.replace(cache=grown.cache, experts_SxCxLxK=grown.experts_BxSxLxK)
 
 
@@ -317,22 +317,22 @@ def read(slots: Slots, idx_U, width: int):
   routes = None
   if ex is not None:
     start = slots.lengths_S[idx_U] - slots.n_S[idx_U]
-    routes = sampling._gather_routes(ex[idx_U], start, width)
+    routes = sampling.gather_routes(ex[idx_U], start, width)
   return slots.tokens_SxN[idx_U, :width], slots.logp_SxN[idx_U, :width], routes
 
 
 @functools.partial(jax.jit, static_argnums=(3,))
 def read_routes(slots: Slots, slot, start, width: int):
   """Routes of positions start..start+width-1 of `slot`: [width, sparse layers, k]."""
-  return sampling._gather_routes(slots.experts_SxCxLxK[slot][None], start[None], width)[0]
+  return sampling.gather_routes(slots.experts_SxCxLxK[slot][None], start[None], width)[0]
 
 
 def sampling_params(temperature: float, top_p: float, top_k: int,
-                    stop_ids) -> sampling._SamplingParams:
+                    stop_ids) -> sampling.SamplingParams:
   """The traced sampling parameters (changing them never recompiles)."""
-  if len(stop_ids) > sampling._MAX_STOP_IDS:
-    raise ValueError(f"At most {sampling._MAX_STOP_IDS} stop ids, got {len(stop_ids)}.")
-  ids = np.full(sampling._MAX_STOP_IDS, -1, np.int32)
+  if len(stop_ids) > sampling.MAX_STOP_IDS:
+    raise ValueError(f"At most {sampling.MAX_STOP_IDS} stop ids, got {len(stop_ids)}.")
+  ids = np.full(sampling.MAX_STOP_IDS, -1, np.int32)
   ids[:len(stop_ids)] = list(stop_ids)
-  return sampling._SamplingParams(jnp.float32(temperature), jnp.float32(top_p),
+  return sampling.SamplingParams(jnp.float32(temperature), jnp.float32(top_p),
                                   jnp.int32(top_k), jnp.asarray(ids))
