@@ -94,6 +94,17 @@ class SamplingParams:
   stop_ids: jax.Array  # [MAX_STOP_IDS]
 
 
+def sampling_params(temperature: float, top_p: float, top_k: int,
+                    stop_ids) -> SamplingParams:
+  """The traced sampling parameters (changing them never recompiles); -1 pads the stop ids."""
+  if len(stop_ids) > MAX_STOP_IDS:
+    raise ValueError(f"At most {MAX_STOP_IDS} stop token ids, got {len(stop_ids)}.")
+  ids = np.full(MAX_STOP_IDS, -1, np.int32)
+  ids[:len(stop_ids)] = list(stop_ids)
+  return SamplingParams(jnp.float32(temperature), jnp.float32(top_p), jnp.int32(top_k),
+                        jnp.asarray(ids))
+
+
 def init_routes(config: Qwen3Config, batch: int, length: int) -> jax.Array | None:
   """An empty route buffer [B, length, sparse layers, k] for a MoE config; None if dense."""
   if not config.is_moe:
@@ -419,18 +430,13 @@ def sample(config: Qwen3Config, params: nnx.State | DecodeParams, seqs: Sequence
   it, its cache length rolled back to match. `active` restricts decoding to some rows.
   `row_ids` name the rows' PRNG streams (default 0, 1, ...).
   """
-  if len(stop_token_ids) > MAX_STOP_IDS:
-    raise ValueError(f"At most {MAX_STOP_IDS} stop token ids, got {len(stop_token_ids)}.")
   if stop_strings and tokenizer is None:
     raise ValueError("stop_strings need a tokenizer to decode the generated text.")
   params = decode_params(config, params)
   b = seqs.lengths_B.shape[0]
   num_rows = b if num_rows is None else num_rows
   key = jax.random.key(0) if key is None else key
-  stop_ids = np.full(MAX_STOP_IDS, -1, np.int32)
-  stop_ids[:len(stop_token_ids)] = list(stop_token_ids)
-  sp = SamplingParams(jnp.float32(temperature), jnp.float32(top_p), jnp.int32(top_k),
-                       jnp.asarray(stop_ids))
+  sp = sampling_params(temperature, top_p, top_k, stop_token_ids)
   n_cols = bucket(max_new_tokens, 16)
   finish = np.full(b, LENGTH, np.int32)  # Bucket padding rows start finished.
   finish[:num_rows] = RUNNING

@@ -359,15 +359,14 @@ def _reply_ids_fn(tokenizer: tk.Tokenizer, limits: Limits):
 
 def _run(policies: dict, episodes: list[Episode], tools: dict, *, tokenizer: tk.Tokenizer,
          limits: Limits, key: jax.Array, record=None, sub=None, step: int = 0,
-         keys: dict | None = None, force: dict | None = None) -> list[Episode]:
+         force: dict | None = None) -> list[Episode]:
   """Runs the episodes (and, with `sub` a `ColocatedSubAgent`, its sub-agent's episodes in
   the same engine) to their end; see `engine/run.py`."""
   live = _abort_too_long(episodes, limits)
   if not live:
     return episodes
-  keys = keys or {}
   roles = engine_run.Roles(
-      lanes={role: _lane(role, p, key=keys.get(role, key), rows=len(live), record=record,
+      lanes={role: _lane(role, p, key=key, rows=len(live), record=record,
                          force=force)
              for role, p in policies.items()},
       tools=tools, reply_ids=_reply_ids_fn(tokenizer, limits))

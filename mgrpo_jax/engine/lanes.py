@@ -66,7 +66,7 @@ class SlotLane:
     self.record, self.force = record, force
     self.limits = policy.limits
     self.config = policy.config
-    self.sp = slots_lib.sampling_params(policy.sampling["temperature"],
+    self.sp = sampling.sampling_params(policy.sampling["temperature"],
                                         policy.sampling["top_p"], policy.sampling["top_k"],
                                         policy.stop_ids)
     self.stop_strings, self.tokenizer = policy.stop_strings, policy.tokenizer
@@ -230,8 +230,7 @@ class SlotLane:
     held = min(self.slots.capacity, kv_cache_plan.bucket(length, 64))
     if self.record is not None:
       self.record.copies.append(held)
-    saved = slots_lib.save(self.slots, jnp.int32(slot), held)
-    return saved
+    return slots_lib.save(self.slots, jnp.int32(slot), held)
 
   def _restore(self, seat: Seat, saved: slots_lib.Saved, length: int) -> None:
     if self.record is not None:
@@ -341,7 +340,7 @@ class SlotLane:
       self._running.discard(seat)
     idx = _padded([seat.slot for seat in ended], 0)  # Padding reads slot 0, unused.
     width = kv_cache_plan.bucket(int(n[idx].max()), 16)
-    tokens, logps, _ = jax.tree.map(fetch, slots_lib.read(self.slots, jnp.asarray(idx), width))
+    tokens, logps = jax.tree.map(fetch, slots_lib.read(self.slots, jnp.asarray(idx), width))
     out = []
     for j, seat in enumerate(ended):
       k = int(n[seat.slot])
@@ -375,7 +374,7 @@ class SlotLane:
     """Ends turns whose text holds a stop string (checked between decode calls)."""
     idx = _padded([seat.slot for seat in running], 0)
     width = kv_cache_plan.bucket(int(n[idx].max(initial=1)), 16)
-    tokens = fetch(slots_lib.read(self.slots, jnp.asarray(idx), width)[0])  # noqa
+    tokens = fetch(slots_lib.read(self.slots, jnp.asarray(idx), width)[0])
     cut_idx, cut_n = [], []
     for j, seat in enumerate(running):
       k = int(n[seat.slot])

@@ -26,6 +26,7 @@ import time
 from typing import Callable, Sequence
 
 import jax
+import numpy as np
 
 from mgrpo_jax.engine import lanes as lanes_lib
 from mgrpo_jax.engine import slots as slots_lib
@@ -63,9 +64,7 @@ class Engine:
     self.replies: queue.Queue = queue.Queue()  # (episode, reply, seconds, clock sent)
     self.out = 0  # Calls in flight.
     self.parents: dict[int, tuple] = {}  # id(sub episode) -> (parent episode, request, t0)
-    self.sub_done: list = []
     self.sub_episodes: list = []
-    self._streams = 0
 
   def lane(self, ep):
     return self.roles.lanes[ep.role]
@@ -123,7 +122,7 @@ class Engine:
       ep.loss_mask += [1] * len(ids)
       ep.logprobs += logps
       if routes is not None:
-        ep.experts = routes if ep.experts is None else _concat(ep.experts, routes)
+        ep.experts = routes if ep.experts is None else np.concatenate([ep.experts, routes])
       text = self.tokenizer.decode(ids)
       ep.turns.append(text)
       parsed = ep.validator.step(text)
@@ -304,7 +303,3 @@ def stream_of(req) -> int:
   """A delegation's PRNG stream: unique per (question, rollout, call) of a step."""
   return ((req.q * 4096 + req.k) * 256 + req.call) % (2 ** 31 - 1)
 
-
-def _concat(a, b):
-  import numpy as np
-  return np.concatenate([a, b])

@@ -312,27 +312,11 @@ def grow(config: Qwen3Config, slots: Slots, capacity: int) -> Slots:
 
 @functools.partial(jax.jit, static_argnums=(2,))
 def read(slots: Slots, idx_U, width: int):
-  """(tokens, log-probs, routes or None) of the turns in slots `idx_U`: [U, width]."""
-  ex = slots.experts_SxCxLxK
-  routes = None
-  if ex is not None:
-    start = slots.lengths_S[idx_U] - slots.n_S[idx_U]
-    routes = sampling.gather_routes(ex[idx_U], start, width)
-  return slots.tokens_SxN[idx_U, :width], slots.logp_SxN[idx_U, :width], routes
+  """(tokens, log-probs) of the turns in slots `idx_U`: [U, width]."""
+  return slots.tokens_SxN[idx_U, :width], slots.logp_SxN[idx_U, :width]
 
 
 @functools.partial(jax.jit, static_argnums=(3,))
 def read_routes(slots: Slots, slot, start, width: int):
   """Routes of positions start..start+width-1 of `slot`: [width, sparse layers, k]."""
   return sampling.gather_routes(slots.experts_SxCxLxK[slot][None], start[None], width)[0]
-
-
-def sampling_params(temperature: float, top_p: float, top_k: int,
-                    stop_ids) -> sampling.SamplingParams:
-  """The traced sampling parameters (changing them never recompiles)."""
-  if len(stop_ids) > sampling.MAX_STOP_IDS:
-    raise ValueError(f"At most {sampling.MAX_STOP_IDS} stop ids, got {len(stop_ids)}.")
-  ids = np.full(sampling.MAX_STOP_IDS, -1, np.int32)
-  ids[:len(stop_ids)] = list(stop_ids)
-  return sampling.SamplingParams(jnp.float32(temperature), jnp.float32(top_p),
-                                  jnp.int32(top_k), jnp.asarray(ids))
