@@ -621,7 +621,7 @@ def test_shared_prompts_are_prefilled_once(tiny, monkeypatch):
     prompts = [a] * 4 + [b] * 3 + [a]
     batches = []
     prefill = sampling.prefill_rows
-    monkeypatch.setattr(sampling, "_prefill",
+    monkeypatch.setattr(sampling, "prefill_rows",
                         lambda *args: batches.append(args[2].shape[0]) or prefill(*args))
     kw = dict(max_new_tokens=N_NEW, temperature=1.0, top_k=50, key=jax.random.key(3))
     shared = sampling.generate(m.config, m.params, prompts, **kw)
