@@ -7,6 +7,8 @@ setuptools.setup(
     version="0.1.0",
     description="Multi-agent GRPO (M-GRPO, MAGRPO) for Qwen3 in JAX + Flax NNX.",
     packages=setuptools.find_packages(include=["mgrpo_jax", "mgrpo_jax.*", "configs"]),
+    # The GPU targets compiled for without a GPU (mgrpo_jax/compiled/gpu.py).
+    package_data={"mgrpo_jax.compiled": ["gpu_targets/*.txtpb"]},
     python_requires=">=3.10",
     install_requires=[
         "absl-py",

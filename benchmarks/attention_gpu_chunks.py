@@ -4,7 +4,7 @@
 
 One attention call (16 rows x 512 queries and keys, 2 kv heads x 2 queries, head dim 16,
 float32: 128 MiB of scores) with a score budget of 8 MiB (16 chunks of 32 queries),
-compiled for an H100 (`benchmarks/gpu_targets/h100_sxm.txtpb`, deviceless), forward alone
+compiled for an H100 (`mgrpo_jax/compiled/gpu_targets/h100_sxm.txtpb`, deviceless), forward alone
 and under `jax.grad`: the temporaries of the whole reference, of `attention.query_chunked`'s
 static slices (GPU's way) and of its `lax.map` loop (CPU's way). Writes
 `benchmarks/results/attention-gpu-chunks.json` (docs/results/gpu-compile.md, "Prefill").
@@ -12,26 +12,25 @@ static slices (GPU's way) and of its `lax.map` loop (CPU's way). Writes
 
 import functools
 import json
-import pathlib
 import time
 
 import jax
 import jax.numpy as jnp
 from absl import app, flags
 
-import hlo_stats  # benchmarks/hlo_stats.py: a library, not a script.
+from mgrpo_jax.compiled import gpu
 from mgrpo_jax.models import attention
 
 _OUT = flags.DEFINE_string("out", "benchmarks/results/attention-gpu-chunks.json",
                            "JSON to write.")
-TARGET = pathlib.Path(__file__).parent / "gpu_targets" / "h100_sxm.txtpb"
+TARGET = "h100_sxm"
 B, KV, G, T, H, BUDGET = 16, 2, 2, 512, 16, 8 << 20
 
 
 def main(argv):
   del argv
   jax.config.update("jax_enable_compilation_cache", False)  # Deviceless: nothing to load.
-  mesh = jax.sharding.Mesh(hlo_stats.gpu_devices(TARGET.read_text(), 1), ("x",))
+  mesh = jax.sharding.Mesh(gpu.devices(TARGET, 1), ("x",))
   whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   spec = lambda shape, dtype=jnp.float32: jax.ShapeDtypeStruct(shape, dtype, sharding=whole)
   args = (spec((B, KV, G, T, H)), spec((B, KV, T, H)), spec((B, KV, T, H)),
@@ -46,7 +45,7 @@ def main(argv):
                                        argnums=(0, 1, 2))}
   out = dict(shape=dict(rows=B, kv_heads=KV, groups=G, tokens=T, head_dim=H),
              scores_mib=B * KV * G * T * T * 4 / 2**20, budget_mib=BUDGET / 2**20,
-             target=TARGET.name, jax=jax.__version__, temp_mib={})
+             target=TARGET, jax=jax.__version__, temp_mib={})
   for mode, wrap in modes.items():
     for name, fn in kernels.items():
       t0 = time.perf_counter()

@@ -1,10 +1,10 @@
 """The real update, decode and prefill steps compiled for a GPU on a CPU-only machine.
 
 XLA:GPU's pipeline runs without a GPU (the `jax[cuda12]` wheels; no driver, no autotuning)
-against a target config (`benchmarks/gpu_targets/<target>.txtpb`: XLA's TargetConfig) and a
+against a target config (`mgrpo_jax/compiled/gpu_targets/<target>.txtpb`: XLA's TargetConfig) and a
 topology of such devices. Each case compiles the step training or sampling runs, with
-abstract inputs (`benchmarks/step_cases.py`'s case builders, memory.py's too), and reads the
-GPU program: `memory_analysis()` per device and the optimized HLO (`hlo_stats`): kernels and
+abstract inputs (`mgrpo_jax.compiled.step_cases`' builders, memory.py's too), and reads the
+GPU program: `memory_analysis()` per device and the optimized HLO (`compiled.hlo_stats`): kernels and
 the bytes they write per decode step, custom calls (cuBLAS, cuDNN attention), collectives and
 the bytes each GPU receives. Definitions and results: docs/results/gpu-compile.md.
 
@@ -48,29 +48,16 @@ import time  # noqa: E402
 import jax  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-import hlo_stats  # noqa: E402  (benchmarks/hlo_stats.py: a library, not a script)
-import step_cases  # noqa: E402  (benchmarks/step_cases.py: the case builders, a library)
 from mgrpo_jax import models, sampling, sharding  # noqa: E402
+from mgrpo_jax.compiled import gpu, hlo_stats, step_cases  # noqa: E402
 from mgrpo_jax.models import qwen3  # noqa: E402
 
-TARGETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_targets")
-TARGETS = ("h100_sxm", "h800", "h200")
-# Bytes per second one GPU receives over each link (the vendors' figures): NVLink within a
-# node of 8 (H100/H200 SXM 900 GB/s, the H800 400 GB/s), InfiniBand between nodes (one
-# 400 Gb/s NIC per GPU).
-LINKS = {"h100_sxm": {"nvlink": 900e9, "infiniband": 50e9},
-         "h800": {"nvlink": 400e9, "infiniband": 50e9},
-         "h200": {"nvlink": 900e9, "infiniband": 50e9}}
+TARGETS, LINKS = gpu.TARGETS, gpu.LINKS
 GB = 1e9
-
-def target_config(target: str) -> str:
-  """The TargetConfig text of `target` (benchmarks/gpu_targets/<target>.txtpb)."""
-  with open(os.path.join(TARGETS_DIR, f"{target}.txtpb")) as f:
-    return f.read()
 
 
 def gpu_devices(target: str, count: int):
-  return hlo_stats.gpu_devices(target_config(target), count)
+  return gpu.devices(target, count)
 
 
 def fsdp_minimum(preset: str, mesh_axes: dict, micro_batches: int, devices) -> float:
@@ -171,7 +158,7 @@ def decode(target: str, preset: str, rows: int, param_dtype: str = "bfloat16",
 
 def prefill(target: str, preset: str, rows: int, length: int,
             model_overrides: dict | None = None) -> dict:
-  """The sampler's prefill (`sampling._prefill`) of `rows` prompts of `length` tokens
+  """The sampler's prefill (`sampling.prefill_rows`) of `rows` prompts of `length` tokens
   (`model_overrides`: fields of the preset's config, e.g. fewer layers)."""
   out, compiled = step_cases.prefill_case(preset, rows, length,
                                           device_list=gpu_devices(target, 1),
@@ -183,7 +170,7 @@ def prefill(target: str, preset: str, rows: int, length: int,
 
 def memory_gb(target: str) -> float:
   """The target GPU's memory (its TargetConfig's `device_memory_size`), in GB."""
-  return int(target_config(target).split("device_memory_size: ")[1].split()[0]) / GB
+  return gpu.memory_bytes(target) / GB
 
 
 def engine_decode(target: str, presets: tuple, slots: int, capacity: int,
@@ -331,7 +318,7 @@ def main(argv):
     with open(path, "w") as f:
       json.dump({"device": f"{target} (compiled on a CPU-only machine for this target; "
                            "per GPU; no autotuning)",
-                 "target_config": f"benchmarks/gpu_targets/{target}.txtpb",
+                 "target_config": f"mgrpo_jax/compiled/gpu_targets/{target}.txtpb",
                  "jax": jax.__version__, "cases": results}, f, indent=1)
 
 

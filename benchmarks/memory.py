@@ -43,7 +43,7 @@ import json  # noqa: E402
 import jax  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-import step_cases  # noqa: E402  (benchmarks/step_cases.py: the case builders, a library)
+from mgrpo_jax.compiled import step_cases  # noqa: E402
 from mgrpo_jax import models  # noqa: E402
 
 _LORA_RANK = 16

@@ -35,8 +35,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-import hlo_stats  # noqa: E402  (benchmarks/hlo_stats.py: a library, not a script)
-import step_cases  # noqa: E402  (benchmarks/step_cases.py: the case builders, a library)
+from mgrpo_jax.compiled import gpu, step_cases  # noqa: E402
 from configs import mgrpo as mgrpo_config  # noqa: E402
 from mgrpo_jax import handoff, metrics, pipeline, sharding  # noqa: E402
 from mgrpo_jax.mgrpo import colocated, setup  # noqa: E402
@@ -44,7 +43,6 @@ from mgrpo_jax.models import decode, qwen3  # noqa: E402
 
 LANES = {"rollout": "tab:blue", "handoff": "tab:purple", "host": "tab:orange",
          "update": "tab:green"}  # The timeline's lanes and their colours.
-TARGETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_targets")
 # smoke's turns stop at 24 tokens: rollouts far shorter than any real policy's (whose
 # generation is most of an RL step); a random policy's turns here run 30-100 tokens.
 TURN_TOKENS = 192
@@ -119,8 +117,7 @@ def handoff_bytes(c) -> dict:
 def gpu_handoff(target: str, preset: str = "qwen3_8b", split: int = 4) -> dict:
   """The handoff of `preset` compiled for 2 x `split` GPUs: the cast on the training half
   (memory per GPU) and the bytes each GPU sends and receives per version."""
-  with open(os.path.join(TARGETS_DIR, f"{target}.txtpb")) as f:
-    devices = hlo_stats.gpu_devices(f.read(), 2 * split)
+  devices = gpu.devices(target, 2 * split)
   rollout, train = handoff.split_devices(split, devices)
   cfg = step_cases.model_config(preset)
   mesh_t, mesh_r = (sharding.make_mesh({"fsdp": -1}, d) for d in (train, rollout))

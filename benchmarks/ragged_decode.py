@@ -6,7 +6,7 @@ sampler's real decode loop (`sampling.decode_jit`) per attention, and from its o
 bytes a step must read, the custom calls (one Pallas/Triton call per layer with "ragged").
 Beside it, the KV slots each attention reads for a batch of rows of mixed lengths, from the
 kernel's loop bounds (modelled, not measured: no GPU ran): the XLA path reads every row up to
-the sampler's window (`sampling._window` of the longest row), the ragged kernel each row up
+the sampler's window (`sampling.attention_window` of the longest row), the ragged kernel each row up
 to its length rounded up to the kernel's key block. Results: docs/results/ragged-attention.md.
 
   python benchmarks/ragged_decode.py --target=h200 --preset=qwen3_8b --rows=64 --cache=8192 \
@@ -28,16 +28,14 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-import gpu_compile  # noqa: E402  (benchmarks/gpu_compile.py: targets and devices)
-import hlo_stats  # noqa: E402
-import step_cases  # noqa: E402
+from mgrpo_jax.compiled import gpu, hlo_stats, step_cases  # noqa: E402
 from mgrpo_jax import models, sampling  # noqa: E402
 from mgrpo_jax.models import qwen3, ragged_attention  # noqa: E402
 
 _PRESET = flags.DEFINE_string("preset", "qwen3_8b", "Model preset (models/config.py).")
 _ROWS = flags.DEFINE_integer("rows", 64, "Decode rows.")
 _CACHE = flags.DEFINE_integer("cache", 8192, "Cache slots per row (the rows reached this).")
-_TARGET = flags.DEFINE_enum("target", "h100_sxm", gpu_compile.TARGETS, "GPU to compile for.")
+_TARGET = flags.DEFINE_enum("target", "h100_sxm", gpu.TARGETS, "GPU to compile for.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the modelled row lengths.")
 _OUT = flags.DEFINE_string("out", "", "Where to write JSON.")
 
@@ -58,7 +56,7 @@ def attention_kernels(text: str) -> float:
 
 def compiled_step(target: str, preset: str, rows: int, cache: int, attention: str) -> dict:
   """The decode loop's memory and per-step HLO figures with `attention`."""
-  devices = gpu_compile.gpu_devices(target, 1)
+  devices = gpu.devices(target, 1)
   overrides = {"attention": attention}
   out, compiled = step_cases.decode_case(preset, rows, cache, cache, device_list=devices,
                                          return_compiled=True, model_overrides=overrides)
@@ -77,7 +75,7 @@ def compiled_step(target: str, preset: str, rows: int, cache: int, attention: st
 def slots_read(lengths, cache: int) -> dict:
   """KV slots one layer's attention reads for rows of `lengths` (each row's tokens so far)."""
   lengths = np.asarray(lengths)
-  window = sampling._window(int(lengths.max()), cache)
+  window = sampling.attention_window(int(lengths.max()), cache)
   _, block = ragged_attention.tiles(cache)
   ragged = ragged_attention.slots_read(lengths, cache)
   live = int(lengths.sum())

@@ -170,7 +170,7 @@ def sample_token(logits_BxV, sp: SamplingParams, keys_B):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 6), donate_argnames=("cache", "experts"))
-def _prefill(config, params, tokens_BxT, lengths_B, offsets_B, cache, window, experts=None):
+def prefill_rows(config, params, tokens_BxT, lengths_B, offsets_B, cache, window, experts=None):
   """Writes each row's new tokens at positions offset..offset+len-1 of its cache (and, MoE,
   their routes into `experts`)."""
   b, t = tokens_BxT.shape
@@ -182,7 +182,7 @@ def _prefill(config, params, tokens_BxT, lengths_B, offsets_B, cache, window, ex
 
 
 @flax.struct.dataclass
-class _LoopState:
+class LoopState:
   seqs: Sequences
   tokens_BxN: jax.Array
   logp_BxN: jax.Array
@@ -201,7 +201,7 @@ def decode_jit(backend: str | None = None, *, options: bool = True):
                  compiler_options=(xla_options.decode(backend) if options else None) or None)
 
 
-def _decode_chunk(config, params, state: _LoopState, sp: SamplingParams, steps, key,
+def _decode_chunk(config, params, state: LoopState, sp: SamplingParams, steps, key,
                   window: int):
   """Up to `steps` (traced) decode steps; exits early once every row has finished.
 
@@ -251,7 +251,7 @@ def _decode_chunk(config, params, state: _LoopState, sp: SamplingParams, steps, 
   return state
 
 
-def _window(end: int, capacity: int) -> int:
+def attention_window(end: int, capacity: int) -> int:
   """The static attention window for positions below `end`.
 
   Four sizes per octave (multiples of a quarter of the power of two below `end`): at
@@ -346,10 +346,9 @@ def prefill(config: Qwen3Config, params: nnx.State | DecodeParams,
   lengths = np.zeros(b, np.int32)
   lengths[:len(unique)] = [len(p) for p in unique]
   cache = init_cache(config, b, cache_len(longest + 1, max_len))
-  cache, last_logits, experts = _prefill(config, params, jnp.asarray(tokens),
-                                         jnp.asarray(lengths), jnp.zeros(b, jnp.int32), cache,
-                                         _window(tokens.shape[1], cache.max_len),
-                                         init_routes(config, b, cache.max_len))
+  cache, last_logits, experts = prefill_rows(
+      config, params, jnp.asarray(tokens), jnp.asarray(lengths), jnp.zeros(b, jnp.int32), cache,
+      attention_window(tokens.shape[1], cache.max_len), init_routes(config, b, cache.max_len))
   # Padding rows (batch bucket) hold one dummy token so they stay well-formed.
   seqs = Sequences(cache, jnp.asarray(np.maximum(lengths, 1)), last_logits, max_len, experts)
   if len(unique) == len(prompts):
@@ -386,10 +385,10 @@ def extend(config: Qwen3Config, params: nnx.State | DecodeParams, seqs: Sequence
     seqs = grow(config, seqs, cache_len(need, seqs.max_len))
   tokens = _pad_rows(new_tokens, b, bucket(int(counts.max()), 16), pad_id)
   # Padding tokens past the capacity are dropped by the cache write.
-  window = _window(int(lengths.max()) + tokens.shape[1], seqs.capacity)
-  cache, last_logits, experts = _prefill(config, params, jnp.asarray(tokens),
-                                         jnp.asarray(counts), seqs.lengths_B, seqs.cache, window,
-                                         seqs.experts_BxSxLxK)
+  window = attention_window(int(lengths.max()) + tokens.shape[1], seqs.capacity)
+  cache, last_logits, experts = prefill_rows(
+      config, params, jnp.asarray(tokens), jnp.asarray(counts), seqs.lengths_B, seqs.cache,
+      window, seqs.experts_BxSxLxK)
   extended = jnp.asarray(counts > 0)
   next_logits = jnp.where(extended[:, None], last_logits, seqs.next_logits_BxV)
   return Sequences(cache, seqs.lengths_B + jnp.asarray(counts), next_logits, seqs.max_len,
@@ -449,7 +448,7 @@ def sample(config: Qwen3Config, params: nnx.State | DecodeParams, seqs: Sequence
   ids = np.arange(b, dtype=np.int32)
   if row_ids is not None:
     ids[:len(row_ids)] = row_ids
-  state = _LoopState(seqs, jnp.full((b, n_cols), pad_id, jnp.int32), jnp.zeros((b, n_cols)),
+  state = LoopState(seqs, jnp.full((b, n_cols), pad_id, jnp.int32), jnp.zeros((b, n_cols)),
                      jnp.zeros((b, n_cols)), jnp.zeros(b, jnp.int32), jnp.asarray(finish),
                      jnp.asarray(ids), jnp.full(b, max_new_tokens, jnp.int32))
   lengths = start_lengths
@@ -487,8 +486,8 @@ def sample(config: Qwen3Config, params: nnx.State | DecodeParams, seqs: Sequence
                       slogp.astype(np.float32), n[:num_rows].copy(), reasons, seqs, experts)
 
 
-def _decode_some(config, params, state: _LoopState, sp, key, longest: int,
-                 chunk: int) -> _LoopState:
+def _decode_some(config, params, state: LoopState, sp, key, longest: int,
+                 chunk: int) -> LoopState:
   """One chunk of decoding; `longest` is the longest running row.
 
   The cache grows by need: only once a running row fills it, into the next bucket. A
@@ -501,13 +500,13 @@ def _decode_some(config, params, state: _LoopState, sp, key, longest: int,
   capacity = state.seqs.capacity
   steps = min(chunk, capacity - longest)
   # Attend to just the slots this chunk can reach.
-  window = _window(longest + steps + 1, capacity)
+  window = attention_window(longest + steps + 1, capacity)
   return decode_jit(jax.default_backend())(config, params, state, sp, jnp.int32(steps), key,
                                            window)
 
 
-def _apply_stop_strings(state: _LoopState, stop_strings, tokenizer, start_lengths, was_active,
-                        pad_id) -> _LoopState:
+def _apply_stop_strings(state: LoopState, stop_strings, tokenizer, start_lengths, was_active,
+                        pad_id) -> LoopState:
   """Cuts rows after their first stop string; rolls back their cache length to match."""
   tokens = fetch(state.tokens_BxN)
   n = fetch(state.n_B).copy()

@@ -21,11 +21,10 @@ from jax.experimental.compilation_cache import compilation_cache
 from jax._src.cudnn import fused_attention_stablehlo
 import pytest
 
-from benchmarks import hlo_stats, step_cases
+from mgrpo_jax.compiled import gpu, hlo_stats, step_cases
 from mgrpo_jax import models, sampling
 from mgrpo_jax.models import attention, qwen3
 
-TARGETS = pathlib.Path(__file__).parent.parent / "benchmarks" / "gpu_targets"
 # The small model: Qwen3's proportions where they matter here (a layer's weights far larger
 # than a decode step's activations and logits).
 # The decode checks: Qwen3-0.6B's widths, vocabulary and head size (what sets the ratio of
@@ -54,7 +53,7 @@ def no_persistent_cache():
 
 def _devices(count: int, target: str = "h100_sxm"):
   try:
-    return hlo_stats.gpu_devices((TARGETS / f"{target}.txtpb").read_text(), count)
+    return gpu.devices(target, count)
   except Exception as e:  # pylint: disable=broad-except
     pytest.fail(f"Cannot compile for a GPU target ({e!r}): this test needs the CUDA plugin "
                 f"and compiler wheels, `pip install -e \".[test,gpu]\"` (.ci/run does).")
@@ -103,7 +102,7 @@ def update_program():
 
 @pytest.mark.parametrize("target", ["h100_sxm", "h800", "h200"])
 def test_each_target_config_compiles_a_function_for_its_gpu(target):
-  text = (TARGETS / f"{target}.txtpb").read_text()
+  text = gpu.target_config(target)
   devices = _devices(1, target)
   kind = text.split('device_description_str: "')[1].split('"')[0]
   assert devices[0].device_kind == kind and devices[0].platform == "gpu"
@@ -239,9 +238,9 @@ def test_the_check_passes_per_layer_weights_read_in_place():
 
 
 def test_gpu_compile_script_lists_its_cases():
-  # The script over the libraries: it imports (the package, hlo_stats and step_cases) with
-  # flags of its own, and names every case, the paper's model on 64 GPUs among them.
-  root = str(TARGETS.parent.parent)
+  # The script imports the package (compiled.hlo_stats and step_cases among it) with flags
+  # of its own, and names every case, the paper's model on 64 GPUs among them.
+  root = str(pathlib.Path(__file__).parent.parent)
   env = dict(os.environ, PYTHONPATH=root)
   r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "gpu_compile.py"),
                       "--list", "--target=h800"], cwd=root, env=env, capture_output=True,
@@ -290,7 +289,7 @@ def engine_steps():
     out[attention, layers] = stats = hlo_stats.step_stats(text, lanes)
     # Kernels that copy a window's worth of a cache out (window < capacity here); the cache
     # as the step's in-place write leaves it too (XLA:GPU scatters bf16 as u16).
-    window = step_cases.sampling._window(REACHED, MAX_LEN)
+    window = step_cases.sampling.attention_window(REACHED, MAX_LEN)
     targets = {f"{m}{name}{as_}": (hlo_stats.Array(as_ or hlo_stats.array_of(shape, dt).dtype,
                                                    tuple(shape)),
                                    math.prod(shape) * window // MAX_LEN)

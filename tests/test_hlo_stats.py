@@ -1,6 +1,6 @@
 """benchmarks/hlo_stats.py on hand-written HLO: kernels, bytes written, loops, collectives."""
 
-from benchmarks import hlo_stats
+from mgrpo_jax.compiled import hlo_stats
 
 # A loop of unknown trip count whose body runs a 4-trip inner loop: each inner iteration
 # slices a [4, 8, 16] stack (a copy: 8 x 16 bf16 = 256 bytes), updates a [4, 2, 16] cache in

@@ -143,3 +143,50 @@ def test_no_program_imports_another():
   graph = _graph(modules)
   bad = {p: sorted(graph[p] & set(PROGRAMS)) for p in PROGRAMS if graph[p] & set(PROGRAMS)}
   assert not bad, f"programs importing programs: {bad}"
+
+
+def _top_imports(path: str) -> set[str]:
+  """The first component of every absolute import in `path`."""
+  with open(path) as f:
+    tree = ast.parse(f.read(), path)
+  out = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      out |= {a.name.split(".")[0] for a in node.names}
+    elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+      out.add(node.module.split(".")[0])
+  return out
+
+
+def _is_script(path: str) -> bool:
+  with open(path) as f:
+    return "__main__" in f.read()
+
+
+def test_benchmarks_import_the_package_and_nothing_beside_it():
+  # A benchmark is one script over the product: a file beside it imported by name would be a
+  # library the package should hold (sys.path puts a script's folder first).
+  folder = os.path.join(os.path.dirname(ROOT), "benchmarks")
+  names = {f[:-3] for f in os.listdir(folder) if f.endswith(".py")}
+  bad = {n: sorted(_top_imports(os.path.join(folder, n + ".py")) & (names | {"benchmarks"}))
+         for n in sorted(names)}
+  assert not {n: b for n, b in bad.items() if b}, bad
+  assert all(_is_script(os.path.join(folder, n + ".py")) for n in names), names
+
+
+def test_no_experiment_script_imports_another_script():
+  base = os.path.join(os.path.dirname(ROOT), "experiments")
+  bad = {}
+  for folder, _, files in os.walk(base):
+    package = os.path.relpath(folder, os.path.dirname(base)).replace(os.sep, ".")
+    scripts = {f[:-3] for f in files if f.endswith(".py") and _is_script(os.path.join(folder, f))}
+    for s in scripts:
+      with open(os.path.join(folder, s + ".py")) as f:
+        tree = ast.parse(f.read())
+      for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+          hit = ({node.module.rsplit(".", 1)[-1]} if node.module.startswith(package + ".")
+                 else {a.name for a in node.names} if node.module == package else set())
+          if hit & scripts:
+            bad.setdefault(s, []).extend(sorted(hit & scripts))
+  assert not bad, f"experiment scripts importing scripts: {bad}"

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from benchmarks import step_cases
+from mgrpo_jax.compiled import step_cases
 
 
 @pytest.mark.slow

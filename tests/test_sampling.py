@@ -241,13 +241,13 @@ def test_sampling_settings_do_not_recompile(tiny):
 
     run(temperature=0.0)
     decode = sampling.decode_jit(jax.default_backend())
-    sizes = (decode._cache_size(), sampling._prefill._cache_size())
+    sizes = (decode._cache_size(), sampling.prefill_rows._cache_size())
     for kw in [dict(temperature=1.0, key=jax.random.key(1)),
                dict(temperature=0.7, top_p=0.9, top_k=50, key=jax.random.key(2)),
                dict(temperature=1.3, top_k=1, stop_token_ids=[3, 4, 5]),
                dict(temperature=0.0, top_p=0.01, stop_token_ids=[17])]:
         run(**kw)
-        assert (decode._cache_size(), sampling._prefill._cache_size()) == sizes, kw
+        assert (decode._cache_size(), sampling.prefill_rows._cache_size()) == sizes, kw
 
 
 # ------------------------------------------------------------------------- 4. stops
@@ -601,7 +601,7 @@ def test_0p6b_kv_cache_for_1024_token_traces_is_under_10gb():
     seqs = sampling.Sequences(cache, s((rows,), jnp.int32),
                               s((rows, cfg.vocab_size), jnp.float32), max_len)
     ints, floats = s((rows, 16), jnp.int32), s((rows, 16), jnp.float32)
-    state = sampling._LoopState(seqs, ints, floats, floats, *[s((rows,), jnp.int32)] * 4)
+    state = sampling.LoopState(seqs, ints, floats, floats, *[s((rows,), jnp.int32)] * 4)
     sp = sampling.SamplingParams(s((), jnp.float32), s((), jnp.float32), s((), jnp.int32),
                                   s((8,), jnp.int32))
     key = jax.eval_shape(lambda: jax.random.key(0))
@@ -620,8 +620,8 @@ def test_shared_prompts_are_prefilled_once(tiny, monkeypatch):
     a, b = _prompts(m.vocab, lens=(11, 6), seed=13)
     prompts = [a] * 4 + [b] * 3 + [a]
     batches = []
-    prefill = sampling._prefill
-    monkeypatch.setattr(sampling, "_prefill",
+    prefill = sampling.prefill_rows
+    monkeypatch.setattr(sampling, "prefill_rows",
                         lambda *args: batches.append(args[2].shape[0]) or prefill(*args))
     kw = dict(max_new_tokens=N_NEW, temperature=1.0, top_k=50, key=jax.random.key(3))
     shared = sampling.generate(m.config, m.params, prompts, **kw)

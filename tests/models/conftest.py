@@ -144,14 +144,10 @@ def h():
 
 @pytest.fixture(scope="session")
 def h100_device():
-  """One deviceless H100 (benchmarks/gpu_targets/h100_sxm.txtpb) to compile for on this CPU;
+  """One deviceless H100 (mgrpo_jax/compiled/gpu_targets/h100_sxm.txtpb) to compile for on this CPU;
   skips where the CUDA wheels (jax[cuda12]) are missing."""
-  import pathlib
-
-  from jax.experimental import topologies
-  spec = pathlib.Path(__file__).parents[2] / "benchmarks" / "gpu_targets" / "h100_sxm.txtpb"
+  from mgrpo_jax.compiled import gpu
   try:
-    return topologies.get_topology_desc(platform="cuda", target_config=spec.read_text(),
-                                        topology="1x1x1").devices[0]
+    return gpu.devices("h100_sxm", 1)[0]
   except Exception as e:  # noqa: BLE001 - no CUDA plugin: nothing to compile for.
     pytest.skip(f"no deviceless CUDA compiler here: {e}")

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import hlo_stats
+from mgrpo_jax.compiled import hlo_stats
 from mgrpo_jax import models, sampling, sharding
 from mgrpo_jax.models import attention, decode, qwen3, ragged_attention
 

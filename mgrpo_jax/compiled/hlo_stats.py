@@ -1,8 +1,7 @@
 """What a compiled XLA program does, read from its optimized HLO text (`compiled.as_text()`).
 
-A library for the benchmarks and tests, not a script (benchmark scripts `import hlo_stats`,
-tests `from benchmarks import hlo_stats`). Used on programs compiled for a GPU target on a
-CPU-only machine (benchmarks/gpu_compile.py, tests/test_gpu_compile.py): the kernels a loop
+Read on programs compiled for a GPU target on a CPU-only machine (`compiled.gpu`,
+benchmarks/gpu_compile.py, tests/test_gpu_compile.py): the kernels a loop
 body launches, the bytes they write, the custom calls (cuBLAS, cuDNN attention) and the
 collectives with the bytes each device receives. Definitions (docs/results/gpu-compile.md):
 
@@ -527,21 +526,7 @@ def copy_targets(named: dict, num_layers: int) -> dict[str, tuple[Array, int]]:
   return out
 
 
-# --- compiling for a GPU target, and the decode loop's per-step figures --------------------
-
-GPUS_PER_NODE = 8
-
-
-def gpu_devices(target_config: str, count: int):
-  """`count` deviceless GPUs of a TargetConfig (text proto), in nodes of up to 8 ("1x1x<n>"
-  or "1x<nodes>x8"), to compile for on a machine without a GPU (needs the CUDA plugin and
-  compiler wheels, `pip install -e ".[gpu]"`)."""
-  from jax.experimental import topologies  # Registers nothing until called.
-  topo = "1x1x%d" % count if count <= GPUS_PER_NODE else "1x%dx%d" % (
-      count // GPUS_PER_NODE, GPUS_PER_NODE)
-  return topologies.get_topology_desc(platform="cuda", target_config=target_config,
-                                      topology=topo).devices
-
+# --- the decode loop's per-step figures --------------------------------------------------
 
 def named_arrays(tree) -> dict:
   """{path: (shape, dtype)} of a pytree of arrays or ShapeDtypeStructs."""

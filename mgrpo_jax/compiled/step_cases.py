@@ -1,7 +1,7 @@
 """The real update, decode and prefill steps compiled from abstract inputs, and their memory.
 
-A library of `benchmarks/memory.py` (compiled for CPU) and `benchmarks/gpu_compile.py`
-(compiled for a GPU topology): each case builds the jitted step that training or sampling
+Used by `benchmarks/memory.py` (compiled for CPU) and `benchmarks/gpu_compile.py` (compiled
+for a GPU topology, `compiled.gpu`): each case builds the jitted step that training or sampling
 runs, lowers it with `jax.ShapeDtypeStruct` inputs (nothing is allocated) and reads
 `compiled.memory_analysis()` per device.
 """
@@ -203,7 +203,7 @@ def decode_case(preset: str, rows: int = 64, reached: int = 1024,
                             row((rows, cfg.vocab_size), jnp.float32), max_len,
                             None if routes is None else row(routes.shape, routes.dtype))
   ints, floats = row((rows, 64), jnp.int32), row((rows, 64), jnp.float32)
-  state = sampling._LoopState(seqs, ints, floats, floats, *[row((rows,), jnp.int32)] * 4)
+  state = sampling.LoopState(seqs, ints, floats, floats, *[row((rows,), jnp.int32)] * 4)
   sp = sampling.SamplingParams(s((), jnp.float32), s((), jnp.float32), s((), jnp.int32),
                                 s((8,), jnp.int32))
   key = jax.eval_shape(lambda: jax.random.key(0))
@@ -224,7 +224,7 @@ def decode_case(preset: str, rows: int = 64, reached: int = 1024,
 
 def prefill_case(preset: str, rows: int, length: int, *, device_list=None,
                  return_compiled: bool = False, model_overrides: dict | None = None):
-  """The sampler's prefill (`sampling._prefill`) of `rows` prompts of `length` tokens, from
+  """The sampler's prefill (`sampling.prefill_rows`) of `rows` prompts of `length` tokens, from
   bf16 weights, on a one-device mesh over `device_list[0]` (default `jax.devices()`).
   `return_compiled`: returns (stats, the compiled prefill). `model_overrides`: Qwen3Config
   fields changed from the preset's (e.g. fewer layers)."""
@@ -237,9 +237,9 @@ def prefill_case(preset: str, rows: int, length: int, *, device_list=None,
                                            sharding=sharding.batch_sharding(mesh, len(shape)))
   t0 = time.perf_counter()
   with jax.set_mesh(mesh):
-    compiled = sampling._prefill.lower(
+    compiled = sampling.prefill_rows.lower(
         cfg, params, row((rows, length)), row((rows,)), row((rows,)), cache,
-        sampling._window(length, capacity), None).compile()
+        sampling.attention_window(length, capacity), None).compile()
   out = memory_stats(compiled, time.perf_counter() - t0)
   out.update(preset=preset, rows=rows, length=length, cache_len=capacity)
   return (out, compiled) if return_compiled else out
@@ -271,13 +271,13 @@ def engine_decode_case(presets=("qwen3_8b",), slots: int = 64, reached: int = 81
   """The engine's decode call (`engine.slots.decode_jit`): one model per preset of
   `presets` (e.g. a main and a sub-agent) stepping together, each with `slots` slots of
   `capacity` cached positions from bf16 weights, every slot's row at `reached` tokens (the
-  attention window: `sampling._window(reached)`, what the lane asks for). On
+  attention window: `sampling.attention_window(reached)`, what the lane asks for). On
   `device_list[0]` (default `jax.devices()[0]`) with the compiler options the engine sets
   on its platform. `return_compiled`: returns (stats, the compiled call, its models as
   `hlo_stats.step_stats` takes them). `model_overrides`: Qwen3Config fields over the
   presets' (e.g. fewer layers)."""
   device = None if device_list is None else device_list[0]
-  window = sampling._window(reached, capacity)
+  window = sampling.attention_window(reached, capacity)
   cfgs, params, lanes, models_ = [], [], [], []
   for preset in presets:
     cfg = models.get_preset(preset, param_dtype="bfloat16", compute_dtype="bfloat16",
