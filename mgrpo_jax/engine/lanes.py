@@ -133,8 +133,11 @@ class SlotLane:
 
   def _ensure(self, need: int) -> None:
     """Slots exist and hold `need` positions per row."""
-    cap = min(kv_cache_plan.bucket(need, kv_cache_plan.MIN_CACHE_LEN),
-              self.limits.max_len + self.width)
+    most = self.limits.max_len + self.width  # A chunk written at the end of the context.
+    cap = min(kv_cache_plan.bucket(need, kv_cache_plan.MIN_CACHE_LEN), most)
+    if kv_cache_plan.kv_cache_bytes(self.config, self.num_slots, most) <= (
+        getattr(self.policy, "budget", None) or kv_cache_plan.WHOLE_CONTEXT_BYTES):
+      cap = most
     if self.slots is None:
       self.slots = slots_lib.init(self.config, self.num_slots, cap,
                                   max_new_tokens=self.limits.max_new_tokens,
@@ -239,13 +242,16 @@ class SlotLane:
 
   def _prefill(self, seats: list[Seat]) -> None:
     """Prefills every seat's pending tokens: per call one chunk per slot, chunks of similar
-    size together (a call's width is its longest chunk's, rounded up to 16)."""
+    size together (a call's width is its longest chunk's, rounded up to 16), as many slots
+    as one of UNITS (11 waiting: calls of 8, 2 and 1)."""
     while seats:
       seats.sort(key=lambda s: -min(len(s.pending), self.width))
       width = kv_cache_plan.bucket(min(len(seats[0].pending), self.width), 16)
       call = [s for s in seats if kv_cache_plan.bucket(min(len(s.pending), self.width), 16)
               * 2 > width][:MAX_UNITS]
-      units = next(u for u in UNITS if u >= len(call))
+      # As many units as a batch size holds, none padded: the rest go in the next call.
+      units = max(u for u in UNITS if u <= len(call))
+      call = call[:units]
       # Each unit writes `width` positions from its slot's length: they must fit the slot.
       self._ensure(max(len(s.ep.tokens) - len(s.pending) for s in call) + width)
       tokens = np.full((units, width), self.tokenizer.pad_id, np.int32)
