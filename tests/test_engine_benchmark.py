@@ -112,3 +112,15 @@ def test_script_end_to_end_on_the_smallest_workload(load_benchmark, tmp_path):
   assert result["ran"]["main_format"] == 1.0 and result["ran"]["sub_format"] == 1.0
   assert result["modelled_h100_seconds"] > 0
   assert result["prefill_computed_over_needed"] < 1.15
+
+
+def test_magrpo_children_start_as_their_joint_action_is_scored(load_benchmark, tmp_path):
+  # Each joint action is scored once its agents' samples are done, and its child node's
+  # turns start then, not when the node's other samples are done: no ready turn waits.
+  engine = load_benchmark("engine")
+  out = tmp_path / "engine.json"
+  engine.main(["--task=magrpo", "--policy=expert", "--questions=2", "--rollouts=2",
+               "--tool_latency_ms=1", f"--out={out}"])
+  result = json.loads(out.read_text())
+  assert result["ready_waiting"] == 0
+  assert result["ran"]["completions"] == 2 * 2 * 2 * (1 + 4), result["ran"]  # 2 turns.

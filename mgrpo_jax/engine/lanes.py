@@ -30,6 +30,11 @@ from mgrpo_jax.models import ragged_attention
 
 UNITS = (1, 2, 4, 8, 16)  # Slots prefilled in one call: its batch sizes (few compiles).
 MAX_UNITS = UNITS[-1]
+# A prefill call computing at most this many FLOPs pads its units to MAX_UNITS: one program
+# per width. On a small model (the CPU demo's) padded rows cost milliseconds where each
+# (units, width) program costs about a second to compile; a real model's call is far above
+# it, and computes only the slots that need it.
+PAD_UNITS_FLOPS = 1e10
 
 
 @dataclasses.dataclass(eq=False)
@@ -81,6 +86,7 @@ class SlotLane:
     # program per capacity, and per pair of capacities for two models). Elsewhere it reads
     # the longest running row's window, a power of two.
     self.whole_slots = jax.default_backend() == "cpu"
+    self.pad_units_flops = PAD_UNITS_FLOPS
     self._window = 0
     if record is not None:
       record.slots[name] = num_slots
@@ -197,9 +203,8 @@ class SlotLane:
     for seat in copies:
       seat.pending = seat.pending[len(seat.prompt):]
     if fresh:
-      idx = np.full(kv_cache_plan.bucket(len(fresh), 1), self.num_slots, np.int32)
-      idx[:len(fresh)] = [s.slot for s in fresh]
-      self.slots = slots_lib.clear(self.slots, jnp.asarray(idx))
+      self.slots = slots_lib.clear(
+          self.slots, jnp.asarray(self._padded([s.slot for s in fresh], self.num_slots)))
     self._prefill([s for s in placed if s not in copies and s.pending])
     for seat in first.values():
       if seat.prompt is not None and self.prompts[seat.prompt][1] > 1:
@@ -249,8 +254,11 @@ class SlotLane:
       width = kv_cache_plan.bucket(min(len(seats[0].pending), self.width), 16)
       call = [s for s in seats if kv_cache_plan.bucket(min(len(s.pending), self.width), 16)
               * 2 > width][:MAX_UNITS]
-      # As many units as a batch size holds, none padded: the rest go in the next call.
+      # As many units as a batch size holds, none padded (the rest go in the next call),
+      # unless padding costs less than compiling.
       units = max(u for u in UNITS if u <= len(call))
+      if MAX_UNITS * width * 2 * self.config.num_params() <= self.pad_units_flops:
+        units = MAX_UNITS
       call = call[:units]
       # Each unit writes `width` positions from its slot's length: they must fit the slot.
       self._ensure(max(len(s.ep.tokens) - len(s.pending) for s in call) + width)
@@ -280,7 +288,7 @@ class SlotLane:
     """Starts each seat's next turn in its slot."""
     if not seats:
       return
-    u = kv_cache_plan.bucket(len(seats), 1)
+    u = self.num_slots  # Every slot-indexed array has one shape: one program each.
     idx = np.full(u, self.num_slots, np.int32)
     turn = np.zeros(u, np.int32)
     stream = np.zeros(u, np.int32)
@@ -344,8 +352,8 @@ class SlotLane:
       return []
     for seat in ended:
       self._running.discard(seat)
-    idx = _padded([seat.slot for seat in ended], 0)  # Padding reads slot 0, unused.
-    width = kv_cache_plan.bucket(int(n[idx].max()), 16)
+    idx = self._padded([seat.slot for seat in ended], 0)  # Padding reads slot 0, unused.
+    width = s.tokens_SxN.shape[1]  # The whole turn buffer: one program.
     tokens, logps = jax.tree.map(fetch, slots_lib.read(self.slots, jnp.asarray(idx), width))
     out = []
     for j, seat in enumerate(ended):
@@ -365,7 +373,14 @@ class SlotLane:
             deps=list(seat.deps), ready=seat.ready_at, input_steps=seat.input_steps)
       seat.forced, seat.turn_start = None, None
     self.slots = slots_lib.release(
-        self.slots, jnp.asarray(_padded([seat.slot for seat in ended], self.num_slots)))
+        self.slots, jnp.asarray(self._padded([seat.slot for seat in ended], self.num_slots)))
+    return out
+
+  def _padded(self, ids: list, pad: int) -> np.ndarray:
+    """`ids` padded with `pad` to one per slot: slot-indexed arrays of one shape, so the
+    small jitted functions that take them (start, read, release, ...) compile once."""
+    out = np.full(self.num_slots, pad, np.int32)
+    out[:len(ids)] = ids
     return out
 
   def _kv_read(self, lengths) -> int:
@@ -378,8 +393,8 @@ class SlotLane:
 
   def _stop_strings(self, running, finish, n) -> None:
     """Ends turns whose text holds a stop string (checked between decode calls)."""
-    idx = _padded([seat.slot for seat in running], 0)
-    width = kv_cache_plan.bucket(int(n[idx].max(initial=1)), 16)
+    idx = self._padded([seat.slot for seat in running], 0)
+    width = self.slots.tokens_SxN.shape[1]
     tokens = fetch(slots_lib.read(self.slots, jnp.asarray(idx), width)[0])
     cut_idx, cut_n = [], []
     for j, seat in enumerate(running):
@@ -392,7 +407,7 @@ class SlotLane:
         if self.record is not None:
           self.record.decoded -= k - end
     if cut_idx:
-      u = kv_cache_plan.bucket(len(cut_idx), 1)
+      u = self.num_slots
       pad = lambda xs, v: np.asarray(xs + [v] * (u - len(xs)), np.int32)
       self.slots = slots_lib.stop(self.slots, jnp.asarray(pad(cut_idx, self.num_slots)),
                                   jnp.asarray(pad(cut_n, 0)),
@@ -419,12 +434,6 @@ def _turn_keys(key, turn_U, stream_U):
                                                                                   stream_U)
 
 
-def _padded(ids: list, pad: int) -> np.ndarray:
-  """`ids` padded with `pad` to a power of two: index arrays of few shapes, so the jitted
-  functions that take them compile a few times, not once per count."""
-  out = np.full(kv_cache_plan.bucket(len(ids), 1), pad, np.int32)
-  out[:len(ids)] = ids
-  return out
 
 
 def _nbytes(saved) -> int:
