@@ -123,4 +123,5 @@ def test_magrpo_children_start_as_their_joint_action_is_scored(load_benchmark, t
                "--tool_latency_ms=1", f"--out={out}"])
   result = json.loads(out.read_text())
   assert result["ready_waiting"] == 0
-  assert result["ran"]["completions"] == 2 * 2 * 2 * (1 + 4), result["ran"]  # 2 turns.
+  # Two turns: 2 questions x 2 agents x 2 samples, then as many per joint action (2 each).
+  assert result["ran"]["completions"] == 2 * 2 * 2 * (1 + 2), result["ran"]
