@@ -247,19 +247,19 @@ class SlotLane:
 
   def _prefill(self, seats: list[Seat]) -> None:
     """Prefills every seat's pending tokens: per call one chunk per slot, chunks of similar
-    size together (a call's width is its longest chunk's, rounded up to 16), as many slots
-    as one of UNITS (11 waiting: calls of 8, 2 and 1)."""
+    size together (a call's width is its longest chunk's, rounded up to 16), its slots
+    padded to one of UNITS."""
     while seats:
       seats.sort(key=lambda s: -min(len(s.pending), self.width))
       width = kv_cache_plan.bucket(min(len(seats[0].pending), self.width), 16)
       call = [s for s in seats if kv_cache_plan.bucket(min(len(s.pending), self.width), 16)
               * 2 > width][:MAX_UNITS]
-      # As many units as a batch size holds, none padded (the rest go in the next call),
-      # unless padding costs less than compiling.
-      units = max(u for u in UNITS if u <= len(call))
+      # The next batch size up: one call, not one per power of two in its count, so the
+      # weights are read once (prefill of a few short chunks is bound by that read). Where
+      # 16 rows cost less than compiling another program, always 16.
+      units = next(u for u in UNITS if u >= len(call))
       if MAX_UNITS * width * 2 * self.config.num_params() <= self.pad_units_flops:
         units = MAX_UNITS
-      call = call[:units]
       # Each unit writes `width` positions from its slot's length: they must fit the slot.
       self._ensure(max(len(s.ep.tokens) - len(s.pending) for s in call) + width)
       tokens = np.full((units, width), self.tokenizer.pad_id, np.int32)
