@@ -8,6 +8,10 @@ import jax.numpy as jnp
 from mgrpo_jax.models.config import Qwen3Config
 
 MIN_CACHE_LEN = 64  # Smallest cache bucket: short rows cost few grows and few compiles.
+# The engine's slots take their whole context at once when all of them fit this many bytes
+# (or `kv_cache_budget_bytes`): no growth copies, and one capacity to compile for. Larger
+# caches (real models at long contexts) grow by need.
+WHOLE_CONTEXT_BYTES = 1 << 30
 
 
 def bucket(n: int, minimum: int = 8) -> int:

@@ -127,7 +127,17 @@ def load_config(workdir: str) -> ml_collections.ConfigDict:
     raise FileNotFoundError(f"{path} does not exist: {workdir!r} holds no run's config; "
                             "pass --config.")
   with open(path) as f:
-    return ml_collections.ConfigDict(json.load(f))
+    stored = json.load(f)
+  # A run made before a field was added holds the value that keeps its behaviour. M-GRPO's
+  # and SFT's configs (with `limits`) have them all; MAGRPO's the logging ones.
+  for k, default in ADDED_FIELDS.items():
+    if "limits" in stored or k == "log_to" or k.startswith("wandb."):
+      *groups, leaf = k.split(".")
+      node = stored
+      for g in groups:
+        node = node.setdefault(g, {})
+      node.setdefault(leaf, default)
+  return ml_collections.ConfigDict(stored)
 
 
 def write_config(workdir: str, c) -> None:

@@ -97,12 +97,15 @@ def test_h100_price_of_a_qwen3_8b_decode_step():
   assert t == pytest.approx(2 * 65_536 * (8.19e9 - 2 * 151_936 * 4096) / 989e12, rel=0.01)
 
 
-def test_script_end_to_end_on_the_smallest_workload(load_benchmark, tmp_path):
-  engine = load_benchmark("engine")
+def _run_script(load_benchmark, tmp_path, *flags) -> dict:
   out = tmp_path / "engine.json"
-  engine.main(["--task=multihop", "--policy=expert", "--questions=1", "--rollouts=2",
-               "--tool_latency_ms=1", f"--out={out}"])
-  result = json.loads(out.read_text())
+  load_benchmark("engine").main([*flags, "--tool_latency_ms=1", f"--out={out}"])
+  return json.loads(out.read_text())
+
+
+def test_script_end_to_end_on_the_smallest_workload(load_benchmark, tmp_path):
+  result = _run_script(load_benchmark, tmp_path, "--task=multihop", "--policy=expert",
+                       "--questions=1", "--rollouts=2")
   # A slot per episode: no ready turn waits. The slots hold one copy of the question's
   # prompt each (prefilled once), roll nothing back (closing tags are single tokens).
   assert result["ready_waiting"] == 0
@@ -112,3 +115,13 @@ def test_script_end_to_end_on_the_smallest_workload(load_benchmark, tmp_path):
   assert result["ran"]["main_format"] == 1.0 and result["ran"]["sub_format"] == 1.0
   assert result["modelled_h100_seconds"] > 0
   assert result["prefill_computed_over_needed"] < 1.15
+
+
+def test_magrpo_children_start_as_their_joint_action_is_scored(load_benchmark, tmp_path):
+  # Each joint action is scored once its agents' samples are done, and its child node's
+  # turns start then, not when the node's other samples are done: no ready turn waits.
+  result = _run_script(load_benchmark, tmp_path, "--task=magrpo", "--policy=expert",
+                       "--questions=2", "--rollouts=2")
+  assert result["ready_waiting"] == 0
+  # Two turns: 2 questions x 2 agents x 2 samples, then as many per joint action (2 each).
+  assert result["ran"]["completions"] == 2 * 2 * 2 * (1 + 2), result["ran"]

@@ -151,3 +151,23 @@ def test_a_run_from_before_the_metric_sinks_resumes_and_may_add_wandb(tmp_path):
       "log_to": ("jsonl,tensorboard", "jsonl,tensorboard,wandb"),
       "wandb.project": ("mgrpo_jax", "mine")}
   assert workdir.load_config(str(tmp_path)).log_to == "jsonl,tensorboard,wandb"
+
+
+def test_a_run_from_before_every_added_field_loads_with_their_defaults(tmp_path):
+  """An evaluation reads the stored config of a run older than every `ADDED_FIELDS` entry
+  (a warm start's here): each reads as its default instead of failing as a missing field."""
+  old = json.loads(sft_config.get_config("runlocal").to_json_best_effort())
+  for k in workdir.ADDED_FIELDS:
+    *groups, leaf = k.split(".")
+    node = old
+    for g in groups:
+      node = node.get(g, {})
+    node.pop(leaf, None)
+  (tmp_path / workdir.CONFIG_FILE).write_text(json.dumps(old))
+  back = workdir.load_config(str(tmp_path))
+  for k, default in workdir.ADDED_FIELDS.items():
+    value = back
+    for part in k.split("."):
+      value = value[part]
+    assert value == default or list(value) == default, k
+  setup.resolve_wiring(back, training=False)

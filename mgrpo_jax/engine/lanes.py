@@ -30,6 +30,11 @@ from mgrpo_jax.models import ragged_attention
 
 UNITS = (1, 2, 4, 8, 16)  # Slots prefilled in one call: its batch sizes (few compiles).
 MAX_UNITS = UNITS[-1]
+# A prefill call computing at most this many FLOPs pads its units to MAX_UNITS: one program
+# per width. On a small model (the CPU demo's) padded rows cost milliseconds where each
+# (units, width) program costs about a second to compile; a real model's call is far above
+# it, and computes only the slots that need it.
+PAD_UNITS_FLOPS = 1e10
 
 
 @dataclasses.dataclass(eq=False)
@@ -81,6 +86,7 @@ class SlotLane:
     # program per capacity, and per pair of capacities for two models). Elsewhere it reads
     # the longest running row's window, a power of two.
     self.whole_slots = jax.default_backend() == "cpu"
+    self.pad_units_flops = PAD_UNITS_FLOPS
     self._window = 0
     if record is not None:
       record.slots[name] = num_slots
@@ -133,8 +139,11 @@ class SlotLane:
 
   def _ensure(self, need: int) -> None:
     """Slots exist and hold `need` positions per row."""
-    cap = min(kv_cache_plan.bucket(need, kv_cache_plan.MIN_CACHE_LEN),
-              self.limits.max_len + self.width)
+    most = self.limits.max_len + self.width  # A chunk written at the end of the context.
+    cap = min(kv_cache_plan.bucket(need, kv_cache_plan.MIN_CACHE_LEN), most)
+    if kv_cache_plan.kv_cache_bytes(self.config, self.num_slots, most) <= (
+        getattr(self.policy, "budget", None) or kv_cache_plan.WHOLE_CONTEXT_BYTES):
+      cap = most
     if self.slots is None:
       self.slots = slots_lib.init(self.config, self.num_slots, cap,
                                   max_new_tokens=self.limits.max_new_tokens,
@@ -194,9 +203,8 @@ class SlotLane:
     for seat in copies:
       seat.pending = seat.pending[len(seat.prompt):]
     if fresh:
-      idx = np.full(kv_cache_plan.bucket(len(fresh), 1), self.num_slots, np.int32)
-      idx[:len(fresh)] = [s.slot for s in fresh]
-      self.slots = slots_lib.clear(self.slots, jnp.asarray(idx))
+      self.slots = slots_lib.clear(
+          self.slots, jnp.asarray(self._padded([s.slot for s in fresh], self.num_slots)))
     self._prefill([s for s in placed if s not in copies and s.pending])
     for seat in first.values():
       if seat.prompt is not None and self.prompts[seat.prompt][1] > 1:
@@ -239,13 +247,19 @@ class SlotLane:
 
   def _prefill(self, seats: list[Seat]) -> None:
     """Prefills every seat's pending tokens: per call one chunk per slot, chunks of similar
-    size together (a call's width is its longest chunk's, rounded up to 16)."""
+    size together (a call's width is its longest chunk's, rounded up to 16), its slots
+    padded to one of UNITS."""
     while seats:
       seats.sort(key=lambda s: -min(len(s.pending), self.width))
       width = kv_cache_plan.bucket(min(len(seats[0].pending), self.width), 16)
       call = [s for s in seats if kv_cache_plan.bucket(min(len(s.pending), self.width), 16)
               * 2 > width][:MAX_UNITS]
+      # The next batch size up: one call, not one per power of two in its count, so the
+      # weights are read once (prefill of a few short chunks is bound by that read). Where
+      # 16 rows cost less than compiling another program, always 16.
       units = next(u for u in UNITS if u >= len(call))
+      if MAX_UNITS * width * 2 * self.config.num_params() <= self.pad_units_flops:
+        units = MAX_UNITS
       # Each unit writes `width` positions from its slot's length: they must fit the slot.
       self._ensure(max(len(s.ep.tokens) - len(s.pending) for s in call) + width)
       tokens = np.full((units, width), self.tokenizer.pad_id, np.int32)
@@ -274,7 +288,7 @@ class SlotLane:
     """Starts each seat's next turn in its slot."""
     if not seats:
       return
-    u = kv_cache_plan.bucket(len(seats), 1)
+    u = self.num_slots  # Every slot-indexed array has one shape: one program each.
     idx = np.full(u, self.num_slots, np.int32)
     turn = np.zeros(u, np.int32)
     stream = np.zeros(u, np.int32)
@@ -338,8 +352,8 @@ class SlotLane:
       return []
     for seat in ended:
       self._running.discard(seat)
-    idx = _padded([seat.slot for seat in ended], 0)  # Padding reads slot 0, unused.
-    width = kv_cache_plan.bucket(int(n[idx].max()), 16)
+    idx = self._padded([seat.slot for seat in ended], 0)  # Padding reads slot 0, unused.
+    width = s.tokens_SxN.shape[1]  # The whole turn buffer: one program.
     tokens, logps = jax.tree.map(fetch, slots_lib.read(self.slots, jnp.asarray(idx), width))
     out = []
     for j, seat in enumerate(ended):
@@ -359,7 +373,14 @@ class SlotLane:
             deps=list(seat.deps), ready=seat.ready_at, input_steps=seat.input_steps)
       seat.forced, seat.turn_start = None, None
     self.slots = slots_lib.release(
-        self.slots, jnp.asarray(_padded([seat.slot for seat in ended], self.num_slots)))
+        self.slots, jnp.asarray(self._padded([seat.slot for seat in ended], self.num_slots)))
+    return out
+
+  def _padded(self, ids: list, pad: int) -> np.ndarray:
+    """`ids` padded with `pad` to one per slot: slot-indexed arrays of one shape, so the
+    small jitted functions that take them (start, read, release, ...) compile once."""
+    out = np.full(self.num_slots, pad, np.int32)
+    out[:len(ids)] = ids
     return out
 
   def _kv_read(self, lengths) -> int:
@@ -372,8 +393,8 @@ class SlotLane:
 
   def _stop_strings(self, running, finish, n) -> None:
     """Ends turns whose text holds a stop string (checked between decode calls)."""
-    idx = _padded([seat.slot for seat in running], 0)
-    width = kv_cache_plan.bucket(int(n[idx].max(initial=1)), 16)
+    idx = self._padded([seat.slot for seat in running], 0)
+    width = self.slots.tokens_SxN.shape[1]
     tokens = fetch(slots_lib.read(self.slots, jnp.asarray(idx), width)[0])
     cut_idx, cut_n = [], []
     for j, seat in enumerate(running):
@@ -386,7 +407,7 @@ class SlotLane:
         if self.record is not None:
           self.record.decoded -= k - end
     if cut_idx:
-      u = kv_cache_plan.bucket(len(cut_idx), 1)
+      u = self.num_slots
       pad = lambda xs, v: np.asarray(xs + [v] * (u - len(xs)), np.int32)
       self.slots = slots_lib.stop(self.slots, jnp.asarray(pad(cut_idx, self.num_slots)),
                                   jnp.asarray(pad(cut_n, 0)),
@@ -413,12 +434,6 @@ def _turn_keys(key, turn_U, stream_U):
                                                                                   stream_U)
 
 
-def _padded(ids: list, pad: int) -> np.ndarray:
-  """`ids` padded with `pad` to a power of two: index arrays of few shapes, so the jitted
-  functions that take them compile a few times, not once per count."""
-  out = np.full(kv_cache_plan.bucket(len(ids), 1), pad, np.int32)
-  out[:len(ids)] = ids
-  return out
 
 
 def _nbytes(saved) -> int:

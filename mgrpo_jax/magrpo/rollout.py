@@ -82,7 +82,7 @@ class Policy:
         self._weights = sampling.decode_params(self.model_config, self.params)
     return self._weights
 
-  slots_for = agent_rollout.LLMPolicy.slots_for
+  num_slots = agent_rollout.LLMPolicy.num_slots
 
   def complete(self, prompts: Sequence[list[int]], key) -> list[Completion]:
     return complete_together([self], [prompts], [key])[0]
@@ -104,7 +104,7 @@ def complete_together(policies: Sequence[Policy], prompts: Sequence[Sequence[lis
   for pol, ps in zip(policies, prompts):
     _check_fits(max(len(p) for p in ps), pol.limits)
   record = policies[0].record
-  lanes_ = [lanes.SlotLane(f"agent{i}", pol, key=k, num_slots=pol.slots_for(len(ps)),
+  lanes_ = [lanes.SlotLane(f"agent{i}", pol, key=k, num_slots=pol.num_slots(),
                            chunk=pol.chunk, record=record, force=pol.force)
             for i, (pol, ps, k) in enumerate(zip(policies, prompts, keys))]
   done = engine_run.complete(lanes_, prompts, chunk=min(p.chunk for p in policies),
@@ -226,66 +226,77 @@ def _node_chats(chat: list, outs: tuple, feedback: str, names, pipeline: str) ->
 
 def _tree_on_engine(task, policies: Sequence[Policy], examples, *, group: int, index,
                     num_turns: int, key, pipeline: str) -> list[Turn]:
-  """The tree on the agent engine, node by node: a node's joint actions are scored as soon
-  as its G samples of every agent are done, and its children's turns start then, while other
-  nodes still decode (`joint_rollout` with samplers, parallel or discussion).
+  """The tree on the agent engine, joint action by joint action: a joint action is scored
+  as soon as its agents' samples are done (not waiting for the node's other samples), and
+  its child node's turns start then, while the rest of the tree still decodes
+  (`joint_rollout` with samplers, parallel or discussion).
 
   Sample r of agent i at turn t draws from fold_in(fold_in(fold_in(key, i), t), r): the same
-  samples whatever the order nodes finish in.
+  samples whatever the order joint actions finish in.
   """
   n_agents, n_joint, p = len(policies), len(index), len(examples)
   tok = policies[0].tokenizer
-  most = p * group * n_joint ** (num_turns - 1)  # Samples of the widest turn, per agent.
   record = policies[0].record
   lanes_ = [lanes.SlotLane(f"agent{i}", pol, key=jax.random.fold_in(key, i),
-                           num_slots=pol.slots_for(most), chunk=pol.chunk, record=record,
+                           num_slots=pol.num_slots(), chunk=pol.chunk, record=record,
                            force=pol.force) for i, pol in enumerate(policies)]
   done = [[[None] * (p * n_joint ** t * group) for _ in range(n_agents)]
           for t in range(num_turns)]
   scores = [[None] * (p * n_joint ** (t + 1)) for t in range(num_turns)]
-  nodes = {}  # (t, node) -> [chats, example, samples still running]
-  where = {}  # id(job) -> (t, node, agent, r)
+  nodes = {}  # (t, node) -> [chats, example, joint actions not sent to scoring]
+  jobs = {}  # id(job) -> (t, node, agent, r)
+  turn_ids = {}  # (t, agent, r) -> the record's id of that sample's turn
   scored = queue.Queue()
   sync = jax.process_count() > 1
   pending = [0]
 
   clock = lambda: record.clock if record is not None else 0
 
-  def start(t, node, chats, ex, waited=0):
-    nodes[(t, node)] = [chats, ex, n_agents * group, 0]
+  def start(t, node, chats, ex, deps=(), waited=0):
+    nodes[(t, node)] = [chats, ex, set(range(n_joint))]
     for i, lane in enumerate(lanes_):
       prompt = _chat(tok, chats[i])
       _check_fits(len(prompt), policies[i].limits)
       for g in range(group):
         r = node * group + g
         job = engine_run.Job(lane.name, r, list(prompt), k=t, turns=[None] * t)
-        where[id(job)] = (t, node, i, r)
-        lane.add(job, r, input_steps=waited)
+        jobs[id(job)] = (t, node, i, r)
+        turn_ids[(t, i, r)] = lanes.turn_id(job, t)
+        lane.add(job, r, deps=deps, input_steps=waited)
 
-  def score(t, node):
-    chats, ex, _, _ = nodes[(t, node)]
-    nodes[(t, node)][3] = clock()  # Scored from here: the children's input is in flight.
-    texts = [tuple(done[t][i][node * group + index[j, i]].text for i in range(n_agents))
-             for j in range(n_joint)]
+  def sample_done(t, node):
+    """Sends each joint action of the node whose samples are all done to scoring."""
+    ex, left = nodes[(t, node)][1:]
+    for j in sorted(left):
+      rs = [node * group + index[j, i] for i in range(n_agents)]
+      if all(done[t][i][r] is not None for i, r in enumerate(rs)):
+        left.discard(j)
+        score(t, node, j, ex, tuple(done[t][i][r].text for i, r in enumerate(rs)))
+
+  def score(t, node, j, ex, texts):
+    sent = clock()  # The child's input is in flight from here.
     if sync:  # Process 0's scores on every host: a sandboxed run may time out on one only.
-      scored.put((t, node, texts, distributed.broadcast_object(task.score([ex] * n_joint,
-                                                                          texts))))
+      scored.put((t, node, j, texts, sent,
+                  distributed.broadcast_object(task.score([ex], [texts]))))
     else:
       threading.Thread(target=lambda: scored.put(
-          (t, node, texts, _try(task.score, [ex] * n_joint, texts))), daemon=True).start()
+          (t, node, j, texts, sent, _try(task.score, [ex], [texts]))), daemon=True).start()
     pending[0] += 1
 
-  def scored_node(t, node, texts, node_scores):
+  def scored_joint(t, node, j, texts, sent, result):
     pending[0] -= 1
-    if isinstance(node_scores, BaseException):
-      raise node_scores
-    chats, ex, _, sent = nodes.pop((t, node))
-    for j, sc in enumerate(node_scores):
-      scores[t][node * n_joint + j] = (sc, texts[j])
-      if t + 1 < num_turns:
-        start(t + 1, node * n_joint + j,
-              _node_chats(chats, texts[j], sc.feedback, task.agent_names, pipeline), ex,
-              waited=clock() - sent)
+    if isinstance(result, BaseException):
+      raise result
+    sc = result[0]
+    scores[t][node * n_joint + j] = (sc, texts)
+    chats, ex, left = nodes[(t, node)]
+    if not left and all(scores[t][node * n_joint + k] is not None for k in range(n_joint)):
+      del nodes[(t, node)]
+    if t + 1 < num_turns:
+      deps = [turn_ids[(t, i, node * group + index[j, i])] for i in range(n_agents)]
+      start(t + 1, node * n_joint + j,
+            _node_chats(chats, texts, sc.feedback, task.agent_names, pipeline), ex,
+            deps=deps, waited=clock() - sent)
 
   for node, ex in enumerate(examples):
     start(0, node, [[{"role": "user", "content": q}] for q in task.prompts(ex)], ex)
@@ -296,18 +307,16 @@ def _tree_on_engine(task, policies: Sequence[Policy], examples, *, group: int, i
     running = [lane for lane in lanes_ if lane.running()]
     for seat, ids, logps, routes in (engine_run.decode(running, chunk, record)
                                      if running else []):
-      t, node, i, r = where.pop(id(seat.ep))
+      t, node, i, r = jobs.pop(id(seat.ep))
       pol = policies[i]
       body = ids[:-1] if ids and ids[-1] in tok.stop_ids else ids
       done[t][i][r] = Completion(list(seat.ep.tokens), list(ids), [float(x) for x in logps],
                                  tok.decode(body, skip_special=True), seat.finish, routes)
       lanes_[i].finish(seat.ep)
-      nodes[(t, node)][2] -= 1
-      if nodes[(t, node)][2] == 0:
-        score(t, node)
+      sample_done(t, node)
     block = not running and pending[0] > 0
     while not scored.empty() or block:
-      scored_node(*scored.get())
+      scored_joint(*scored.get())
       block = False
     if not running and not pending[0] and not any(lane.ready for lane in lanes_):
       break

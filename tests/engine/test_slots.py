@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from mgrpo_jax import byte_tokenizer, models, sampling
+from mgrpo_jax import byte_tokenizer, kv_cache_plan, models, sampling
 from mgrpo_jax.agents import rollout
 from mgrpo_jax.engine import lanes, record as record_lib, run as engine_run
 
@@ -60,6 +60,49 @@ def test_greedy_completions_equal_the_batched_sampler_with_refills_and_chunks(
     assert finish == want.finish_reasons[i]
 
 
+def test_slots_take_the_whole_context_when_it_fits_else_grow_by_need(tiny, monkeypatch):
+  cfg, params = tiny
+  prompts = [TOK.encode(p) for p in PROMPTS]
+  grown = []
+  grow = lanes.slots_lib.grow
+  monkeypatch.setattr(lanes.slots_lib, "grow",
+                      lambda c, s, cap: grown.append(cap) or grow(c, s, cap))
+  whole = _policy(tiny, slots=2, max_new=40)
+  lane = lanes.SlotLane("m", whole, key=jax.random.key(0), num_slots=2, width=16)
+  want = engine_run.complete([lane], [prompts], chunk=8)[0]
+  assert lane.slots.capacity == 256 + 16 and not grown  # max_len + a chunk, from the start.
+  # A KV budget below the whole context's: the slots start at what the first turns need and
+  # grow (copied into a larger cache) as the rows lengthen; the turns are the same.
+  small = rollout.LLMPolicy(
+      cfg, params, TOK, "sub", temperature=0.0, slots=2, limits=whole.limits,
+      kv_cache_budget_bytes=kv_cache_plan.kv_cache_bytes(cfg, 2, 64))
+  lane = lanes.SlotLane("m", small, key=jax.random.key(0), num_slots=2, width=16)
+  got = engine_run.complete([lane], [prompts], chunk=8)[0]
+  assert grown and lane.slots.capacity < 256 + 16, (grown, lane.slots.capacity)
+  assert [r[0] for r in got] == [r[0] for r in want]
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g[1], w[1], atol=2e-5)
+
+
+def test_a_small_models_prefill_pads_its_units_to_one_program_per_width(tiny, monkeypatch):
+  prompts = [TOK.encode(p) for p in PROMPTS]
+  shapes = []
+  prefill = lanes.slots_lib.prefill
+  monkeypatch.setattr(lanes.slots_lib, "prefill",
+                      lambda *a: shapes.append(a[3].shape) or prefill(*a))
+  policy = _policy(tiny, slots=4)
+  lane = lanes.SlotLane("m", policy, key=jax.random.key(0), num_slots=4, width=16)
+  padded = engine_run.complete([lane], [prompts], chunk=8)[0]
+  assert shapes and {u for u, _ in shapes} == {lanes.MAX_UNITS}, shapes
+  shapes.clear()
+  lane = lanes.SlotLane("m", policy, key=jax.random.key(0), num_slots=4, width=16)
+  lane.pad_units_flops = 0  # A large model's lane: no padded unit.
+  exact = engine_run.complete([lane], [prompts], chunk=8)[0]
+  assert {u for u, _ in shapes} < set(lanes.UNITS) and lanes.MAX_UNITS not in {
+      u for u, _ in shapes}, shapes
+  assert [r[0] for r in padded] == [r[0] for r in exact]
+
+
 def test_a_seed_reproduces_samples_whatever_the_slots_and_order(tiny):
   prompts = [TOK.encode(p) for p in PROMPTS]
   key = jax.random.key(3)
@@ -93,6 +136,7 @@ def test_a_freed_slot_is_refilled_on_the_next_step(tiny):
   lengths = {i: 2 + 2 * i for i in range(len(prompts))}  # Forced turn lengths.
   lane = lanes.SlotLane("m", policy, key=jax.random.key(0), num_slots=2, record=rec,
                         force=lambda job: [65] * lengths[job.q])
+  lane.pad_units_flops = 0  # A large model's prefill: no padded unit.
   engine_run.complete([lane], [prompts], chunk=32, record=rec)
   turns = sorted(rec.turns.values(), key=lambda t: t["start"])
   assert [t["tokens"] for t in turns] == [lengths[i] for i in range(len(prompts))]
