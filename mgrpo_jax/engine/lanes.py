@@ -434,8 +434,6 @@ def _turn_keys(key, turn_U, stream_U):
                                                                                   stream_U)
 
 
-
-
 def _nbytes(saved) -> int:
   return sum(x.nbytes for x in jax.tree.leaves(saved))
 
