@@ -53,8 +53,8 @@ def sampling() -> ml_collections.ConfigDict:
   """Rollout sampling (the trainer scores tokens at the same temperature)."""
   return ml_collections.ConfigDict(dict(
       temperature=1.0, top_p=1.0, top_k=0, chunk=64,
-      # Decode slots per model in the agent engine (engine/lanes.py); 0: 64, at most what
-      # kv_cache_budget_bytes holds at full context (rollouts and evaluations alike).
+      # Decode slots per model in the agent engine (engine/lanes.py); 0: one per episode that
+      # can run at once up to 64, at most what kv_cache_budget_bytes holds at full context.
       slots=0,
       # Bytes of KV cache the sampler may hold at once (0: no limit).
       kv_cache_budget_bytes=0))

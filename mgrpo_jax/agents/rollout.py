@@ -171,13 +171,12 @@ class LLMPolicy:
     self._seqs = None
     self._weights = None
 
-  def num_slots(self) -> int:
-    """Decode slots of the engine's lane: `slots` when given, else `DEFAULT_MAX_SLOTS`, at
-    most what `kv_cache_budget_bytes` holds at the full context (each slot's cache reaches
-    `max_len`). Not the rollout's episode count: every rollout and evaluation of a run then
-    runs the same programs, compiled once (a GPU decodes 64 rows in about the time of 32).
+  def slots_for(self, rows: int) -> int:
+    """Decode slots of the engine's lane: `slots` when given, else one per episode that can
+    be running (`rows`, rounded up to a power of two) up to `DEFAULT_MAX_SLOTS`, at most what
+    `kv_cache_budget_bytes` holds at the full context (each slot's cache reaches `max_len`).
     More episodes than slots queue for them: every slot computes each step, busy or not."""
-    n = self.slots or DEFAULT_MAX_SLOTS
+    n = self.slots or min(kv_cache_plan.bucket(rows, 1), DEFAULT_MAX_SLOTS)
     if self.budget:
       per_slot = kv_cache_plan.kv_cache_bytes(self.config, 1, self.limits.max_len)
       n = min(n, max(1, self.budget // per_slot))
@@ -328,10 +327,10 @@ def _abort_too_long(episodes: list[Episode], limits: Limits) -> list[Episode]:
   return [ep for ep in episodes if not ep.done]
 
 
-def _lane(role: str, policy, *, key, record=None, force=None):
+def _lane(role: str, policy, *, key, rows: int, record=None, force=None):
   """The engine's lane of a policy: slots for an LLM policy, else scripted turns."""
   if isinstance(policy, LLMPolicy):
-    return lanes.SlotLane(role, policy, key=key, num_slots=policy.num_slots(),
+    return lanes.SlotLane(role, policy, key=key, num_slots=policy.slots_for(rows),
                           chunk=policy.chunk, record=record,
                           force=None if force is None else force.get(role))
   return lanes.ScriptedLane(role, policy, key=key)
@@ -367,12 +366,13 @@ def _run(policies: dict, episodes: list[Episode], tools: dict, *, tokenizer: tk.
   if not live:
     return episodes
   roles = engine_run.Roles(
-      lanes={role: _lane(role, p, key=key, record=record, force=force)
+      lanes={role: _lane(role, p, key=key, rows=len(live), record=record, force=force)
              for role, p in policies.items()},
       tools=tools, reply_ids=_reply_ids_fn(tokenizer, limits))
   if sub is not None:
     sub_limits = sub.limits
-    roles.lanes["sub"] = _lane("sub", sub.policy, key=sub.key, record=record, force=force)
+    roles.lanes["sub"] = _lane("sub", sub.policy, key=sub.key, rows=len(live), record=record,
+                               force=force)
     roles.tools["sub"] = sub._tools
     roles.delegate = lambda ep, turn: _delegation(ep, turn, step=step, limits=limits)
     roles.sub_episode = lambda req: sub.new_episode(req)
@@ -456,7 +456,7 @@ class ColocatedSubAgent:
     live = [ep for ep in episodes if not ep.done]
     if live:
       roles = engine_run.Roles(
-          lanes={"sub": _lane("sub", self.policy, key=self.key)},
+          lanes={"sub": _lane("sub", self.policy, key=self.key, rows=len(live))},
           tools={"sub": self._tools}, reply_ids=_reply_ids_fn(self.tokenizer, self.limits))
       engine = engine_run.Engine(roles, tokenizer=self.tokenizer,
                                  chunk=getattr(self.policy, "chunk", 32))

@@ -141,8 +141,9 @@ class SlotLane:
     """Slots exist and hold `need` positions per row."""
     most = self.limits.max_len + self.width  # A chunk written at the end of the context.
     cap = min(kv_cache_plan.bucket(need, kv_cache_plan.MIN_CACHE_LEN), most)
-    if kv_cache_plan.kv_cache_bytes(self.config, self.num_slots, most) <= (
-        getattr(self.policy, "budget", None) or kv_cache_plan.WHOLE_CONTEXT_BYTES):
+    if (self.num_slots * most <= kv_cache_plan.WHOLE_CONTEXT_POSITIONS
+        and kv_cache_plan.kv_cache_bytes(self.config, self.num_slots, most) <= (
+            getattr(self.policy, "budget", None) or kv_cache_plan.WHOLE_CONTEXT_BYTES)):
       cap = most
     if self.slots is None:
       self.slots = slots_lib.init(self.config, self.num_slots, cap,

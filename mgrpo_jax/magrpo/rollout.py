@@ -82,7 +82,7 @@ class Policy:
         self._weights = sampling.decode_params(self.model_config, self.params)
     return self._weights
 
-  num_slots = agent_rollout.LLMPolicy.num_slots
+  slots_for = agent_rollout.LLMPolicy.slots_for
 
   def complete(self, prompts: Sequence[list[int]], key) -> list[Completion]:
     return complete_together([self], [prompts], [key])[0]
@@ -104,7 +104,7 @@ def complete_together(policies: Sequence[Policy], prompts: Sequence[Sequence[lis
   for pol, ps in zip(policies, prompts):
     _check_fits(max(len(p) for p in ps), pol.limits)
   record = policies[0].record
-  lanes_ = [lanes.SlotLane(f"agent{i}", pol, key=k, num_slots=pol.num_slots(),
+  lanes_ = [lanes.SlotLane(f"agent{i}", pol, key=k, num_slots=pol.slots_for(len(ps)),
                            chunk=pol.chunk, record=record, force=pol.force)
             for i, (pol, ps, k) in enumerate(zip(policies, prompts, keys))]
   done = engine_run.complete(lanes_, prompts, chunk=min(p.chunk for p in policies),
@@ -236,9 +236,10 @@ def _tree_on_engine(task, policies: Sequence[Policy], examples, *, group: int, i
   """
   n_agents, n_joint, p = len(policies), len(index), len(examples)
   tok = policies[0].tokenizer
+  most = p * group * n_joint ** (num_turns - 1)  # Samples of the widest turn, per agent.
   record = policies[0].record
   lanes_ = [lanes.SlotLane(f"agent{i}", pol, key=jax.random.fold_in(key, i),
-                           num_slots=pol.num_slots(), chunk=pol.chunk, record=record,
+                           num_slots=pol.slots_for(most), chunk=pol.chunk, record=record,
                            force=pol.force) for i, pol in enumerate(policies)]
   done = [[[None] * (p * n_joint ** t * group) for _ in range(n_agents)]
           for t in range(num_turns)]
