@@ -9,11 +9,12 @@ from mgrpo_jax.models.config import Qwen3Config
 
 MIN_CACHE_LEN = 64  # Smallest cache bucket: short rows cost few grows and few compiles.
 # The engine's slots take their whole context at once when all of them fit this many bytes
-# (or `kv_cache_budget_bytes`) and positions: no growth copies, and one capacity to compile
-# for. Larger caches (real models, long contexts) grow by need: on a CPU, where a decode step
-# reads its slots whole, so that short rows do not pay for the longest context.
+# (or `kv_cache_budget_bytes`) and a slot's context is at most this many positions: no growth
+# copies, and one capacity to compile for. Larger caches (real models, long contexts) grow by
+# need: on a CPU, where a decode step reads its slots whole, short rows then do not pay for
+# the longest context.
 WHOLE_CONTEXT_BYTES = 1 << 30
-WHOLE_CONTEXT_POSITIONS = 1 << 17  # Over all slots: 64 slots of 2k.
+WHOLE_CONTEXT_POSITIONS = 2048
 
 
 def bucket(n: int, minimum: int = 8) -> int:

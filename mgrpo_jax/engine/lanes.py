@@ -141,7 +141,7 @@ class SlotLane:
     """Slots exist and hold `need` positions per row."""
     most = self.limits.max_len + self.width  # A chunk written at the end of the context.
     cap = min(kv_cache_plan.bucket(need, kv_cache_plan.MIN_CACHE_LEN), most)
-    if (self.num_slots * most <= kv_cache_plan.WHOLE_CONTEXT_POSITIONS
+    if (most <= kv_cache_plan.WHOLE_CONTEXT_POSITIONS
         and kv_cache_plan.kv_cache_bytes(self.config, self.num_slots, most) <= (
             getattr(self.policy, "budget", None) or kv_cache_plan.WHOLE_CONTEXT_BYTES)):
       cap = most
