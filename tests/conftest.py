@@ -264,3 +264,59 @@ def suite_conftest_import():
       "suite_conftest = importlib.util.module_from_spec(_spec)",
       "_spec.loader.exec_module(suite_conftest)",
       ""])
+
+
+def _multi_turn_episodes(cfg, params, *, temperature: float, top_k: int = 20,
+                         turns=(2, 2, 2, 3), **policy_kw):
+  """Four episodes of `turns[i]` turns through the agent engine's slots, tool replies between.
+
+  As the engine builds them: generated tokens (loss mask 1, the sampler's log-probs), then a
+  tool reply (mask 0) that the lane prefills into the episode's cache before its next turn.
+  Every token is routed (a MoE policy's `Episode.experts`): episodes end on a turn.
+  """
+  import jax  # Not at the top: the flags above must come before JAX is imported.
+  import numpy as np
+
+  from mgrpo_jax import byte_tokenizer
+  from mgrpo_jax.agents import rollout
+  from mgrpo_jax.engine import lanes
+  from mgrpo_jax.engine import run as engine_run
+
+  tok = byte_tokenizer.ByteTokenizer()
+  limits = rollout.Limits(max_turns=3, max_new_tokens=12, max_len=512)
+  policy = rollout.LLMPolicy(cfg, params, tok, "sub", limits=limits, temperature=temperature,
+                             top_k=top_k, **policy_kw)
+  prompts = ["find the river", "who built it?", "why not", "find the river"]
+  eps = [rollout.new_episode(tok, "sub", [{"role": "user", "content": p}], q=i, k=0, call=0,
+                             task=None, max_turns=3) for i, p in enumerate(prompts)]
+  lane = lanes.SlotLane("sub", policy, key=jax.random.key(3),
+                        num_slots=policy.slots_for(len(eps)), chunk=policy.chunk)
+  for i, ep in enumerate(eps):
+    lane.add(ep, i)
+  while True:
+    lane.admit()
+    if not lane.running():
+      return eps
+    for seat, ids, logps, routes in engine_run.decode([lane], policy.chunk, None):
+      ep = seat.ep
+      ep.tokens += ids
+      ep.loss_mask += [1] * len(ids)
+      ep.logprobs += logps
+      if routes is not None:
+        ep.experts = routes if ep.experts is None else np.concatenate([ep.experts, routes])
+      ep.turns.append(tok.decode(ids))
+      if len(ep.turns) == turns[ep.q]:
+        lane.finish(ep)
+        continue
+      reply = tok.encode(f"tool reply {ep.q}-{len(ep.turns)}")
+      ep.tokens += reply
+      ep.loss_mask += [0] * len(reply)
+      ep.logprobs += [0.0] * len(reply)
+      lane.extend(ep, reply)
+
+
+@pytest.fixture(scope="session")
+def multi_turn_episodes():
+  """`multi_turn_episodes(cfg, params, temperature=..., top_k=..., turns=..., **LLMPolicy
+  kwargs)`: see `_multi_turn_episodes`."""
+  return _multi_turn_episodes

@@ -1,14 +1,13 @@
 """The multi-agent rollout engine: turn-by-turn episodes with batched generation.
 
-One `run_episodes` loop serves every role. Each turn it asks the policy for the next
-turn of every live episode in one batched call, validates each turn (a malformed turn
-ends its episode as a format failure), runs all tool calls of the turn as one batch
-(`tool_fn`), and appends the tool replies to the live sequences, which the LLM policy
-extends in place (prefix KV reuse). For the main agent, the tool is the sub-agent:
-every delegation issued in a turn runs as one batch of sub-agent episodes through a
-`SubAgentService`, the interface that the exchange implements for decoupled training.
-The single-agent baseline (algorithm.md 1.7) calls search, visit and python itself
-(`rollout_single`).
+One engine serves every role (`engine/run.py`): each episode is a small state machine whose
+turns are decoded in its policy's slots (`LLMPolicy`, `engine/lanes.py`) or acted by a
+scripted expert (`TurnPolicy`), validated as they end (a malformed turn ends its episode as
+a format failure), and continued with its tool's reply (`tool_fn`), in place in the slot's
+cache. For the main agent, the tool is the sub-agent: each delegation starts a sub-agent
+episode as its turn ends, in the sub-agent's lane, or goes to a `SubAgentService`, the
+interface that the exchange implements for decoupled training. The single-agent baseline
+(algorithm.md 1.7) calls search, visit and python itself (`rollout_single`).
 
 Sequences are built from tokens, never by re-rendering a conversation: the generation
 prompt, then per turn the generated tokens (loss mask 1, behaviour log-probs), the
@@ -17,7 +16,6 @@ each episode also keeps the experts the sampler routed every token to (`Episode.
 for the trainer to replay.
 """
 
-import contextlib
 import dataclasses
 import threading
 from concurrent import futures
@@ -122,7 +120,8 @@ def _protocol(policy) -> str:
 
 
 class TurnPolicy(Protocol):
-  """Produces the next turn of a batch of episodes (an LLM or a scripted expert)."""
+  """Produces the next turn of a batch of episodes without a sampler (a scripted expert; an
+  `LLMPolicy` decodes in the engine's slots instead)."""
 
   version: int
 
@@ -140,18 +139,15 @@ DEFAULT_MAX_SLOTS = 64  # Slots per model when `config.sampling.slots` is 0.
 
 
 class LLMPolicy:
-  """A Qwen3 policy over the batched KV-cache sampler.
+  """A Qwen3 policy: what the agent engine's lane of it (`engine/lanes.py:SlotLane`) samples
+  with, its slots, limits, sampling settings and stops.
 
-  The rows' caches stay on device between turns (tool replies extend them) while a turn
-  fits `kv_cache_budget_bytes`. Once one would not, each turn re-prefills its rows from
-  the episodes' tokens, in waves that fit (`sampling.generate`): slower, same results.
-
-  A MoE policy records each episode's routes (`Episode.experts`) as the sampler writes them:
-  the prompt at `begin`, generated tokens at `act`, tool replies at `append` (in waves, at
-  the next turn's prefill). With `mesh`, a MoE policy samples under it (`jax.set_mesh`),
-  so expert-parallel layers send tokens to their experts' devices instead of gathering
-  every expert's weights; a dense policy samples as without it. `protocol` says how the
-  agent calls its tools ("tags" or "native"): where its turns stop.
+  The lane keeps each episode's cache in a decode slot between turns (tool replies extend
+  it) and records a MoE policy's routes (`Episode.experts`) as the sampler writes them.
+  `kv_cache_budget_bytes` bounds its slots (`slots_for`). With `mesh`, a MoE policy samples
+  under it (`jax.set_mesh`), so expert-parallel layers send tokens to their experts' devices
+  instead of gathering every expert's weights; a dense policy samples as without it.
+  `protocol` says how the agent calls its tools ("tags" or "native"): where its turns stop.
   """
 
   def __init__(self, config, params, tokenizer: tk.Tokenizer, role: str, *, limits: Limits,
@@ -167,8 +163,6 @@ class LLMPolicy:
     self.protocol = protocol
     # Closing tags that are not single tokens are matched on text.
     self.stop_ids, self.stop_strings = native.Dialect(protocol).stops(tokenizer, role)
-    self._episodes: Sequence[Episode] = ()
-    self._seqs = None
     self._weights = None
 
   def slots_for(self, rows: int) -> int:
@@ -182,89 +176,12 @@ class LLMPolicy:
       n = min(n, max(1, self.budget // per_slot))
     return n
 
-  def _mesh(self):
-    return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
-
   def _decode_params(self):
     """The sampler's weights of this policy version, made once, on first use (under the
     caller's mesh): no call or step casts the training weights again."""
     if self._weights is None:
       self._weights = sampling.decode_params(self.config, self.params)
     return self._weights
-
-  def begin(self, episodes):
-    self._episodes = list(episodes)
-    self._seqs = None
-    if self._resident_fits(range(len(episodes))):
-      with self._mesh():
-        self._seqs = sampling.prefill(self.config, self._decode_params(), [e.tokens for e in episodes],
-                                      max_len=self.limits.max_len, pad_id=self.tokenizer.pad_id)
-        routes = sampling.read_routes(self._seqs, [0] * len(episodes),
-                                      [len(e.tokens) for e in episodes])
-      for ep, r in zip(self._episodes, routes or ()):
-        ep.experts = r
-
-  def _add_routes(self, r: int, routes_TxLxK: np.ndarray) -> None:
-    ep = self._episodes[r]
-    ep.experts = routes_TxLxK if ep.experts is None else np.concatenate([ep.experts,
-                                                                         routes_TxLxK])
-
-  def _resident_fits(self, rows) -> bool:
-    """Whether every row's cache fits the budget through a turn of `rows`."""
-    if self.budget is None:
-      return True
-    lim = self.limits
-    need = max([len(e.tokens) for e in self._episodes]
-               + [len(self._episodes[r].tokens) + lim.max_new_tokens for r in rows])
-    return kv_cache_plan.kv_cache_peak_bytes(self.config, len(self._episodes),
-                                             min(need, lim.max_len), lim.max_len) <= self.budget
-
-  def act(self, rows, key):
-    kw = dict(max_new_tokens=self.limits.max_new_tokens, stop_token_ids=self.stop_ids,
-              stop_strings=self.stop_strings, tokenizer=self.tokenizer, key=key,
-              pad_id=self.tokenizer.pad_id, chunk=self.chunk, **self.sampling)
-    if self._seqs is not None and not self._resident_fits(rows):
-      self._seqs = None  # Rows only grow: from here on, every turn runs in waves.
-    if self._seqs is None:
-      # Row ids are episode indices, as in the resident batch: the same samples.
-      with self._mesh():
-        res = sampling.generate(self.config, self._decode_params(),
-                                [self._episodes[r].tokens for r in rows],
-                                max_len=self.limits.max_len, row_ids=list(rows),
-                                kv_cache_budget_bytes=self.budget, **kw)
-      for j, r in enumerate(rows):
-        if res.experts is not None:
-          # Positions not routed yet (tool replies) take this prefill's routes.
-          have = 0 if self._episodes[r].experts is None else len(self._episodes[r].experts)
-          self._add_routes(r, res.prompt_experts[j][have:])
-          self._add_routes(r, res.experts[j, :res.lengths[j]])
-      return [(res.tokens[j, :res.lengths[j]].tolist(), res.logprobs[j, :res.lengths[j]].tolist())
-              for j in range(len(rows))]
-    n = len(self._episodes)
-    active = np.zeros(n, bool)
-    active[list(rows)] = True
-    with self._mesh():
-      res = sampling.sample(self.config, self._decode_params(), self._seqs, num_rows=n, active=active,
-                            **kw)
-    self._seqs = res.sequences
-    if res.experts is not None:
-      for r in rows:
-        self._add_routes(r, res.experts[r, :res.lengths[r]])
-    return [(res.tokens[r, :res.lengths[r]].tolist(), res.logprobs[r, :res.lengths[r]].tolist())
-            for r in rows]
-
-  def append(self, appended):
-    if appended and self._seqs is not None:
-      rows = [appended.get(i, []) for i in range(len(self._episodes))]
-      # The rows' tokens already end with the appended ones (the engine adds them first).
-      starts = [len(e.tokens) - len(t) for e, t in zip(self._episodes, rows)]
-      with self._mesh():
-        self._seqs = sampling.extend(self.config, self._decode_params(), self._seqs, rows,
-                                     pad_id=self.tokenizer.pad_id)
-        routes = sampling.read_routes(self._seqs, starts, [len(t) for t in rows])
-      for i, t in enumerate(rows):
-        if routes is not None and t:
-          self._add_routes(i, routes[i])
 
 
 class ExpertPolicy:

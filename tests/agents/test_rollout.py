@@ -90,43 +90,23 @@ def test_random_llm_rollouts_complete_with_consistent_records(env, tiny, check_s
   assert batch.loss_mask.sum() == sum(e.num_generated for e in eps)
 
 
-def _drive_llm_policy(policy, prompts, key):
-  """Three turns of an LLMPolicy with tool replies, as the engine drives it."""
-  eps = [rollout.new_episode(TOK, "sub", [{"role": "user", "content": p}], q=i, k=0, call=0,
-                             task=None, max_turns=3) for i, p in enumerate(prompts)]
-  policy.begin(eps)
-  outs, resident = [], []
-  for turn, rows in enumerate([[0, 1, 2, 3], [0, 2, 3], [2, 3]]):
-    outs.append(policy.act(rows, jax.random.fold_in(key, turn)))
-    appended = {}
-    for r, (ids, _) in zip(rows, outs[-1]):
-      appended[r] = TOK.encode(f"tool reply {r}-{turn}")
-      eps[r].tokens += ids + appended[r]
-    policy.append(appended)
-    resident.append(policy._seqs is not None)
-  return outs, resident
-
-
-def test_llm_policy_under_a_kv_budget_gives_the_same_turns(tiny):
+def test_llm_policy_under_a_kv_budget_gives_the_same_turns(tiny, multi_turn_episodes):
   cfg, params = tiny
-  limits = rollout.Limits(max_turns=3, max_new_tokens=16, max_len=1024)
-  prompts = ["find the river", "find the river", "who built it?", "why not"]
-  run = lambda budget: _drive_llm_policy(
-      rollout.LLMPolicy(cfg, params, TOK, "sub", limits=limits, temperature=1.0,
-                        kv_cache_budget_bytes=budget), prompts, jax.random.key(4))
-  free, resident = run(None)
-  assert resident == [True] * 3
-  # Prompts of ~30 tokens: the first turn fits 64 slots per row; the second would need 128,
-  # so the policy drops its cache and runs each turn in waves (here of one row).
-  peak = kv_cache_plan.kv_cache_peak_bytes
-  for budget, expect in [(peak(cfg, 4, 64, 1024), [True, False, False]),
-                         (peak(cfg, 1, 128, 1024), [False] * 3)]:
-    tight, resident = run(budget)
-    assert resident == expect
-    for turn_free, turn_tight in zip(free, tight):
-      for (ids, lp), (ids_t, lp_t) in zip(turn_free, turn_tight):
-        assert ids == ids_t
-        np.testing.assert_allclose(lp, lp_t, atol=1e-5)
+  run = lambda budget: multi_turn_episodes(cfg, params, temperature=1.0,
+                                           kv_cache_budget_bytes=budget)
+  free = run(None)
+  per_slot = kv_cache_plan.kv_cache_bytes(cfg, 1, 512)
+  # Four episodes in two slots, then in one (`multi_turn_episodes` runs them to 512
+  # positions): the others wait, their KV saved off the slots.
+  for slots in (2, 1):
+    budget = slots * per_slot
+    policy = rollout.LLMPolicy(cfg, params, TOK, "sub", kv_cache_budget_bytes=budget,
+                               limits=rollout.Limits(max_turns=3, max_new_tokens=12,
+                                                     max_len=512))
+    assert policy.slots_for(4) == slots
+    for a, b in zip(free, run(budget)):
+      assert a.tokens == b.tokens and a.loss_mask == b.loss_mask
+      np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
 
 
 def test_context_overflow_ends_episode_as_format_failure(env):
