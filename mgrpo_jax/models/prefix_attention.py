@@ -44,10 +44,12 @@ def gather_queries(q_BxKxGxH, members_PxM):
 
 def member_index(members_PxM, pool_row_B):
   """Each slot's place among its pool row's members (0 for a slot without a row)."""
-  p = members_PxM.shape[0]
+  p, m = members_PxM.shape
   b = pool_row_B.shape[0]
   row = jnp.take(members_PxM, jnp.minimum(pool_row_B, p - 1), axis=0)  # [B, M]
-  return jnp.argmax(row == jnp.arange(b)[:, None], axis=-1)
+  # M static terms, not an argmax: elementwise, so it fuses into the gather that uses it
+  # (a reduction would be a kernel of its own every layer).
+  return sum(jnp.where(row[:, j] == jnp.arange(b), j, 0) for j in range(m))
 
 
 def scatter_back(x_PxKxQx_, members_PxM, pool_row_B, g: int):
@@ -167,13 +169,15 @@ def cascade_ragged(q_BxKxGx1xH, k_BxKxSxH, v_BxKxSxH, own_len_B, pool_k_PxKxLxH,
   m_p = jnp.where(has, back(m_p), jnp.finfo(jnp.float32).min)
   o_o, l_o, m_o = _kernel_parts(q, k_BxKxSxH, v_BxKxSxH, own_len_B, splits=splits,
                                 interpret=interpret)
-  o = jnp.concatenate([o_p, o_o], axis=2)
-  l = jnp.concatenate([l_p, l_o], axis=2)
-  m = jnp.concatenate([m_p, m_o], axis=2)
-  # Flash-decoding's merge over all parts; a skipped part has l = 0 and the kernel's
-  # initial max (float32's min), so it weighs 0.
-  w = jnp.exp(m - jnp.max(m, axis=2, keepdims=True))  # [B, K, parts, G]
-  num = jnp.sum(o.astype(jnp.float32) * w[..., None], axis=2)
-  den = jnp.sum(l * w, axis=2)
+  # Flash-decoding's merge over all parts of both, as n static terms (as
+  # `ragged_attention.kernel`: they fuse into two kernels). A skipped part has l = 0 and
+  # the kernel's initial max (float32's min), so it weighs 0.
+  parts = [(o[:, :, i], l[:, :, i], m[:, :, i]) for o, l, m in ((o_p, l_p, m_p),
+                                                              (o_o, l_o, m_o))
+           for i in range(o.shape[2])]
+  top = functools.reduce(jnp.maximum, [m for _, _, m in parts])
+  ws = [jnp.exp(m - top) for _, _, m in parts]  # [B, K, G] each.
+  num = sum(o.astype(jnp.float32) * w[..., None] for (o, _, _), w in zip(parts, ws))
+  den = sum(l * w for (_, l, _), w in zip(parts, ws))
   out = num / jnp.where(den > 0, den, 1.0)[..., None]
   return out.astype(q.dtype)[:, :, :, None]
