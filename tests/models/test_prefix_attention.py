@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mgrpo_jax.compiled import hlo_stats
 from mgrpo_jax.models import prefix_attention
 
 # 7 slots, 3 kv heads of 2 query heads, head dim 16; 3 pool rows of up to 3 members (row 1
@@ -121,3 +122,19 @@ def test_slot_without_any_key_gives_zeros():
     got = _run(fn, jnp.float32, a, own_len, pool_len, members, pool_row, keys_minor)
     assert np.all(np.isfinite(got))
     np.testing.assert_array_equal(got[3], 0.0)
+
+
+def test_no_per_slot_copy_of_the_pool_is_materialised():
+  # The naive way gathers each slot's prefix, [B, K, L, H]; the cascade's largest arrays
+  # are the inputs (own caches [B, K, S, H], the pool [P, K, L, H]) and the prefix's
+  # scores [P, K, M * G, L], all smaller here.
+  a, own_len, pool_len, members, pool_row = _case("float32")
+  args = (a["q"], np.swapaxes(a["k"], 2, 3), a["v"], own_len.astype(np.int32),
+          np.swapaxes(a["pk"], 2, 3), a["pv"], pool_len.astype(np.int32),
+          members.astype(np.int32), pool_row.astype(np.int32))
+  text = jax.jit(prefix_attention.cascade).lower(*args).compile().as_text()
+  module = hlo_stats.parse(text)
+  largest = max(arr.size for comp in module.computations.values()
+                for instr in comp.instrs.values() for arr in instr.shape)
+  assert largest == B * K * S * H  # The own caches, as given.
+  assert B * K * L * H > largest
