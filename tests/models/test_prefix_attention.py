@@ -10,9 +10,11 @@ import pytest
 from mgrpo_jax.compiled import hlo_stats
 from mgrpo_jax.models import prefix_attention
 
-# 7 slots, 3 kv heads of 2 query heads, head dim 16; 3 pool rows of up to 3 members (row 1
+# 7 slots, 3 kv heads of 6 query heads, head dim 16; 3 pool rows of up to 3 members (row 1
 # has two, row 2 one), slots 3 and 6 without a prefix; prefixes of 48 slots, suffixes of 32.
-B, K, G, H, P, M, L, S = 7, 3, 2, 16, 3, 3, 48, 32
+# A pool row's M * G = 18 query heads take two of the Pallas kernel's 16-row tiles: one
+# block of 32.
+B, K, G, H, P, M, L, S = 7, 3, 6, 16, 3, 3, 48, 32
 MEMBERS = np.array([[0, 4, 5], [2, 1, B], [B, B, 6]])
 POOL_ROW = np.array([0, 1, 1, P, 0, 0, 2])
 # Row 2's single member slot 6 is moved off it below (own only), so row 2 has no reader.
@@ -69,7 +71,7 @@ def test_member_index_and_gather_queries():
   qs = prefix_attention.gather_queries(q, members)  # [P, K, M * G, H]
   assert qs.shape == (P, K, M * G, H)
   # Row 1's queries: slot 2's G heads, slot 1's, then zeros for the padded member.
-  np.testing.assert_array_equal(qs[1, 0, :, 0], [2, 2, 1, 1, 0, 0])
+  np.testing.assert_array_equal(qs[1, 0, :, 0], [2] * G + [1] * G + [0] * G)
   back = prefix_attention.scatter_back(qs, members, pool_row, G)
   np.testing.assert_array_equal(back[:, 0, 0, 0], [0, 1, 2, 0, 4, 5, 6])
 
@@ -128,6 +130,7 @@ def test_no_per_slot_copy_of_the_pool_is_materialised():
   # The naive way gathers each slot's prefix, [B, K, L, H]; the cascade's largest arrays
   # are the inputs (own caches [B, K, S, H], the pool [P, K, L, H]) and the prefix's
   # scores [P, K, M * G, L], all smaller here.
+  assert max(P * K * L * H, P * K * M * G * L) < B * K * S * H
   a, own_len, pool_len, members, pool_row = _case("float32")
   args = (a["q"], np.swapaxes(a["k"], 2, 3), a["v"], own_len.astype(np.int32),
           np.swapaxes(a["pk"], 2, 3), a["pv"], pool_len.astype(np.int32),
