@@ -100,7 +100,7 @@ def cascade(q_BxKxGx1xH, k_BxKxHxS, v_BxKxSxH, own_len_B, pool_k_PxKxHxL, pool_v
   """One decode step's attention of each slot over its pool row's prefix and its own
   suffix (XLA layout): [B, K, G, 1, H] in q's dtype. Slot b sees all `pool_len[r]`
   positions of its row r = `pool_row[b]` (none if r = P) and its first `own_len[b]`."""
-  b, kv, g, _, h = q_BxKxGx1xH.shape
+  g = q_BxKxGx1xH.shape[2]
   q = q_BxKxGx1xH[:, :, :, 0]
   # Prefix: one batch of M * G query heads per pool row and kv head, one read of its KV.
   o_p, lse_p = partial_attention(gather_queries(q, members_PxM), pool_k_PxKxHxL,
@@ -152,11 +152,12 @@ def cascade_ragged(q_BxKxGx1xH, k_BxKxSxH, v_BxKxSxH, own_len_B, pool_k_PxKxLxH,
                    splits: int = ragged_attention.SPLITS, interpret: bool = False):
   """`cascade` through the Pallas decode kernel (keys and values [N, K, S, H]): the prefix
   per pool row with its members' M * G query heads in one block, the suffix per slot,
-  each read to its own length; the parts of both merged together by their maxima."""
-  b, kv, g, _, h = q_BxKxGx1xH.shape
+  each read to its own length; the parts of both merged together by their maxima. L and
+  S must be multiples of 16 (`ragged_attention.tiles`)."""
+  g = q_BxKxGx1xH.shape[2]
   q = q_BxKxGx1xH[:, :, :, 0]
   p = pool_k_PxKxLxH.shape[0]
-  # A pool row that no slot reads (all members padding) would still be read: length 0.
+  # A pool row without members is still read to its length: a free row should have 0.
   o_p, l_p, m_p = _kernel_parts(gather_queries(q, members_PxM), pool_k_PxKxLxH,
                                 pool_v_PxKxLxH, pool_len_P, splits=splits,
                                 interpret=interpret)
@@ -169,9 +170,10 @@ def cascade_ragged(q_BxKxGx1xH, k_BxKxSxH, v_BxKxSxH, own_len_B, pool_k_PxKxLxH,
   m_p = jnp.where(has, back(m_p), jnp.finfo(jnp.float32).min)
   o_o, l_o, m_o = _kernel_parts(q, k_BxKxSxH, v_BxKxSxH, own_len_B, splits=splits,
                                 interpret=interpret)
-  # Flash-decoding's merge over all parts of both, as n static terms (as
-  # `ragged_attention.kernel`: they fuse into two kernels). A skipped part has l = 0 and
-  # the kernel's initial max (float32's min), so it weighs 0.
+  # Flash-decoding's merge over all parts of both, as static terms (as
+  # `ragged_attention.kernel`'s; three kernels here, fewer than a reduction over the
+  # concatenated parts took). A skipped part has l = 0 and the kernel's initial max
+  # (float32's min), so it weighs 0.
   parts = [(o[:, :, i], l[:, :, i], m[:, :, i]) for o, l, m in ((o_p, l_p, m_p),
                                                               (o_o, l_o, m_o))
            for i in range(o.shape[2])]
