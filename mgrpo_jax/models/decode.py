@@ -127,17 +127,24 @@ def _block_graphdefs(config: Qwen3Config) -> dict:
 
 
 def forward(config: Qwen3Config, params: DecodeParams, tokens_BxT, positions_BxT,
-            cache: LayerCache, *, logits_idx_B=None, attn_window: int | None = None):
+            cache: LayerCache, *, logits_idx_B=None, attn_window: int | None = None,
+            rope_offset_B=None, prefix=None):
   """Cached forward over the per-layer layout: (float32 logits, cache, `qwen3.Routing`).
 
   The same computation as `qwen3.forward` with a cache (see there for positions, windows and
   `logits_idx_B`), with the layers unrolled: each layer's weights and cache are read where
   they lie and its new keys and values written into its own (donated) cache arrays.
+
+  `positions_BxT` are cache indices; a row's RoPE positions are those plus its
+  `rope_offset_B` (the length of a prefix it reads from elsewhere; default 0). `prefix` =
+  (pool: LayerCache, pool_len_P, members_PxM, pool_row_B): a decode step (T = 1) attends to
+  row b's pool row and its own cache (`prefix_attention.decode`).
   """
   dt = config.compute_jnp_dtype
   b = tokens_BxT.shape[0]
   x = qwen3.rows_sharded(jnp.take(params.embed_VxD, tokens_BxT, axis=0).astype(dt))
-  sin, cos = qwen3.rope_sin_cos(positions_BxT, config.head_dim, config.rope_theta)
+  rope_BxT = positions_BxT if rope_offset_B is None else positions_BxT + rope_offset_B[:, None]
+  sin, cos = qwen3.rope_sin_cos(rope_BxT, config.head_dim, config.rope_theta)
   key_mask_BxS = jnp.ones((b, cache.max_len), bool)
   token_w = jnp.ones(tokens_BxT.shape, bool)
   window = attn_window or cache.max_len
@@ -145,8 +152,11 @@ def forward(config: Qwen3Config, params: DecodeParams, tokens_BxT, positions_BxT
   ks, vs, routed = [], [], []
   for i, sparse in enumerate(config.sparse_layers()):
     block = nnx.merge(graphdefs[sparse], params.layers[i])
-    x, (k, v), r = block(x, sin, cos, positions_BxT, key_mask_BxS,
-                         (cache.k[i], cache.v[i], None, window), None, token_w, None)
+    kv = (cache.k[i], cache.v[i], None, window)
+    if prefix is not None:
+      pool, *rest = prefix
+      kv += ((pool.k[i], pool.v[i], *rest),)
+    x, (k, v), r = block(x, sin, cos, positions_BxT, key_mask_BxS, kv, None, token_w, None)
     x = qwen3.rows_sharded(x)
     ks.append(k)
     vs.append(v)

@@ -183,3 +183,33 @@ def cascade_ragged(q_BxKxGx1xH, k_BxKxSxH, v_BxKxSxH, own_len_B, pool_k_PxKxLxH,
   den = sum(l * w for (_, l, _), w in zip(parts, ws))
   out = num / jnp.where(den > 0, den, 1.0)[..., None]
   return out.astype(q.dtype)[:, :, :, None]
+
+
+def decode(q_BxKxGx1xH, k_BxKx__, v_BxKxSxH, q_idx_Bx1, pool_k_PxKx__, pool_v_PxKxLxH,
+           pool_len_P, members_PxM, pool_row_B, *, window: int, key_axis: int,
+           splits: int = ragged_attention.SPLITS, interpret: bool = False):
+  """One decode step of the model's attention with a shared prefix: row b's query (own
+  position q_idx[b], which sees own positions 0..q_idx[b]) over its pool row's prefix and
+  its own cache. Keys as the cache stores them (`key_axis` 3: [N, K, H, S], the XLA layout,
+  already cut to `window`; 2: [N, K, S, H], whole). With key_axis 2 a GPU program runs
+  `cascade_ragged`; anything else `cascade` over the first `window` own positions."""
+  pos_B = q_idx_Bx1[:, 0].astype(jnp.int32)
+  # A row past its cache (an idle slot) writes nowhere and reads none of its own.
+  own_B = jnp.where(pos_B < v_BxKxSxH.shape[2], pos_B + 1, 0)
+  pool = (pool_len_P, members_PxM, pool_row_B)
+  if key_axis == 3:
+    return cascade(q_BxKxGx1xH, k_BxKx__, v_BxKxSxH, own_B, pool_k_PxKx__, pool_v_PxKxLxH,
+                   *pool)
+
+  def ragged(q, k, v, own, pk, pv):
+    return cascade_ragged(q, k, v, own, pk, pv, *pool, splits=splits, interpret=interpret)
+
+  def windowed(q, k, v, own, pk, pv):
+    own = jnp.minimum(own, window)
+    return cascade(q, jnp.swapaxes(k[:, :, :window], 2, 3), v[:, :, :window], own,
+                   jnp.swapaxes(pk, 2, 3), pv, *pool)
+
+  args = (q_BxKxGx1xH, k_BxKx__, v_BxKxSxH, own_B, pool_k_PxKx__, pool_v_PxKxLxH)
+  if interpret:
+    return ragged(*args)
+  return jax.lax.platform_dependent(*args, cuda=ragged, default=windowed)

@@ -19,6 +19,7 @@ from flax import nnx
 
 from mgrpo_jax.models import attention
 from mgrpo_jax.models import moe
+from mgrpo_jax.models import prefix_attention
 from mgrpo_jax.models import ragged_attention
 from mgrpo_jax.models.config import Qwen3Config
 
@@ -229,7 +230,10 @@ class Attention(nnx.Module):
     new_cache, out = None, None
     q_idx_BxT = jnp.broadcast_to(jnp.arange(t), (b, t))
     if cache_kv is not None:
-      ck, cv, layer, window = cache_kv
+      ck, cv, layer, window = cache_kv[:4]
+      # A shared prefix (`decode.forward`'s `prefix`): the pool's keys and values of this
+      # layer, the rows' lengths, members and each row's pool row.
+      prefix = cache_kv[4] if len(cache_kv) > 4 else None
       # Per-row positions: each row writes where it is; out-of-range writes are dropped.
       start_B = positions_BxT[:, 0]
       if layer is None and cfg.attention == "ragged":
@@ -237,7 +241,11 @@ class Attention(nnx.Module):
         ck_l = _write_rows(ck, k.astype(ck.dtype), start_B)
         cv_l = _write_rows(cv, v.astype(cv.dtype), start_B)
         new_cache = (ck_l, cv_l)
-        if t == 1:
+        if t == 1 and prefix is not None:
+          out = prefix_attention.decode(q, ck_l.astype(dt), cv_l.astype(dt), positions_BxT,
+                                        *prefix, window=window, key_axis=2,
+                                        splits=cfg.decode_splits or ragged_attention.SPLITS)
+        elif t == 1:
           # The whole cache goes in: each row is read to its own length, not to the window
           # (a slice of the cache would be copied before the kernel reads it).
           out = ragged_attention.decode(q, ck_l.astype(dt), cv_l.astype(dt), positions_BxT,
@@ -249,6 +257,10 @@ class Attention(nnx.Module):
         ck_l = _write_rows(ck, jnp.swapaxes(k, 2, 3).astype(ck.dtype), start_B, axis=3)
         cv_l = _write_rows(cv, v.astype(cv.dtype), start_B)
         new_cache = (ck_l, cv_l)
+        if t == 1 and prefix is not None:
+          out = prefix_attention.decode(q, ck_l[..., :window].astype(dt),
+                                        cv_l[:, :, :window].astype(dt), positions_BxT,
+                                        *prefix, window=window, key_axis=3)
         ck_l = jnp.swapaxes(ck_l, 2, 3)  # Folded into the matmul's dimensions, not copied.
       else:
         ck_l = _write_rows(ck[layer], k.astype(ck.dtype), start_B)

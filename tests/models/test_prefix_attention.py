@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mgrpo_jax import models, sampling
 from mgrpo_jax.compiled import hlo_stats
-from mgrpo_jax.models import prefix_attention
+from mgrpo_jax.models import decode, prefix_attention
 
 # 7 slots, 3 kv heads of 6 query heads, head dim 16; 3 pool rows of up to 3 members (row 1
 # has two, row 2 one), slots 3 and 6 without a prefix; prefixes of 48 slots, suffixes of 32.
@@ -141,3 +142,53 @@ def test_no_per_slot_copy_of_the_pool_is_materialised():
                 for instr in comp.instrs.values() for arr in instr.shape)
   assert largest == B * K * S * H  # The own caches, as given.
   assert B * K * L * H > largest
+
+
+# A dense tiny model through the sampler's forward; head_dim 16, 3 groups of 2 query heads.
+_CONFIG = models.Qwen3Config(vocab_size=131, hidden_size=46, intermediate_size=58,
+                             num_layers=2, num_heads=6, num_kv_heads=3, head_dim=16,
+                             rope_theta=10_000.0, max_position_embeddings=512)
+
+
+@pytest.mark.parametrize("attention,interpret", [("auto", False), ("ragged", False),
+                                                 ("ragged", True)])
+def test_decode_steps_over_a_pool_row_equal_the_whole_context_in_the_slot(
+    attention, interpret, monkeypatch):
+  # Slots 0 and 1 read a 5-token prompt from pool row 0 and cache only their own tokens
+  # (cache index j, RoPE position 5 + j); slot 2 has no prefix. Their logits equal those
+  # of slots that hold the prompt themselves.
+  if interpret:
+    original = prefix_attention.decode
+    monkeypatch.setattr(prefix_attention, "decode",
+                        lambda *a, **kw: original(*a, interpret=True, **kw))
+  cfg = models.Qwen3Config(**{**_CONFIG.__dict__, "attention": attention})
+  dparams = sampling.decode_params(cfg, models.init_params(cfg, jax.random.key(0)))
+  rng = np.random.default_rng(0)
+  prompt = rng.integers(0, cfg.vocab_size, 5)
+  own = jnp.asarray(rng.integers(0, cfg.vocab_size, (3, 4)))
+  members = jnp.asarray([[0, 1, 3], [3, 3, 3]])
+  pool_row, pool_len = jnp.asarray([0, 0, 2]), jnp.asarray([5, 0])
+  offset = jnp.asarray([5, 5, 0])
+
+  def run():
+    pool = decode.init_cache(cfg, 2, 16)
+    positions = jnp.broadcast_to(jnp.arange(5), (2, 5))
+    _, pool, _ = decode.forward(cfg, dparams, jnp.asarray([prompt, prompt]), positions, pool)
+    whole = decode.init_cache(cfg, 3, 16)
+    _, whole, _ = decode.forward(cfg, dparams, jnp.asarray([prompt] * 3),
+                                 jnp.broadcast_to(jnp.arange(5), (3, 5)), whole)
+    slots = decode.init_cache(cfg, 3, 16)
+    got, want = [], []
+    for j in range(own.shape[1]):
+      tok = own[:, j:j + 1]
+      logits, slots, _ = decode.forward(
+          cfg, dparams, tok, jnp.full((3, 1), j), slots, rope_offset_B=offset,
+          prefix=(pool, pool_len, members, pool_row))
+      got.append(logits[:, 0])
+      logits, whole, _ = decode.forward(cfg, dparams, tok, (offset + j)[:, None], whole)
+      want.append(logits[:, 0])
+    return jnp.stack(got, 1), jnp.stack(want, 1)
+
+  with jax.default_matmul_precision("highest"):
+    got, want = jax.jit(run)()
+  np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
