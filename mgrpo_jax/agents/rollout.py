@@ -153,9 +153,10 @@ class LLMPolicy:
   def __init__(self, config, params, tokenizer: tk.Tokenizer, role: str, *, limits: Limits,
                temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                version: int = 0, chunk: int = 32, kv_cache_budget_bytes: int | None = None,
-               mesh=None, protocol: str = "tags", slots: int = 0):
+               mesh=None, protocol: str = "tags", slots: int = 0, share_prompts: bool = False):
     self.config, self.params, self.tokenizer, self.role = config, params, tokenizer, role
     self.slots = slots
+    self.share_prompts = share_prompts  # The lane's: a shared prompt's KV held once.
     self.limits, self.version, self.chunk = limits, version, chunk
     self.mesh = mesh if config.is_moe else None
     self.budget = kv_cache_budget_bytes

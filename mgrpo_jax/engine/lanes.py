@@ -4,9 +4,11 @@
 is ready takes a free slot; if none is free, the slot of an episode that waits on a tool is
 taken from it (its KV saved off the slots, restored when it is ready again: `saved_bytes`
 counts what that holds). A new episode's prompt is prefilled once per distinct prompt and
-restored into the slot of every other episode that starts from it. Ready tokens (a prompt, a
-tool reply's continuation) are prefilled in chunks of at most `width` tokens per slot, the
-chunks of one call of similar lengths, so little is computed that is not needed.
+restored into the slot of every other episode that starts from it; with `share_prompts`,
+held once in a pool row that their slots attend to (`slots.Pool`, `engine/shared.py`), each
+slot caching only its own positions. Ready tokens (a prompt, a tool reply's continuation)
+are prefilled in chunks of at most `width` tokens per slot, the chunks of one call of
+similar lengths, so little is computed that is not needed.
 
 `ScriptedLane` runs a `TurnPolicy` that is not a sampler (the scripted experts): every turn
 that is ready is acted at once.
@@ -24,6 +26,7 @@ import numpy as np
 
 from mgrpo_jax import kv_cache_plan, sampling
 from mgrpo_jax.distributed import fetch
+from mgrpo_jax.engine import shared
 from mgrpo_jax.engine import slots as slots_lib
 from mgrpo_jax.engine.record import Record
 from mgrpo_jax.models import ragged_attention
@@ -53,6 +56,17 @@ class Seat:
   forced: list | None = None  # The turn's tokens when the lane forces them.
   turn_start: int | None = None  # Clock step of the running turn's first token.
   finish: str = ""  # Why its last turn ended (`slots.FINISH_NAMES`).
+  row: int | None = None  # Its prompt's pool row (shared prompts), whose positions it reads.
+  prefix: int = 0  # Positions of its context held by that row, not by its slot.
+
+
+@dataclasses.dataclass(eq=False)
+class _PoolFill:
+  """A shared prompt's tokens still to prefill into pool row `slot`."""
+
+  slot: int
+  pending: list
+  done: int = 0
 
 
 def turn_id(ep, i: int) -> str:
@@ -65,7 +79,8 @@ class SlotLane:
 
   def __init__(self, name: str, policy, *, num_slots: int, key: jax.Array, width: int = 512,
                chunk: int = 32, record: Record | None = None,
-               force: Callable | None = None):
+               force: Callable | None = None, share_prompts: bool | None = None,
+               pool_rows: int | None = None):
     self.name, self.policy, self.key = name, policy, key
     self.num_slots, self.width, self.chunk = num_slots, width, chunk
     self.record, self.force = record, force
@@ -88,6 +103,13 @@ class SlotLane:
     self.whole_slots = jax.default_backend() == "cpu"
     self.pad_units_flops = PAD_UNITS_FLOPS
     self._window = 0
+    # Shared prompts: a prompt that several episodes start from is prefilled once into a
+    # pool row that their slots read (`slots.Pool`); without a free row, copied as above.
+    self.share = (getattr(policy, "share_prompts", False) if share_prompts is None
+                  else share_prompts)
+    self.pool_rows = pool_rows or max(1, num_slots // 2)
+    self.rows = shared.PromptRows(num_slots, self.pool_rows)
+    self._pushed = self.rows.slot_row.copy()  # The slots' rows as the device has them.
     if record is not None:
       record.slots[name] = num_slots
 
@@ -102,6 +124,8 @@ class SlotLane:
     entry = self.prompts.setdefault(seat.prompt, [None, 0, 0])
     entry[1] += 1
     entry[2] += 1
+    if seat.prompt in self.rows.row_of:
+      self.rows.users[self.rows.row_of[seat.prompt]] += 1
     self._ready(seat)
 
   def extend(self, ep, tokens: list, *, deps=(), input_steps: int = 0) -> None:
@@ -116,7 +140,10 @@ class SlotLane:
     seat = self.seats.pop(id(ep))
     if seat.slot is not None:
       self.owner[seat.slot] = None
+      self.rows.slot_row[seat.slot] = self.pool_rows
     self._drop_saved(seat)
+    if seat.row is not None and self.rows.release(seat.row):
+      self.slots = slots_lib.free_row(self.slots, jnp.int32(seat.row))
 
   def _ready(self, seat: Seat) -> None:
     seat.ready_at = self.record.clock if self.record else 0
@@ -146,9 +173,13 @@ class SlotLane:
             getattr(self.policy, "budget", None) or kv_cache_plan.WHOLE_CONTEXT_BYTES)):
       cap = most
     if self.slots is None:
+      pool = None
+      if self.share:
+        pool = slots_lib.init_pool(self.config, self.num_slots, self.pool_rows,
+                                   kv_cache_plan.MIN_CACHE_LEN)
       self.slots = slots_lib.init(self.config, self.num_slots, cap,
                                   max_new_tokens=self.limits.max_new_tokens,
-                                  max_len=self.limits.max_len)
+                                  max_len=self.limits.max_len, pool=pool)
     elif need > self.slots.capacity:
       if self.record is not None:
         self.record.copies.append(self.num_slots * self.slots.capacity)
@@ -173,39 +204,54 @@ class SlotLane:
       if free is None:
         break
       self.owner[free], seat.slot = seat, free
+      self.rows.slot_row[free] = self.pool_rows if seat.row is None else seat.row
       restores.append(seat)
     self.ready = collections.deque(rest[len(restores):])
     placed += restores
     if not placed:
       return
     # Room for each slot's first chunk (a chunk ends at most at its tokens' bucketed end).
-    self._ensure(max(len(s.ep.tokens) + kv_cache_plan.bucket(min(len(s.pending), self.width),
-                                                             16) for s in placed))
-    fresh = []
+    self._ensure(max(len(s.ep.tokens) - s.prefix
+                     + kv_cache_plan.bucket(min(len(s.pending), self.width), 16)
+                     for s in placed))
+    fresh, joins = [], []
     for seat in restores:
       entry = self.prompts.get(seat.prompt) if seat.prompt is not None else None
       if seat.saved is not None:
-        self._restore(seat, seat.saved, len(seat.ep.tokens) - len(seat.pending))
+        self._restore(seat, seat.saved, self._cached(seat))
         self._drop_saved(seat)
+      elif seat.prompt is not None and seat.prompt in self.rows.row_of:
+        joins.append(seat)
       elif entry is not None and entry[0] is not None:
         self._restore(seat, entry[0], len(seat.prompt))
         seat.pending = seat.pending[len(seat.prompt):]
         self._used_prompt(seat)
       else:
         fresh.append(seat)
-    # A prompt several new episodes share is prefilled in one slot, then restored into the
-    # others' (after the prefill below).
+    # A prompt several new episodes share is prefilled once: into a free pool row that
+    # their slots read (shared prompts), else in one slot, then restored into the others'
+    # (after the prefill below).
     first, copies = {}, []
     for seat in fresh:
       if seat.prompt is not None and seat.prompt in first:
         copies.append(seat)
       else:
         first.setdefault(seat.prompt, seat)
+    if self.share:
+      pooled = self._pool_prompts([p for p in first if p is not None
+                                   and self.prompts[p][1] > 1])
+      joins += [s for s in fresh if s.prompt in pooled]
+      fresh = [s for s in fresh if s.prompt not in pooled]
+      copies = [s for s in copies if s.prompt not in pooled]
+      first = {p: s for p, s in first.items() if p not in pooled}
     for seat in copies:
       seat.pending = seat.pending[len(seat.prompt):]
     if fresh:
       self.slots = slots_lib.clear(
           self.slots, jnp.asarray(self._padded([s.slot for s in fresh], self.num_slots)))
+    if joins:
+      self._join(joins)
+    self._sync_rows()
     self._prefill([s for s in placed if s not in copies and s.pending])
     for seat in first.values():
       if seat.prompt is not None and self.prompts[seat.prompt][1] > 1:
@@ -217,22 +263,60 @@ class SlotLane:
     self._prefill([s for s in copies if s.pending])
     self._start(placed)
 
+  def _cached(self, seat: Seat) -> int:
+    """Positions of a seat's context its slot holds (the rest: its pool row's)."""
+    return len(seat.ep.tokens) - len(seat.pending) - seat.prefix
+
   def _used_prompt(self, seat: Seat) -> None:
     entry = self.prompts[seat.prompt]
     entry[1] -= 1
     if entry[1] <= 0:
       del self.prompts[seat.prompt]
       if self.record is not None:
-        # Each episode's slot holds its own copy of the prompt's KV.
-        self.record.prompts.append([entry[2]])
+        # One copy of the prompt's KV in its pool row; else one in each episode's slot.
+        self.record.prompts.append([entry[2], 1 if seat.prompt in self.rows.row_of
+                                    else entry[2]])
     seat.prompt = None
+
+  # ---------------------------------------------------------------- shared prompts
+
+  def _pool_prompts(self, prompts: list) -> set:
+    """Prefills each of `prompts` into a free pool row, while rows are free; returns those
+    that got one. A row's users are the episodes that start from it."""
+    pooled = []
+    for prompt in prompts:
+      row = self.rows.claim(prompt, self.prompts[prompt][1])
+      if row is None:
+        break
+      pooled.append((row, prompt))
+    self._prefill([_PoolFill(row, list(prompt)) for row, prompt in pooled if prompt],
+                  pool=True)
+    return {prompt for _, prompt in pooled}
+
+  def _join(self, seats: list[Seat]) -> None:
+    """New episodes whose prompt has a pool row: their slots read it, and hold nothing."""
+    for seat in seats:
+      seat.row, seat.prefix = self.rows.row_of[seat.prompt], len(seat.prompt)
+      seat.pending = seat.pending[len(seat.prompt):]
+      self.rows.slot_row[seat.slot] = seat.row
+      self._used_prompt(seat)
+    self.slots = slots_lib.join(
+        self.slots, jnp.asarray(self._padded([s.slot for s in seats], self.num_slots)),
+        jnp.asarray(self._padded([s.row for s in seats], self.pool_rows)))
+
+  def _sync_rows(self) -> None:
+    """Pushes each slot's pool row and each row's members to the device, if changed."""
+    if self.share and not np.array_equal(self._pushed, self.rows.slot_row):
+      self.slots = slots_lib.set_rows(self.slots, self.rows.slot_row, self.rows.members())
+      self._pushed = self.rows.slot_row.copy()
 
   def _evict(self, seat: Seat) -> int:
     """Takes the slot of `seat` (waiting on a tool), its KV saved off the slots."""
     slot = seat.slot
-    seat.saved = self._save(slot, len(seat.ep.tokens) - len(seat.pending))
+    seat.saved = self._save(slot, self._cached(seat))
     self.saved_bytes += _nbytes(seat.saved)
     self.owner[slot], seat.slot = None, None
+    self.rows.slot_row[slot] = self.pool_rows
     return slot
 
   def _save(self, slot: int, length: int) -> slots_lib.Saved:
@@ -246,10 +330,10 @@ class SlotLane:
       self.record.copies.append(saved.length)
     self.slots = slots_lib.restore(self.slots, jnp.int32(seat.slot), saved, jnp.int32(length))
 
-  def _prefill(self, seats: list[Seat]) -> None:
-    """Prefills every seat's pending tokens: per call one chunk per slot, chunks of similar
-    size together (a call's width is its longest chunk's, rounded up to 16), its slots
-    padded to one of UNITS."""
+  def _prefill(self, seats: list, pool: bool = False) -> None:
+    """Prefills every seat's pending tokens (`pool`: `_PoolFill`s, into pool rows): per call
+    one chunk per slot, chunks of similar size together (a call's width is its longest
+    chunk's, rounded up to 16), its slots padded to one of UNITS."""
     while seats:
       seats.sort(key=lambda s: -min(len(s.pending), self.width))
       width = kv_cache_plan.bucket(min(len(seats[0].pending), self.width), 16)
@@ -261,29 +345,45 @@ class SlotLane:
       units = next(u for u in UNITS if u >= len(call))
       if MAX_UNITS * width * 2 * self.config.num_params() <= self.pad_units_flops:
         units = MAX_UNITS
-      # Each unit writes `width` positions from its slot's length: they must fit the slot.
-      self._ensure(max(len(s.ep.tokens) - len(s.pending) for s in call) + width)
+      # Each unit writes `width` positions from its row's length: they must fit the row.
+      if pool:
+        self._ensure_pool(max(s.done for s in call) + width)
+      else:
+        self._ensure(max(self._cached(s) for s in call) + width)
       tokens = np.full((units, width), self.tokenizer.pad_id, np.int32)
-      idx = np.full(units, self.num_slots, np.int32)
+      idx = np.full(units, self.pool_rows if pool else self.num_slots, np.int32)
       count = np.zeros(units, np.int32)
       for u, seat in enumerate(call):
         chunk, seat.pending = seat.pending[:width], seat.pending[width:]
         tokens[u, :len(chunk)], idx[u], count[u] = chunk, seat.slot, len(chunk)
+        if pool:
+          seat.done += len(chunk)
       # The whole row: a prefill's cost is its tokens' compute, next to which reading the
-      # rows is small, and one window per capacity keeps its compiles few.
-      window = self.slots.capacity
+      # rows is small, and one window per capacity keeps its compiles few. With a pool, a
+      # slot's row is read as its pool row's prefix, then its own positions.
+      has_pool = self.slots.pool is not None
+      window = self.slots.pool.capacity if pool else self.slots.capacity
+      read = window + (self.slots.pool.capacity if has_pool and not pool else 0)
       start = time.perf_counter()
-      self.slots = slots_lib.prefill(self.config, self.policy._decode_params(), self.slots,
-                                     jnp.asarray(tokens), jnp.asarray(idx), jnp.asarray(count),
-                                     window)
+      fn = slots_lib.prefill_pool if pool else slots_lib.prefill
+      self.slots = fn(self.config, self.policy._decode_params(), self.slots,
+                      jnp.asarray(tokens), jnp.asarray(idx), jnp.asarray(count), window)
       if self.record is not None:
         jax.block_until_ready(self.slots.lengths_S)
         self.record.decoding.append((start, time.perf_counter()))
         self.record.prefills.append(dict(
             model=self.name, rows=units, computed=units * width, needed=int(count.sum()),
-            kv_read=units * window, attn_pairs=units * width * window))
-        self.record.copies.append(units * window)  # The units' rows, read into their batch.
+            kv_read=units * read, attn_pairs=units * width * read))
+        self.record.copies.append(units * read)  # The units' rows, read into their batch.
       seats = [s for s in seats if s.pending]
+
+  def _ensure_pool(self, need: int) -> None:
+    """Pool rows hold `need` positions."""
+    if need > self.slots.pool.capacity:
+      if self.record is not None:
+        self.record.copies.append(self.pool_rows * self.slots.pool.capacity)
+      self.slots = slots_lib.grow_pool(self.config, self.slots,
+                                       kv_cache_plan.bucket(need, kv_cache_plan.MIN_CACHE_LEN))
 
   def _start(self, seats: list[Seat]) -> None:
     """Starts each seat's next turn in its slot."""
@@ -339,11 +439,12 @@ class SlotLane:
       rows = [seat.slot for seat in running]
       live = len(rows)
       end_len = lengths[rows]
+      prefix = np.asarray([seat.prefix for seat in running], np.int64)
       for j in range(steps):
-        now = end_len - steps + j + 1  # Each live row's positions attention sees at step j.
+        now = end_len - steps + j + 1  # Each live row's own positions attention sees at step j.
         self.record.steps.append(dict(
             model=self.name, clock=clock0 + j, rows=self.num_slots, live=live,
-            live_len=int(now.sum()), kv_read=self._kv_read(now)))
+            live_len=int((now + prefix).sum()), kv_read=self._kv_read(now)))
       self.record.decoded += live * steps
     if self.stop_strings:
       self._stop_strings(running, finish, n)
@@ -386,11 +487,18 @@ class SlotLane:
 
   def _kv_read(self, lengths) -> int:
     """KV positions one decode step's attention reads: on GPU, with attention="ragged", each
-    live row to its own length (the kernel's key blocks); else every slot to the window."""
+    live row to its own length (the kernel's key blocks); else every slot to the window.
+    With a pool, each pool row once besides (to its length; else whole)."""
+    splits = self.config.decode_splits or ragged_attention.SPLITS
+    pool = self.slots.pool
     if self.config.attention == "ragged":
-      return ragged_attention.slots_read(lengths, self.slots.capacity,
-                                         self.config.decode_splits or ragged_attention.SPLITS)
-    return self.num_slots * self._window
+      own = ragged_attention.slots_read(lengths, self.slots.capacity, splits)
+      if pool is None:
+        return own
+      rows = [len(p) for p in self.rows.prompt_of.values()]
+      return own + ragged_attention.slots_read(rows, pool.capacity, splits)
+    return self.num_slots * self._window + (0 if pool is None else
+                                            self.pool_rows * pool.capacity)
 
   def _stop_strings(self, running, finish, n) -> None:
     """Ends turns whose text holds a stop string (checked between decode calls)."""
@@ -415,10 +523,20 @@ class SlotLane:
                                   jnp.asarray(pad([slots_lib.STOP_STRING] * len(cut_idx), 0)))
 
   def routes_of(self, seat: Seat, start: int, count: int):
-    """Routes of positions start..start+count-1 of a seat's slot (MoE), host numpy."""
-    width = kv_cache_plan.bucket(max(count, 1), 16)
-    out = fetch(slots_lib.read_routes(self.slots, jnp.int32(seat.slot), jnp.int32(start), width))
-    return out[:count]
+    """Routes of positions start..start+count-1 of a seat's context (MoE), host numpy: those
+    of its pool row's prefix, then its slot's."""
+    parts = []
+    if start < seat.prefix:
+      n = min(count, seat.prefix - start)
+      width = kv_cache_plan.bucket(max(n, 1), 16)
+      parts.append(fetch(slots_lib.read_pool_routes(self.slots, jnp.int32(seat.row),
+                                                    jnp.int32(start), width))[:n])
+      start, count = seat.prefix, count - n
+    if count > 0 or not parts:
+      width = kv_cache_plan.bucket(max(count, 1), 16)
+      parts.append(fetch(slots_lib.read_routes(self.slots, jnp.int32(seat.slot),
+                                               jnp.int32(start - seat.prefix), width))[:count])
+    return np.concatenate(parts)
 
 
 def _window(end: int, capacity: int) -> int:

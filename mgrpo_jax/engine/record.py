@@ -94,7 +94,8 @@ def metrics(record: dict, shape) -> dict:
   first = min(t["start"] for t in turns.values())
   last = max(t["end"] for t in turns.values())
   tool_s = sum(b - a for a, b in record["tools"])
-  shared = [c for p in record["prompts"] for c in p if c > 1]
+  # Per prompt [episodes that started from it, copies of its KV] (an older record: [copies]).
+  shared = [p[-1] for p in record["prompts"] if p[0] > 1]
   decode_s = sum(step_seconds(shape, tokens=s["rows"], head_rows=s["rows"],
                               kv_read=s["kv_read"], kv_written=s["live"],
                               attn_pairs=s["kv_read"]) for s in steps)

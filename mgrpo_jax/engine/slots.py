@@ -57,6 +57,8 @@ class Slots:
   # MoE: experts chosen at each cached position [S, capacity, sparse layers, k]; else None.
   experts_SxCxLxK: jax.Array | None = None
   key_axis: int = flax.struct.field(pytree_node=False, default=3)  # `decode.key_slot_axis`.
+  # Shared prompts (`Pool`): a slot with a pool row caches only its own suffix; else None.
+  pool: "Pool | None" = None
 
   @property
   def capacity(self) -> int:
@@ -67,8 +69,40 @@ class Slots:
     return self.lengths_S.shape[0]
 
 
+@flax.struct.dataclass
+class Pool:
+  """Prompts that several slots share, each cached once in a pool row: a slot with a pool
+  row r (`row_S`; P: none) holds its own positions 0.. in its cache, at RoPE positions from
+  `len_P[r]` on, and its decode steps attend to row r's prefix and its own positions
+  (`models/prefix_attention.py`). `members_PxM` lists each row's slots (padded with S)."""
+
+  cache: decode.LayerCache  # [P, ...] as the slots' cache.
+  len_P: jax.Array
+  members_PxM: jax.Array
+  row_S: jax.Array
+  next_logits_PxV: jax.Array  # Logits of a row's first token: its members' first sample.
+  experts_PxCxLxK: jax.Array | None = None  # MoE routes of the prompt's positions.
+
+  @property
+  def capacity(self) -> int:
+    return self.cache.max_len
+
+  @property
+  def num_rows(self) -> int:
+    return self.len_P.shape[0]
+
+
+def init_pool(config: Qwen3Config, num_slots: int, rows: int, capacity: int) -> Pool:
+  """`rows` empty pool rows of `capacity` positions for `num_slots` slots (none in any)."""
+  return Pool(decode.init_cache(config, rows, capacity), jnp.zeros(rows, jnp.int32),
+              jnp.full((rows, num_slots), num_slots, jnp.int32),
+              jnp.full(num_slots, rows, jnp.int32),
+              jnp.zeros((rows, config.vocab_size), jnp.float32),
+              sampling.init_routes(config, rows, capacity))
+
+
 def init(config: Qwen3Config, num_slots: int, capacity: int, *, max_new_tokens: int,
-         max_len: int) -> Slots:
+         max_len: int, pool: Pool | None = None) -> Slots:
   """`num_slots` idle slots of `capacity` cached positions each."""
   s, n = num_slots, sampling.bucket(max_new_tokens, 16)
   return Slots(decode.init_cache(config, s, capacity), jnp.zeros(s, jnp.int32),
@@ -76,7 +110,7 @@ def init(config: Qwen3Config, num_slots: int, capacity: int, *, max_new_tokens: 
                jnp.zeros(s, jnp.int32), jnp.zeros(s, jnp.int32), jnp.zeros(s, bool),
                jax.random.split(jax.random.key(0), s), jnp.zeros((s, n), jnp.int32),
                jnp.zeros((s, n), jnp.float32), max_len, sampling.init_routes(config, s, capacity),
-               decode.key_slot_axis(config))
+               decode.key_slot_axis(config), pool)
 
 
 @functools.partial(jax.jit, donate_argnames=("slots",))
@@ -119,20 +153,34 @@ def _step(config: Qwen3Config, params: decode.DecodeParams, st: Slots,
   s_idx = jnp.arange(token.shape[0])
   col = jnp.where(running, st.n_S, st.tokens_SxN.shape[1])
   pos = jnp.where(running, st.lengths_S, st.capacity)[:, None]
+  offset, prefix = _prefix(st)
   logits, cache, routing = decode.forward(config, params, token[:, None], pos, st.cache,
-                                          attn_window=window)
+                                          attn_window=window, rope_offset_B=offset,
+                                          prefix=prefix)
   n = st.n_S + running
   lengths = st.lengths_S + running
+  context = lengths if offset is None else lengths + offset
   is_stop = st.stops_S & jnp.any(token[:, None] == sp.stop_ids[None, :], axis=-1)
   finish = jnp.where(running & is_stop, STOP_TOKEN, st.finish_S)
   finish = jnp.where((finish == RUNNING) & (n >= st.budget_S), LENGTH, finish)
-  finish = jnp.where((finish == RUNNING) & (lengths >= st.max_len), CONTEXT, finish)
+  finish = jnp.where((finish == RUNNING) & (context >= st.max_len), CONTEXT, finish)
   return st.replace(
       cache=cache, lengths_S=lengths, n_S=n, finish_S=finish,
       next_logits_SxV=jnp.where(running[:, None], logits[:, 0], st.next_logits_SxV),
       tokens_SxN=st.tokens_SxN.at[s_idx, col].set(token, mode="drop"),
       logp_SxN=st.logp_SxN.at[s_idx, col].set(logp, mode="drop"),
       experts_SxCxLxK=sampling.record_routes(st.experts_SxCxLxK, routing, pos))
+
+
+def _prefix(st: Slots):
+  """(each slot's prefix length, `decode.forward`'s `prefix`), or (None, None) without a
+  pool."""
+  pool = st.pool
+  if pool is None:
+    return None, None
+  has = pool.row_S < pool.num_rows
+  offset = jnp.where(has, pool.len_P[jnp.minimum(pool.row_S, pool.num_rows - 1)], 0)
+  return offset, (pool.cache, pool.len_P, pool.members_PxM, pool.row_S)
 
 
 @functools.cache
@@ -206,19 +254,19 @@ def _first(x, axis: int, length: int):
   return jax.lax.slice_in_dim(x, 0, length, axis=axis)
 
 
-def _rows(slots: Slots, idx_U, window: int) -> decode.LayerCache:
+def _rows(cache: decode.LayerCache, key_axis: int, idx_U, window: int) -> decode.LayerCache:
   """The first `window` positions of rows `idx_U` (clipped ids) as a cache of their own."""
-  return decode.LayerCache(tuple(_first(k[idx_U], slots.key_axis, window)
-                                 for k in slots.cache.k),
-                           tuple(_first(v[idx_U], 2, window) for v in slots.cache.v))
+  return decode.LayerCache(tuple(_first(k[idx_U], key_axis, window) for k in cache.k),
+                           tuple(_first(v[idx_U], 2, window) for v in cache.v))
 
 
-def _put(big, small, idx_U, off_U, width: int, valid_U, axis: int):
-  """Writes `width` positions of each valid unit's row of `small` (from its offset) into row
-  idx_U[u] of `big` at the same offset: in place, one slice per unit."""
+def _put(big, small, idx_U, off_U, width: int, valid_U, axis: int, src_U=None):
+  """Writes `width` positions of each valid unit's row of `small` (from `src_U`, default its
+  offset) into row idx_U[u] of `big` at offset off_U[u]: in place, one slice per unit."""
+  src_U = off_U if src_U is None else src_U
 
   def one(u, big):
-    piece = jax.lax.dynamic_slice_in_dim(small[u], off_U[u], width, axis=axis - 1)
+    piece = jax.lax.dynamic_slice_in_dim(small[u], src_U[u], width, axis=axis - 1)
     old = jax.lax.dynamic_slice_in_dim(big[idx_U[u]], off_U[u], width, axis=axis - 1)
     piece = jnp.where(valid_U[u], piece, old)
     return jax.lax.dynamic_update_index_in_dim(
@@ -226,6 +274,36 @@ def _put(big, small, idx_U, off_U, width: int, valid_U, axis: int):
         idx_U[u], 0)
 
   return jax.lax.fori_loop(0, small.shape[0], one, big)
+
+
+def _append(config, params, cache, lengths_N, next_logits_NxV, experts, key_axis: int,
+            tokens_UxW, idx_U, count_U, window: int, sub=None, src_U=None):
+  """`count_U[u]` tokens appended to row `idx_U[u]` of (cache, lengths, logits, routes):
+  the units' rows (`sub`: given, each row's own positions from `src_U`; else their first
+  `window` positions) run through the model as a batch of their own, only the new
+  positions written back. Returns the four updated."""
+  n, w = lengths_N.shape[0], tokens_UxW.shape[1]
+  valid = idx_U < n
+  rows = jnp.minimum(idx_U, n - 1)
+  off = jnp.where(valid, lengths_N[rows], 0)
+  src = off if src_U is None else src_U + off
+  own = off[:, None] + jnp.arange(w)[None, :]
+  logits, sub, routing = decode.forward(
+      config, params, tokens_UxW, src[:, None] + jnp.arange(w)[None, :],
+      _rows(cache, key_axis, rows, window) if sub is None else sub,
+      logits_idx_B=jnp.maximum(count_U - 1, 0),
+      attn_window=window if sub is None else sub.max_len)
+  cache = decode.LayerCache(
+      tuple(_put(big, small, rows, off, w, valid, key_axis, src)
+            for big, small in zip(cache.k, sub.k)),
+      tuple(_put(big, small, rows, off, w, valid, 2, src) for big, small in zip(cache.v, sub.v)))
+  if experts is not None:
+    new = jnp.transpose(routing.experts_LxBxTxK, (1, 2, 0, 3)).astype(experts.dtype)
+    keep = valid[:, None] & (jnp.arange(w)[None, :] < count_U[:, None])
+    experts = experts.at[jnp.where(keep, rows[:, None], n), own].set(new, mode="drop")
+  has = valid & (count_U > 0)
+  next_logits_NxV = next_logits_NxV.at[jnp.where(has, idx_U, n)].set(logits[:, 0], mode="drop")
+  return cache, lengths_N.at[idx_U].add(count_U, mode="drop"), next_logits_NxV, experts
 
 
 @functools.partial(jax.jit, static_argnums=(0, 6), donate_argnames=("slots",))
@@ -236,32 +314,90 @@ def prefill(config: Qwen3Config, params: decode.DecodeParams, slots: Slots, toke
 
   The units' rows (their first `window` positions) are read into a batch of their own, run
   through the model, and only the new positions are written back: the cost is the units'
-  tokens and their rows' reads, not the other slots'.
+  tokens and their rows' reads, not the other slots'. A slot with a pool row is read as its
+  row's prefix followed by its own positions (so its tokens see the prompt, at their RoPE
+  positions), and only its own positions are written back.
   """
-  s, w = slots.num_slots, tokens_UxW.shape[1]
+  sub = src = None
+  if slots.pool is not None:
+    sub, src = _joined_rows(slots, idx_U, window)
+  cache, lengths, logits, experts = _append(
+      config, params, slots.cache, slots.lengths_S, slots.next_logits_SxV,
+      slots.experts_SxCxLxK, slots.key_axis, tokens_UxW, idx_U, count_U, window, sub, src)
+  return slots.replace(cache=cache, lengths_S=lengths, next_logits_SxV=logits,
+                       experts_SxCxLxK=experts)
+
+
+def _joined_rows(slots: Slots, idx_U, window: int):
+  """(each unit's pool prefix followed by its own first `window` positions, as a cache of
+  pool capacity + `window` positions; each unit's prefix length)."""
+  pool, s = slots.pool, slots.num_slots
+  p = pool.num_rows
   valid = idx_U < s
   rows = jnp.minimum(idx_U, s - 1)
-  off = jnp.where(valid, slots.lengths_S[rows], 0)
-  positions = off[:, None] + jnp.arange(w)[None, :]
-  logits, sub, routing = decode.forward(config, params, tokens_UxW, positions,
-                                        _rows(slots, rows, window),
-                                        logits_idx_B=jnp.maximum(count_U - 1, 0),
-                                        attn_window=window)
-  cache = decode.LayerCache(
-      tuple(_put(big, small, rows, off, w, valid, axis=slots.key_axis)
-            for big, small in zip(slots.cache.k, sub.k)),
-      tuple(_put(big, small, rows, off, w, valid, axis=2)
-            for big, small in zip(slots.cache.v, sub.v)))
-  experts = slots.experts_SxCxLxK
-  if experts is not None:
-    new = jnp.transpose(routing.experts_LxBxTxK, (1, 2, 0, 3)).astype(experts.dtype)
-    keep = valid[:, None] & (jnp.arange(w)[None, :] < count_U[:, None])
-    experts = experts.at[jnp.where(keep, rows[:, None], s), positions].set(new, mode="drop")
-  has = valid & (count_U > 0)
-  next_logits = slots.next_logits_SxV.at[jnp.where(has, idx_U, s)].set(logits[:, 0],
-                                                                        mode="drop")
-  return slots.replace(cache=cache, next_logits_SxV=next_logits, experts_SxCxLxK=experts,
-                       lengths_S=slots.lengths_S.at[idx_U].add(count_U, mode="drop"))
+  prow = pool.row_S[rows]
+  has = valid & (prow < p)
+  prow = jnp.minimum(prow, p - 1)
+  plen = jnp.where(has, pool.len_P[prow], 0)
+  wide = pool.capacity + window
+
+  def joined(pool_x, slot_x, axis):
+    base = jax.lax.pad(pool_x[prow], jnp.zeros((), pool_x.dtype),
+                       [(0, wide - pool.capacity if a == axis else 0, 0)
+                        for a in range(pool_x.ndim)])
+    # Past the prefix, the row's own positions (a slot without a row: from 0); what lies
+    # beyond them is never attended to (causal).
+    return jax.vmap(lambda b, o, at: jax.lax.dynamic_update_slice_in_dim(b, o, at, axis - 1))(
+        base, _first(slot_x[rows], axis, window), plen)
+
+  sub = decode.LayerCache(tuple(joined(pk, k, slots.key_axis)
+                                for pk, k in zip(pool.cache.k, slots.cache.k)),
+                          tuple(joined(pv, v, 2) for pv, v in zip(pool.cache.v, slots.cache.v)))
+  return sub, plen
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6), donate_argnames=("slots",))
+def prefill_pool(config: Qwen3Config, params: decode.DecodeParams, slots: Slots, tokens_UxW,
+                 rows_U, count_U, window: int) -> Slots:
+  """`prefill` into pool rows `rows_U` (ids >= P are padding): a shared prompt, once."""
+  pool = slots.pool
+  cache, lengths, logits, experts = _append(
+      config, params, pool.cache, pool.len_P, pool.next_logits_PxV, pool.experts_PxCxLxK,
+      slots.key_axis, tokens_UxW, rows_U, count_U, window)
+  return slots.replace(pool=pool.replace(cache=cache, len_P=lengths, next_logits_PxV=logits,
+                                         experts_PxCxLxK=experts))
+
+
+@functools.partial(jax.jit, donate_argnames=("slots",))
+def join(slots: Slots, idx_U, row_U) -> Slots:
+  """Slots `idx_U` (ids >= S are padding) start from pool row `row_U`'s prompt: nothing of
+  their own cached, its next-token logits theirs."""
+  pool = slots.pool
+  logits = pool.next_logits_PxV[jnp.minimum(row_U, pool.num_rows - 1)]
+  return slots.replace(lengths_S=slots.lengths_S.at[idx_U].set(0, mode="drop"),
+                       next_logits_SxV=slots.next_logits_SxV.at[idx_U].set(logits, mode="drop"))
+
+
+@functools.partial(jax.jit, donate_argnames=("slots",))
+def free_row(slots: Slots, row) -> Slots:
+  """Pool row `row` emptied (reusable; a free row is read to length 0)."""
+  return slots.replace(pool=slots.pool.replace(len_P=slots.pool.len_P.at[row].set(0)))
+
+
+def set_rows(slots: Slots, row_S: np.ndarray, members_PxM: np.ndarray) -> Slots:
+  """The slots' pool rows and each row's members, from the host's bookkeeping."""
+  return slots.replace(pool=slots.pool.replace(row_S=jnp.asarray(row_S, jnp.int32),
+                                               members_PxM=jnp.asarray(members_PxM, jnp.int32)))
+
+
+def grow_pool(config: Qwen3Config, slots: Slots, capacity: int) -> Slots:
+  """The pool with `capacity` positions a row (the old rows copied)."""
+  pool = slots.pool
+  ex = pool.experts_PxCxLxK
+  if ex is not None:
+    ex = jnp.pad(ex, [(0, 0), (0, capacity - pool.capacity), (0, 0), (0, 0)])
+  return slots.replace(pool=pool.replace(cache=decode.pad_cache(config, pool.cache, capacity),
+                                         experts_PxCxLxK=ex))
 
 
 @flax.struct.dataclass
@@ -320,3 +456,10 @@ def read(slots: Slots, idx_U, width: int):
 def read_routes(slots: Slots, slot, start, width: int):
   """Routes of positions start..start+width-1 of `slot`: [width, sparse layers, k]."""
   return sampling.gather_routes(slots.experts_SxCxLxK[slot][None], start[None], width)[0]
+
+
+@functools.partial(jax.jit, static_argnums=(3,))
+def read_pool_routes(slots: Slots, row, start, width: int):
+  """Routes of positions start..start+width-1 of pool row `row`: [width, sparse layers, k]."""
+  ex = slots.pool.experts_PxCxLxK
+  return sampling.gather_routes(ex[row][None], start[None], width)[0]

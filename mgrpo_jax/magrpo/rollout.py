@@ -64,7 +64,8 @@ class Policy:
 
   def __init__(self, model_config, params, tokenizer, *, max_new_tokens: int, max_len: int,
                temperature: float, top_p: float = 1.0, top_k: int = 0, chunk: int = 64,
-               kv_cache_budget_bytes: int | None = None, mesh=None, slots: int = 0):
+               kv_cache_budget_bytes: int | None = None, mesh=None, slots: int = 0,
+               share_prompts: bool = False):
     self.model_config, self.params, self.tokenizer = model_config, params, tokenizer
     self.config = model_config
     self.mesh = mesh if model_config.is_moe else None
@@ -74,6 +75,7 @@ class Policy:
     self.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
     self.stop_ids, self.stop_strings = tuple(tokenizer.stop_ids), ()
     self.chunk, self.slots, self.budget = chunk, slots, kv_cache_budget_bytes
+    self.share_prompts = share_prompts  # The lane's: a shared prompt's KV held once.
     self.record, self.force, self.calls = None, None, 0
 
   def _decode_params(self):

@@ -26,10 +26,10 @@ def tiny():
   return cfg, models.init_params(cfg, jax.random.key(0))
 
 
-def _policy(tiny, *, slots, temperature=0.0, max_new=12, max_len=256):
+def _policy(tiny, *, slots, temperature=0.0, max_new=12, max_len=256, share=False):
   cfg, params = tiny
   return rollout.LLMPolicy(cfg, params, TOK, "sub", temperature=temperature, slots=slots,
-                           limits=rollout.Limits(max_turns=3, max_new_tokens=max_new,
+                           share_prompts=share, limits=rollout.Limits(max_turns=3, max_new_tokens=max_new,
                                                  max_len=max_len))
 
 
@@ -40,11 +40,13 @@ def _complete(policy, prompts, key, *, width=512, record=None, whole=True):
   return engine_run.complete([lane], [prompts], chunk=8, record=record)[0]
 
 
-# Two layouts of the keys; decode calls reading each cache whole or its first positions.
+# Two layouts of the keys; decode calls reading each cache whole or its first positions;
+# shared prompts ("find the river" twice) held in a pool row or copied into each slot.
+@pytest.mark.parametrize("share", [False, True])
 @pytest.mark.parametrize("attention,whole", [("auto", True), ("ragged", True),
                                              ("auto", False)])
 def test_greedy_completions_equal_the_batched_sampler_with_refills_and_chunks(
-    tiny, attention, whole):
+    tiny, attention, whole, share):
   cfg, params = tiny
   cfg = dataclasses.replace(cfg, attention=attention)
   tiny = cfg, params
@@ -52,7 +54,8 @@ def test_greedy_completions_equal_the_batched_sampler_with_refills_and_chunks(
   want = sampling.generate(cfg, params, prompts, max_new_tokens=12, temperature=0.0,
                            max_len=256)
   # Two slots for six prompts (each refilled), prompts prefilled 16 tokens at a time.
-  got = _complete(_policy(tiny, slots=2), prompts, jax.random.key(0), width=16, whole=whole)
+  got = _complete(_policy(tiny, slots=2, share=share), prompts, jax.random.key(0), width=16,
+                  whole=whole)
   for i, (ids, logps, finish, _) in enumerate(got):
     n = int(want.lengths[i])
     assert ids == want.tokens[i, :n].tolist(), i
@@ -103,15 +106,17 @@ def test_a_small_models_prefill_pads_its_units_to_one_program_per_width(tiny, mo
   assert [r[0] for r in padded] == [r[0] for r in exact]
 
 
-def test_a_seed_reproduces_samples_whatever_the_slots_and_order(tiny):
+@pytest.mark.parametrize("share", [False, True])
+def test_a_seed_reproduces_samples_whatever_the_slots_and_order(tiny, share):
   prompts = [TOK.encode(p) for p in PROMPTS]
   key = jax.random.key(3)
   base = _complete(_policy(tiny, slots=8, temperature=1.0), prompts, key)
   # Two slots: every turn runs in another slot, at another step, beside other turns.
-  few = _complete(_policy(tiny, slots=2, temperature=1.0), prompts, key)
+  few = _complete(_policy(tiny, slots=2, temperature=1.0, share=share), prompts, key)
   assert [r[0] for r in few] == [r[0] for r in base]
   # The same prompts given in reverse order, streams kept: the same samples.
-  lane = lanes.SlotLane("m", _policy(tiny, slots=2, temperature=1.0), key=key, num_slots=2)
+  lane = lanes.SlotLane("m", _policy(tiny, slots=2, temperature=1.0, share=share), key=key,
+                        num_slots=2)
   jobs = [engine_run.Job("m", i, list(p)) for i, p in enumerate(prompts)]
   for job in reversed(jobs):
     lane.add(job, job.q)
@@ -129,10 +134,11 @@ def test_a_seed_reproduces_samples_whatever_the_slots_and_order(tiny):
   assert [r[0] for r in other] != [r[0] for r in base]
 
 
-def test_a_freed_slot_is_refilled_on_the_next_step(tiny):
+@pytest.mark.parametrize("share", [False, True])
+def test_a_freed_slot_is_refilled_on_the_next_step(tiny, share):
   prompts = [TOK.encode(p) for p in PROMPTS]
   rec = record_lib.Record()
-  policy = _policy(tiny, slots=2, temperature=1.0)
+  policy = _policy(tiny, slots=2, temperature=1.0, share=share)
   lengths = {i: 2 + 2 * i for i in range(len(prompts))}  # Forced turn lengths.
   lane = lanes.SlotLane("m", policy, key=jax.random.key(0), num_slots=2, record=rec,
                         force=lambda job: [65] * lengths[job.q])
@@ -151,19 +157,23 @@ def test_a_freed_slot_is_refilled_on_the_next_step(tiny):
   # 2 + 6 + 10 tokens, slot B 4 + 8 + 12; the run ends with B at step 24.
   assert m["decode_steps"] == 24 and m["kept_tokens"] == 42
   assert m["slot_occupancy"] == round(42 / 48, 4)
-  # A shared prompt ("find the river" twice) is prefilled once.
+  # A shared prompt ("find the river" twice) is prefilled once; its KV is held once in a
+  # pool row (shared prompts), else copied into each episode's slot.
   assert m["prefill_computed_over_needed"] < 1.6
+  assert m["prompt_kv_copies_per_question"] == (1 if share else 2)
 
 
-def test_waiting_turns_give_their_slots_up_and_get_their_kv_back(tiny):
+@pytest.mark.parametrize("share", [False, True])
+def test_waiting_turns_give_their_slots_up_and_get_their_kv_back(tiny, share):
   """Episodes with tool replies, one slot for four: each waiting turn's KV is saved and
-  restored; the episodes equal those of a run with a slot each."""
+  restored (with shared prompts, only its own positions: the prompt stays in its pool row);
+  the episodes equal those of a run with a slot each, prompts copied."""
   limits = rollout.Limits(max_turns=3, max_new_tokens=10, max_len=512)
 
-  def run(slots):
+  def run(slots, share=False):
     cfg, params = tiny
     policy = rollout.LLMPolicy(cfg, params, TOK, "sub", temperature=1.0, slots=slots,
-                               limits=limits)
+                               limits=limits, share_prompts=share)
     eps = [rollout.new_episode(TOK, "sub", [{"role": "user", "content": p}], q=i, k=0,
                                call=0, task=None, max_turns=3)
            for i, p in enumerate(PROMPTS[:4])]
@@ -171,7 +181,88 @@ def test_waiting_turns_give_their_slots_up_and_get_their_kv_back(tiny):
     return rollout.run_episodes(policy, eps, tools, tokenizer=TOK, limits=limits,
                                 key=jax.random.key(5))
 
-  one, each = run(1), run(4)
+  one, each = run(1, share), run(4)
   assert [e.tokens for e in one] == [e.tokens for e in each]
   for a, b in zip(one, each):
     np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-5)
+
+
+def _two_turn_jobs(lane, prompts, check=None):
+  """Jobs of two turns each through `lane`, a tool reply between (the waiting job gives its
+  slot up when another is ready); `check()` after every admit. Returns each job's tokens."""
+  jobs = [engine_run.Job("m", i, list(p)) for i, p in enumerate(prompts)]
+  for job in jobs:
+    lane.add(job, job.q)
+  while True:
+    lane.admit()
+    if check:
+      check()
+    if not lane.running():
+      return [job.tokens for job in jobs]
+    for seat, ids, _, _ in engine_run.decode([lane], 8, None):
+      job = seat.ep
+      job.tokens += ids
+      job.turns.append(ids)
+      if len(job.turns) == 2:
+        lane.finish(job)
+      else:
+        reply = TOK.encode(f" reply to {job.q}:")
+        job.tokens += reply
+        lane.extend(job, reply)
+
+
+def test_a_pool_row_lives_while_an_episode_reads_it(tiny):
+  """Three jobs share a prompt (one pool row), one does not; two slots. The row counts the
+  jobs that read it, waiting or not yet started ones too, and is freed after the last."""
+  prompts = [TOK.encode("find the river")] * 3 + [TOK.encode("why not")]
+  shared = tuple(prompts[0])
+  lane = lanes.SlotLane("m", _policy(tiny, slots=2, temperature=1.0, share=True),
+                        key=jax.random.key(1), num_slots=2)
+  seen = []
+
+  def check():
+    readers = [s for s in lane.seats.values() if s.prompt == shared or s.row is not None]
+    if shared in lane.rows.row_of:
+      row = lane.rows.row_of[shared]
+      seen.append(len(readers))
+      assert lane.rows.users[row] == len(readers) > 0
+      for seat in readers:
+        assert seat.row in (None, row)
+        if seat.slot is not None and seat.row is not None:
+          assert lane.rows.slot_row[seat.slot] == row
+    else:
+      assert not readers or not seen  # Once made, the row stays until its readers are done.
+
+  got = _two_turn_jobs(lane, prompts, check)
+  assert seen and max(seen) == 3
+  assert lane.rows.users == [0] * lane.pool_rows and not lane.rows.row_of
+  np.testing.assert_array_equal(lane.slots.pool.len_P, 0)
+  # The same samples as with the prompt copied into each slot, and its prefix and the
+  # waiting jobs' own positions saved and restored.
+  copied = lanes.SlotLane("m", _policy(tiny, slots=2, temperature=1.0), key=jax.random.key(1),
+                          num_slots=2)
+  assert got == _two_turn_jobs(copied, prompts)
+
+
+def test_shared_prompts_through_the_cascade_kernel(tiny, monkeypatch):
+  # The greedy check with the Pallas cascade itself in every decode step (interpreted).
+  from mgrpo_jax.models import prefix_attention
+  calls = []
+  original = prefix_attention.decode
+  monkeypatch.setattr(prefix_attention, "decode",
+                      lambda *a, **kw: calls.append(1) or original(*a, interpret=True, **kw))
+  # The programs traced before the kernel was patched in would otherwise be reused.
+  jax.clear_caches()
+  cfg, params = tiny
+  cfg = dataclasses.replace(cfg, attention="ragged")
+  prompts = [TOK.encode(p) for p in PROMPTS[:4]]
+  want = sampling.generate(cfg, params, prompts, max_new_tokens=12, temperature=0.0,
+                           max_len=256)
+  got = _complete(_policy((cfg, params), slots=2, share=True), prompts, jax.random.key(0),
+                  width=16)
+  assert calls
+  for i, (ids, logps, finish, _) in enumerate(got):
+    n = int(want.lengths[i])
+    assert ids == want.tokens[i, :n].tolist(), i
+    np.testing.assert_allclose(logps, want.logprobs[i, :n], atol=2e-5)
+    assert finish == want.finish_reasons[i]

@@ -125,6 +125,25 @@ def test_routes_through_one_slot_and_on_an_expert_mesh_equal_the_resident_ones(
     np.testing.assert_allclose(c.logprobs, a.logprobs, atol=2e-5)
 
 
+def test_routes_with_shared_prompts_equal_the_resident_ones(moe, sampled,
+                                                            multi_turn_episodes):
+  # Two episodes start from one prompt: held once in a pool row, its positions' routes are
+  # read from there, the rest from each slot (one slot for all: own positions evicted and
+  # restored). Every token keeps its route, the same as with the prompt in each slot.
+  cfg, params = moe
+  eps, _ = sampled
+  shared = multi_turn_episodes(cfg, params, temperature=TEMPERATURE, share_prompts=True)
+  queued = multi_turn_episodes(cfg, params, temperature=TEMPERATURE, share_prompts=True,
+                               kv_cache_budget_bytes=200_000)
+  for a, b, c in zip(eps, shared, queued):
+    assert a.tokens == b.tokens == c.tokens
+    assert len(b.experts) == len(b.tokens) == len(c.experts)
+    np.testing.assert_array_equal(b.experts, a.experts)
+    np.testing.assert_array_equal(c.experts, a.experts)
+    np.testing.assert_allclose(b.logprobs, a.logprobs, atol=2e-5)
+    np.testing.assert_allclose(c.logprobs, a.logprobs, atol=2e-5)
+
+
 def test_replay_needs_recorded_routes(moe, sampled):
   cfg, params = moe
   _, batch = sampled
