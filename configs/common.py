@@ -56,6 +56,9 @@ def sampling() -> ml_collections.ConfigDict:
       # Decode slots per model in the agent engine (engine/lanes.py); 0: one per episode that
       # can run at once up to 64, at most what kv_cache_budget_bytes holds at full context.
       slots=0,
+      # A prompt several episodes start from (the rollouts of a question) is prefilled once
+      # and its KV held once, in a row its episodes' slots attend to (engine/lanes.py).
+      share_prompts=False,
       # Bytes of KV cache the sampler may hold at once (0: no limit).
       kv_cache_budget_bytes=0))
 

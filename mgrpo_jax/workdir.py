@@ -104,7 +104,8 @@ ADDED_FIELDS = {"rl_worlds": 0, "rl_hop_weights": [], "sft.trace_worlds": -1,
                 "wandb.entity": "", "protocol": "tags", "tools.outage_s": 300.0,
                 "tools.max_error_rate": 0.5, "data.skip_invalid": False,
                 "staleness_tis_cap": 2.0, "rollout_devices": 0, "sampling.slots": 0,
-                "eval_sampling.slots": 0}
+                "eval_sampling.slots": 0, "sampling.share_prompts": False,
+                "eval_sampling.share_prompts": False}
 
 
 def differences(stored: dict, current: dict) -> dict[str, tuple]:

@@ -117,7 +117,8 @@ def policies(c, run: Run, sampling_cfg) -> list[rollout.Policy]:
                          temperature=sampling_cfg.temperature, top_p=sampling_cfg.top_p,
                          top_k=sampling_cfg.top_k, chunk=sampling_cfg.chunk,
                          kv_cache_budget_bytes=sampling_cfg.kv_cache_budget_bytes or None,
-                         mesh=run.mesh, slots=sampling_cfg.get("slots", 0))
+                         mesh=run.mesh, slots=sampling_cfg.get("slots", 0),
+                         share_prompts=sampling_cfg.get("share_prompts", False))
           for a in run.agents.values()]
 
 

@@ -77,7 +77,8 @@ def make_policies(c, w: Wiring, env: Env, agents: dict, sampling_cfg, version: i
   kw = dict(limits=limits(c), temperature=sampling_cfg.temperature, top_p=sampling_cfg.top_p,
             top_k=sampling_cfg.top_k, version=version, chunk=sampling_cfg.chunk,
             kv_cache_budget_bytes=sampling_cfg.kv_cache_budget_bytes or None,
-            protocol=c.get("protocol", "tags"), slots=sampling_cfg.get("slots", 0))
+            protocol=c.get("protocol", "tags"), slots=sampling_cfg.get("slots", 0),
+            share_prompts=sampling_cfg.get("share_prompts", False))
   return {role: rollout.LLMPolicy(agents[name].model_config, agents[name].params,
                                   env.tokenizer, role, mesh=agents[name].mesh, **kw)
           for role, name in w.agent_of.items() if name in agents}
