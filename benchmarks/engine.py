@@ -108,7 +108,8 @@ def run_agents(args, record, lengths: Lengths, slots: list) -> dict:
   params = models.init_params(shape, jax.random.key(args.seed))
   policies = {role: rollout.LLMPolicy(shape, params, env.tokenizer, role, limits=lim,
                                       chunk=c.sampling.chunk,
-                                      slots=slots[i] if i < len(slots) else 0)
+                                      slots=slots[i] if i < len(slots) else 0,
+                                      share_prompts=args.share_prompts)
               for i, role in enumerate(("main", "sub"))}
   force = {role: _forced(experts[role], lengths, env.tokenizer, lim.max_new_tokens)
            for role in policies}
@@ -181,7 +182,8 @@ def run_magrpo(args, record, lengths: Lengths, slots: list) -> dict:
     pol = rollout.Policy(shape, params, tok, max_new_tokens=c.max_new_tokens, max_len=c.max_len,
                          temperature=c.sampling.temperature, top_p=c.sampling.top_p,
                          top_k=c.sampling.top_k, chunk=c.sampling.chunk,
-                         slots=slots[i] if i < len(slots) else 0)
+                         slots=slots[i] if i < len(slots) else 0,
+                         share_prompts=args.share_prompts)
     pol.record = record
     pol.force = _forced_code(i, examples, lengths, tok, c.max_new_tokens)
     policies.append(pol)
@@ -220,6 +222,8 @@ def main(argv=None) -> dict:
                  help="The decode attention priced: each row to its own length (ragged, GPU) "
                  "or every slot to the window (auto: XLA).")
   p.add_argument("--price_as", default="qwen3_8b", help="Model preset priced on an H100.")
+  p.add_argument("--share_prompts", action="store_true",
+                 help="A prompt several episodes start from held once, in a pool row.")
   p.add_argument("--out", default="")
   args = p.parse_args(argv)
   from mgrpo_jax import models
@@ -240,6 +244,7 @@ def main(argv=None) -> dict:
              else None, seed=args.seed, questions=args.questions, rollouts=args.rollouts,
              slots=record["slots"], tool_latency_ms=args.tool_latency_ms,
              price_as=args.price_as, attention=args.attention,
+             share_prompts=args.share_prompts,
              command="python benchmarks/engine.py " + " ".join(
                  sys.argv[1:] if argv is None else argv),
              **record_lib.metrics(record, models.get_preset(args.price_as)),

@@ -330,3 +330,22 @@ def test_engine_decode_step_reads_a_window_of_the_cache_in_place(engine_steps, a
   # Rows shorter than their lane's capacity attend over a window of it: read where it lies.
   found = engine_steps[attention, 2]["window_copies"]
   assert found == [], [(c["reads"], c["writes"], c["roots"]) for c in found]
+
+
+@pytest.mark.parametrize("attention", ["auto", "ragged"])
+def test_engine_decode_step_with_shared_prompts_writes_under_a_tenth_of_what_it_reads(
+    attention):
+  # The slots also attend to a pool of shared prompts (`engine.slots.Pool`: 2 rows of
+  # REACHED positions): the cascade moves queries and outputs, not a copy of the pool.
+  # (Its kernels: 21 a layer with the Pallas path, 24 with XLA's, over issue 35's 20:
+  # docs/results/engine.md.)
+  _, compiled, lanes = step_cases.engine_decode_case(
+      (PRESET, PRESET), ROWS, REACHED, MAX_LEN, attention=attention,
+      device_list=_devices(1), return_compiled=True, model_overrides=LAYERS,
+      pool=(2, REACHED))
+  stats = hlo_stats.step_stats(compiled.as_text(), lanes)
+  assert stats["copies"] == [], stats["copies"]
+  assert stats["written_to_read"] < 0.1, (stats["written_to_read"], stats["top_writers"])
+  if attention == "ragged":  # Two Pallas kernels a layer of each model: prefix, own.
+    cfg = models.get_preset(PRESET, **LAYERS)
+    assert stats["custom_calls_per_step"].get("__gpu$xla.gpu.triton") == 4 * cfg.num_layers

@@ -245,13 +245,19 @@ def prefill_case(preset: str, rows: int, length: int, *, device_list=None,
   return (out, compiled) if return_compiled else out
 
 
-def _engine_inputs(cfg, num_slots: int, capacity: int, max_len: int, device=None):
+def _engine_inputs(cfg, num_slots: int, capacity: int, max_len: int, device=None, pool=None):
   """A lane's abstract weights (`sampling.decode_params`' per-layer bf16 copies) and its
-  `num_slots` Slots of `capacity` positions (`engine.slots.init`), on `device` if given."""
+  `num_slots` Slots of `capacity` positions (`engine.slots.init`), on `device` if given;
+  `pool` = (rows, positions): with a pool of shared prompts (`engine.slots.Pool`)."""
   params = jax.eval_shape(functools.partial(sampling.decode_params, cfg),
                           qwen3.abstract_params(cfg))
-  slots = jax.eval_shape(functools.partial(slots_lib.init, cfg, num_slots, capacity,
-                                           max_new_tokens=ENGINE_NEW_TOKENS, max_len=max_len))
+
+  def init():
+    p = None if pool is None else slots_lib.init_pool(cfg, num_slots, *pool)
+    return slots_lib.init(cfg, num_slots, capacity, max_new_tokens=ENGINE_NEW_TOKENS,
+                          max_len=max_len, pool=p)
+
+  slots = jax.eval_shape(init)
   if device is None:
     return abstract(params), abstract(slots)
   on = lambda tree: abstract(tree, jax.tree.map(
@@ -267,7 +273,7 @@ def _scalar(dtype, device=None):
 def engine_decode_case(presets=("qwen3_8b",), slots: int = 64, reached: int = 8192,
                        capacity: int = 8192, max_len: int = 32768, *, attention: str = "auto",
                        device_list=None, return_compiled: bool = False,
-                       model_overrides: dict | None = None):
+                       model_overrides: dict | None = None, pool: tuple | None = None):
   """The engine's decode call (`engine.slots.decode_jit`): one model per preset of
   `presets` (e.g. a main and a sub-agent) stepping together, each with `slots` slots of
   `capacity` cached positions from bf16 weights, every slot's row at `reached` tokens (the
@@ -275,18 +281,22 @@ def engine_decode_case(presets=("qwen3_8b",), slots: int = 64, reached: int = 81
   `device_list[0]` (default `jax.devices()[0]`) with the compiler options the engine sets
   on its platform. `return_compiled`: returns (stats, the compiled call, its models as
   `hlo_stats.step_stats` takes them). `model_overrides`: Qwen3Config fields over the
-  presets' (e.g. fewer layers)."""
+  presets' (e.g. fewer layers). `pool` = (rows, positions): each model's slots also read a
+  pool of shared prompts that long (`engine.slots.Pool`), every row read whole."""
   device = None if device_list is None else device_list[0]
   window = sampling.attention_window(reached, capacity)
   cfgs, params, lanes, models_ = [], [], [], []
   for preset in presets:
     cfg = models.get_preset(preset, param_dtype="bfloat16", compute_dtype="bfloat16",
                             attention=attention, **(model_overrides or {}))
-    p, st = _engine_inputs(cfg, slots, capacity, max_len, device)
+    p, st = _engine_inputs(cfg, slots, capacity, max_len, device, pool)
     cfgs.append(cfg), params.append(p), lanes.append(st)
     # What a step attends over: every slot's window (the ragged kernel: each row's own
-    # length, here `reached` for every row).
-    models_.append((cfg, p, st.cache, kv_cache_plan.kv_cache_bytes(cfg, slots, window)))
+    # length, here `reached` for every row), and the pool's rows.
+    kv = kv_cache_plan.kv_cache_bytes(cfg, slots, window)
+    if pool is not None:
+      kv += kv_cache_plan.kv_cache_bytes(cfg, *pool)
+    models_.append((cfg, p, st.cache, kv))
   f32, i32 = _scalar(jnp.float32, device), _scalar(jnp.int32, device)
   sp = sampling.SamplingParams(f32, f32, i32, jax.ShapeDtypeStruct(
       (sampling.MAX_STOP_IDS,), jnp.int32, sharding=i32.sharding))
