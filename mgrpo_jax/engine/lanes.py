@@ -107,7 +107,10 @@ class SlotLane:
     # pool row that their slots read (`slots.Pool`); without a free row, copied as above.
     self.share = (getattr(policy, "share_prompts", False) if share_prompts is None
                   else share_prompts)
-    self.pool_rows = pool_rows or max(1, num_slots // 2)
+    # A row per slot by default: the rows in use are the questions with an episode started
+    # and not done, which waiting episodes can keep above the slots' share (Q=32, K=8 on
+    # 32 slots took more than 16).
+    self.pool_rows = pool_rows or num_slots
     self.rows = shared.PromptRows(num_slots, self.pool_rows)
     self._pushed = self.rows.slot_row.copy()  # The slots' rows as the device has them.
     if record is not None:
