@@ -210,7 +210,9 @@ class Attention(nnx.Module):
     are written at their positions first, then the queries attend to the first `window`
     slots of the cache row (the caller guarantees no position reaches past it). With
     `layer=None` the two arrays are this layer's own, keys [B, K, H, S] and values
-    [B, K, S, H] (the sampler's layout, `models/decode.py`), and so are the ones returned.
+    [B, K, S, H] (the sampler's layout, `models/decode.py`), and so are the ones returned;
+    a fifth element, the pool of a shared prefix (`decode.forward`'s `prefix`), makes a
+    decode step attend to each row's pool row before its own slots.
     Without a cache, query t sits in slot t (causality follows slots, so RoPE positions may
     restart inside a packed row) and `segment_ids_BxT` keeps packed sequences apart.
     """

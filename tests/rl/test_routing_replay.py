@@ -144,6 +144,21 @@ def test_routes_with_shared_prompts_equal_the_resident_ones(moe, sampled,
     np.testing.assert_allclose(c.logprobs, a.logprobs, atol=2e-5)
 
 
+@pytest.mark.devices(8)
+def test_routes_with_shared_prompts_on_an_expert_mesh_equal_the_resident_ones(
+    moe, sampled, multi_turn_episodes):
+  # The pool of shared prompts under the expert-parallel mesh a MoE policy samples on.
+  cfg, params = moe
+  eps, _ = sampled
+  mesh = sharding.make_mesh(dict(data=1, fsdp=2, tensor=1, expert=4))
+  meshed = multi_turn_episodes(cfg, jax.device_put(params, sharding.param_shardings(params, mesh)),
+                               temperature=TEMPERATURE, mesh=mesh, share_prompts=True)
+  for a, c in zip(eps, meshed):
+    assert a.tokens == c.tokens
+    np.testing.assert_array_equal(c.experts, a.experts)
+    np.testing.assert_allclose(c.logprobs, a.logprobs, atol=2e-5)
+
+
 def test_replay_needs_recorded_routes(moe, sampled):
   cfg, params = moe
   _, batch = sampled
