@@ -12,6 +12,8 @@ context) the host gives the slot the next ready turn, whichever episode it belon
 - `save` / `restore` copy a slot's cached prefix out and back in: a turn that waits on a tool
   gives its slot up and keeps its keys and values (and a prompt that several episodes share
   is prefilled once and restored into each of their slots).
+- Or such a prompt is held once, in a row of the slots' `Pool` (`prefill_pool`, `join`):
+  its slots cache only their own positions, and attend to the row and to them.
 
 Token j of a turn is drawn with `fold_in(turn_key, j)`, `turn_key` set per slot when the turn
 starts (`start`): a turn's samples do not depend on its slot or on what shares the batch.
