@@ -36,6 +36,7 @@ from typing import Callable, Sequence
 
 import jax
 import numpy as np
+from absl import logging
 
 from mgrpo_jax.agents import native, rollout, subagent
 from mgrpo_jax.envs import tool_health
@@ -250,6 +251,9 @@ def serve_step(exchange: Exchange, service: rollout.ColocatedSubAgent, step: int
     if over:
       return None
     seen.update(keys)
+    if any(ep is not None for ep in eps):
+      logging.info("Sub-agent: step %d: %d stored episodes read back (served before a "
+                   "restart).", step, sum(ep is not None for ep in eps))
     out = []
     for key, r, ep in zip(keys, reqs, eps):
       req = subagent.DelegationRequest(*key, subtask=r["subtask"], context=r["context"])
