@@ -435,15 +435,18 @@ class ColocatedSubAgent:
     self.keep(episodes)
     return [result_of(ep) for ep in episodes]
 
-  def serve(self, feed, *, rows: int, done=None, keep: bool = True) -> None:
+  def serve(self, feed, *, rows: int, done=None, keep: bool = True, record=None,
+            force: dict | None = None) -> None:
     """Runs the episodes `feed` hands over (`engine.run.Engine.run`) in one engine of `rows`
-    episodes' slots, telling `done(ep)` of each as it ends; keeps them (with `keep`)."""
+    episodes' slots, telling `done(ep)` of each as it ends; keeps them (with `keep`).
+    `record`, `force`: as `rollout_main`'s (the streaming benchmark's)."""
     roles = engine_run.Roles(
-        lanes={"sub": _lane("sub", self.policy, key=self.key, rows=rows)},
+        lanes={"sub": _lane("sub", self.policy, key=self.key, rows=rows, record=record,
+                            force=force)},
         tools={"sub": self._tools}, reply_ids=_reply_ids_fn(self.tokenizer, self.limits),
         finished=done)
     engine = engine_run.Engine(roles, tokenizer=self.tokenizer,
-                               chunk=getattr(self.policy, "chunk", 32))
+                               chunk=getattr(self.policy, "chunk", 32), record=record)
     served = []
 
     def stream(idle: bool):

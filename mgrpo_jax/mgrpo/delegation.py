@@ -47,6 +47,7 @@ EXCHANGE_DIR = "exchange"  # The exchange's namespace inside a run location.
 EVAL_STEP_BASE = 10_000_000  # Exchange step ids of evaluation rollouts: base + step.
 POLL_S = 0.005  # First wait between polls for results or requests; it grows while none come.
 MAX_POLL_S = 0.5  # Its cap: object stores bill per request.
+BUSY_POLL_S = 0.02  # While its engine decodes, the sub-agent looks for requests this often.
 
 
 def open_exchange(run) -> Exchange:
@@ -224,13 +225,18 @@ def serve_step(exchange: Exchange, service: rollout.ColocatedSubAgent, step: int
   is missing when the main agent does not show up for `timeout_s`.
   """
   seen: set = set()
+  last = [-BUSY_POLL_S]  # When the requests were last listed.
 
   def discover(wait: bool):
     """(new keys, their requests, their stored episodes, whether the step is over)."""
     delay, deadline = poll_s, time.monotonic() + timeout_s
     while True:
-      # The marker first: a listing made after it holds every request of the step.
-      over = _issued(exchange, step)
+      if not wait and time.monotonic() - last[0] < BUSY_POLL_S:
+        return [], [], [], False  # Not a round trip per decode call of a busy engine.
+      last[0] = time.monotonic()
+      # The marker first: a listing made after it holds every request of the step. Only an
+      # idle engine ends the step.
+      over = wait and _issued(exchange, step)
       keys = [k for k in exchange.list("request", (step,)) if k not in seen]
       if keys:
         reqs = exchange.get_many("request", keys, timeout_s=timeout_s)
