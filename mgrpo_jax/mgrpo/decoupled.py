@@ -46,9 +46,8 @@ def _start(c, workdir: str, run, role: str) -> setup.Program:
 
 
 def _run(p: setup.Program, workdir: str, role: str, **phases) -> None:
-  c = p.c
   p.run(workdir, train=functools.partial(mgrpo_step.update, p.wiring, p.agents),
-        desc=f"{c.variant}:{role}", show=(f"{role}/reward", "eval/accuracy"),
+        desc=f"{p.c.variant}:{role}", show=(f"{role}/reward", "eval/accuracy"),
         versions=play.behaviour_versions, **phases)
 
 

@@ -29,7 +29,7 @@ class Rollouts:
   `questions` are the step's, in the order asked: main episode (q, k) answers
   `questions[q]`. A decoupled program holds one column: the main program no sub-agent
   episodes (`service`: the exchange it delegated over), the sub program no main episodes
-  but the main program's `outcome` (R_M), read from the exchange.
+  (it reads R_M from the exchange when it learns).
   """
 
   env: Env  # The step's task: its tools served the episodes.
@@ -37,7 +37,6 @@ class Rollouts:
   episodes: list  # Main (or single) episodes in (q, k) order.
   sub_episodes: list
   service: object = None
-  outcome: hierarchy.MainOutcome | None = None
 
   @property
   def num_generated(self) -> int:
