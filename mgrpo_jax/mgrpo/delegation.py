@@ -48,6 +48,7 @@ EVAL_STEP_BASE = 10_000_000  # Exchange step ids of evaluation rollouts: base + 
 POLL_S = 0.005  # First wait between polls for results or requests; it grows while none come.
 MAX_POLL_S = 0.5  # Its cap: object stores bill per request.
 BUSY_POLL_S = 0.02  # While its engine decodes, the sub-agent looks for requests this often.
+WAIT_SLICE_S = 1.0  # The longest one look for requests waits (the engine then looks again).
 
 
 def open_exchange(run) -> Exchange:
@@ -225,30 +226,42 @@ def serve_step(exchange: Exchange, service: rollout.ColocatedSubAgent, step: int
   is missing when the main agent does not show up for `timeout_s`.
   """
   seen: set = set()
-  last = [-BUSY_POLL_S]  # When the requests were last listed.
+  # When the requests were last listed; since when nothing came while idle; the next wait.
+  last, idle_since, delay = [-BUSY_POLL_S], [None], [poll_s]
 
   def discover(wait: bool):
-    """(new keys, their requests, their stored episodes, whether the step is over)."""
-    delay, deadline = poll_s, time.monotonic() + timeout_s
-    while True:
-      if not wait and time.monotonic() - last[0] < BUSY_POLL_S:
+    """(new keys, their requests, their stored episodes, whether the step is over).
+
+    An idle engine's call waits for requests, up to WAIT_SLICE_S: several processes wait
+    for process 0's answer in a collective, which should not last long.
+    """
+    now = time.monotonic()
+    if not wait:
+      idle_since[0], delay[0] = None, poll_s
+      if now - last[0] < BUSY_POLL_S:
         return [], [], [], False  # Not a round trip per decode call of a busy engine.
+    elif idle_since[0] is None:
+      idle_since[0] = now
+    slice_end = now + WAIT_SLICE_S
+    while True:
       last[0] = time.monotonic()
       # The marker first: a listing made after it holds every request of the step. Only an
       # idle engine ends the step.
       over = wait and _issued(exchange, step)
       keys = [k for k in exchange.list("request", (step,)) if k not in seen]
       if keys:
+        idle_since[0], delay[0] = None, poll_s
         reqs = exchange.get_many("request", keys, timeout_s=timeout_s)
         eps = exchange.try_get_many("sub_episode", keys) if stored else [None] * len(keys)
         return keys, reqs, eps, False
-      if over or not wait:
+      if over or not wait or time.monotonic() > slice_end:
+        if wait and time.monotonic() - idle_since[0] > timeout_s:
+          raise TimeoutError(f"Sub-agent: no new request of step {step} and no "
+                             f"requests_done marker within {timeout_s}s; is the main agent "
+                             f"running?")
         return [], [], [], over
-      if time.monotonic() > deadline:
-        raise TimeoutError(f"Sub-agent: no new request of step {step} and no requests_done "
-                           f"marker within {timeout_s}s; is the main agent running?")
-      time.sleep(delay)
-      delay = min(delay * 1.5, MAX_POLL_S)
+      time.sleep(delay[0])
+      delay[0] = min(delay[0] * 1.5, MAX_POLL_S)
 
   def feed(idle: bool):
     # Every process of a multi-host program admits what process 0 found, at the same pass.
