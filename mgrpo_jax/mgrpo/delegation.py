@@ -65,10 +65,6 @@ class StaleResultError(RuntimeError):
   """A sub-agent result was produced by a policy older than the staleness bound allows."""
 
 
-def _key(r) -> tuple[int, int, int, int]:
-  return (r.step, r.q, r.k, r.call)
-
-
 class ExchangeSubAgent:
   """The main agent's `SubAgentService` in a decoupled run: delegations go over the exchange.
 
@@ -86,7 +82,7 @@ class ExchangeSubAgent:
     self.waves = 0  # Batches sent (one per decode call whose turns delegated).
     self.requests = 0
     self.polls = 0  # Round trips of the results' polling (each reads every pending key).
-    # The engine sends each decode call's delegations from a thread of their own.
+    # Batches are sent from threads of their own (the engine's tool threads, `submit`'s).
     self._cond = threading.Condition()
     self._pending: dict[tuple, tuple] = {}  # key -> (index, on_result, deadline)
     self._poller: threading.Thread | None = None
@@ -95,12 +91,12 @@ class ExchangeSubAgent:
     return [(self.step, r.q, r.k, r.call) for r in requests]
 
   def send(self, requests: Sequence[subagent.DelegationRequest]) -> int:
-    """Writes the requests; returns the batch's index."""
-    for r, key in zip(requests, self._keys(requests)):
-      self.exchange.put("request", key, {"subtask": r.subtask, "context": r.context})
+    """Writes the requests; returns the batch's index (counted before its records appear)."""
     with self._cond:
       wave, self.waves = self.waves, self.waves + 1
       self.requests += len(requests)
+    for r, key in zip(requests, self._keys(requests)):
+      self.exchange.put("request", key, {"subtask": r.subtask, "context": r.context})
     return wave
 
   def _result(self, key, r: dict) -> subagent.DelegationResult:
@@ -122,17 +118,27 @@ class ExchangeSubAgent:
 
   def submit(self, requests: Sequence[subagent.DelegationRequest],
              on_result: Callable[[int, object], None]) -> None:
-    """Writes the requests; `on_result(i, result or exception)` is called (from the polling
-    thread) for request i as soon as its own result is read."""
-    self.send(requests)
-    deadline = time.monotonic() + self.timeout_s
-    with self._cond:
-      for i, key in enumerate(self._keys(requests)):
-        self._pending[key] = (i, on_result, deadline)
-      self._cond.notify()
-      if self._poller is None:
-        self._poller = threading.Thread(target=self._poll, name="results", daemon=True)
-        self._poller.start()
+    """Writes the requests (in a thread: an object store's writes would hold up the caller's
+    engine); `on_result(i, result or exception)` is called (from a thread of this service)
+    for request i as soon as its own result is read."""
+
+    def write():
+      try:
+        self.send(requests)
+      except BaseException as e:  # E.g. ExchangeConflict: each request's episode raises it.
+        for i in range(len(requests)):
+          on_result(i, e)
+        return
+      deadline = time.monotonic() + self.timeout_s
+      with self._cond:
+        for i, key in enumerate(self._keys(requests)):
+          self._pending[key] = (i, on_result, deadline)
+        self._cond.notify()
+        if self._poller is None:
+          self._poller = threading.Thread(target=self._poll, name="results", daemon=True)
+          self._poller.start()
+
+    threading.Thread(target=write, name="requests", daemon=True).start()
 
   def _poll(self) -> None:
     delay = POLL_S
