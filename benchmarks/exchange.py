@@ -9,8 +9,8 @@ The main agent and the sub-agent run as two threads of this process, each with i
 `Exchange` object on the same store (the pattern of tests/test_decoupled.py), with the
 scripted experts as policies so that the main agent delegates on most turns. Per step the
 main side runs Q questions x K rollouts (`rollout_main` through `ExchangeSubAgent`),
-then publishes R_M / correct / format; the sub side serves every wave (`serve_step`) and
-reads the outcome back.
+then publishes R_M / correct / format; the sub side serves each delegation as it comes
+(`serve_step`) and reads the outcome back.
 
 Reported per step: the bytes written + read by both sides (`Exchange.stats()`: stored JSON
 records with their envelope, raw array bytes plus commit records), next to the bytes of
@@ -23,10 +23,9 @@ inflates the count relative to a BPE tokenizer, so a second, BPE-equivalent figu
 divides it by 4 (about 4 bytes of English per BPE token): the honest comparison lies
 between the two, and we quote the smaller.
 
-Latency per main-agent turn (one wave: put the requests and the wave record, wait for
-every result) is the main side's wall-clock round trip. It includes the sub-agent's own
-work on the wave (expert policies here, cheap), measured separately on the sub side; the
-difference is the exchange's overhead (writes, polling with backoff, reads).
+Latency per delegation (put the request, poll for its result; each delegation is streamed
+on its own) is the main side's wall-clock round trip. It includes the sub-agent's own work
+(expert policies here, cheap): the sub side's serving time per step is reported beside it.
 
 Writes benchmarks/results/exchange-<device>.json; the last line printed is the ratio.
 """
@@ -60,35 +59,37 @@ BYTES_PER_BPE_TOKEN = 4  # English text per BPE token (for the BPE-equivalent fi
 
 
 class TimedService:
-  """The sub side's service, timing each wave it serves."""
+  """The sub side's service, timing its serving of a step."""
 
   def __init__(self, inner):
     self.inner, self.seconds = inner, []
 
-  @property
-  def episodes(self):
-    return self.inner.episodes
+  def __getattr__(self, name):  # `episodes`, `new_episode`: the inner service's.
+    return getattr(self.inner, name)
 
-  def delegate(self, requests):
+  def serve(self, *args, **kw):
     start = time.perf_counter()
-    out = self.inner.delegate(requests)
+    out = self.inner.serve(*args, **kw)
     self.seconds.append(time.perf_counter() - start)
     return out
 
 
 class TimedExchangeSubAgent(delegation.ExchangeSubAgent):
-  """The main side's `ExchangeSubAgent`, timing each wave's round trip."""
+  """The main side's `ExchangeSubAgent`, timing each delegation's round trip."""
 
   def __init__(self, *args, **kwargs):
     super().__init__(*args, **kwargs)
     self.seconds, self.sizes = [], []
 
-  def delegate(self, requests):
+  def submit(self, requests, on_result):
     start = time.perf_counter()
-    out = super().delegate(requests)
-    self.seconds.append(time.perf_counter() - start)
     self.sizes.append(len(requests))
-    return out
+
+    def timed(i, res):
+      self.seconds.append(time.perf_counter() - start)
+      on_result(i, res)
+
+    super().submit(requests, timed)
 
 
 def _summary(xs):
@@ -157,11 +158,10 @@ def run(args) -> dict:
         d = by_kind.setdefault(kind, {"bytes_written": 0, "bytes_read": 0})
         d["bytes_written"] += c.get("bytes_written", 0)
         d["bytes_read"] += c.get("bytes_read", 0)
-    # Pair the main side's round trips with the sub side's service times, wave by wave.
-    overhead = [rt - sv for rt, sv in zip(main_side.seconds, service.seconds)]
     steps.append({
-        "step": step, "wall_s": wall, "waves": main_side.waves,
-        "delegations": len(sub_eps), "wave_sizes": main_side.sizes,
+        "step": step, "wall_s": wall, "batches": main_side.waves,
+        "delegations": len(sub_eps), "batch_sizes": main_side.sizes,
+        "result_polls": main_side.polls,
         "main_accuracy": float(np.mean(outcome.correct)),
         "exchange": {
             "bytes_written": ms["bytes_written"] + ss["bytes_written"],
@@ -175,9 +175,8 @@ def run(args) -> dict:
             "mrlx_bytes_lower_bound": traj_tokens * MRLX_BYTES_PER_TOKEN,
             "mrlx_bytes_bpe_equivalent":
                 traj_tokens * MRLX_BYTES_PER_TOKEN // BYTES_PER_BPE_TOKEN},
-        "wave_round_trip_s": main_side.seconds,
-        "wave_sub_service_s": service.seconds,
-        "wave_exchange_overhead_s": overhead,
+        "delegation_round_trip_s": main_side.seconds,
+        "sub_serve_s": service.seconds,
     })
 
   if tmp is not None:
@@ -204,8 +203,8 @@ def run(args) -> dict:
           "exchange_bytes_note": "Exchange.stats() of both sides, written + read: JSON "
                                  "records with envelope, raw array bytes + commit records; "
                                  "zarr .zarray metadata (~150 B per array) not counted",
-          "latency_note": "round trip per main-agent turn (wave) on the main side; "
-                          "overhead = round trip - sub-agent service time of that wave"},
+          "latency_note": "round trip per delegation on the main side (request put to "
+                          "result read), the sub-agent's work included"},
       "summary": {
           "bytes_exchanged_per_step": exchanged,
           "bytes_written_per_step": written,
@@ -217,12 +216,13 @@ def run(args) -> dict:
           # like-for-like comparison (each record is also read once by the peer).
           "ratio_mrlx_bpe_equivalent_over_exchange_written": mrlx_bpe / written,
           "delegations_per_step": per_step(lambda s: s["delegations"]),
-          "waves_per_step": per_step(lambda s: s["waves"]),
+          "batches_per_step": per_step(lambda s: s["batches"]),
+          "result_polls_per_delegation": per_step(lambda s: s["result_polls"])
+              / max(1.0, per_step(lambda s: s["delegations"])),
           "exchange_bytes_per_delegation":
               exchanged / max(1.0, per_step(lambda s: s["delegations"])),
-          "wave_round_trip_s": _summary(cat("wave_round_trip_s")),
-          "wave_sub_service_s": _summary(cat("wave_sub_service_s")),
-          "wave_exchange_overhead_s": _summary(cat("wave_exchange_overhead_s")),
+          "delegation_round_trip_s": _summary(cat("delegation_round_trip_s")),
+          "sub_serve_s_per_step": _summary(cat("sub_serve_s")),
           "step_wall_s": _summary(s["wall_s"] for s in steps)},
       "steps": steps,
   }
@@ -254,7 +254,7 @@ def main():
                  f"(n={d['n']})" if d["n"] else "n=0"
   print(f"exchange: {result['exchange']}")
   print(f"Q={args.queries} x K={args.rollouts}, {args.steps} steps: "
-        f"{s['delegations_per_step']:.1f} delegations and {s['waves_per_step']:.1f} waves "
+        f"{s['delegations_per_step']:.1f} delegations in {s['batches_per_step']:.1f} batches "
         f"per step")
   print(f"bytes exchanged per step (written + read, both sides): "
         f"{s['bytes_exchanged_per_step']:,.0f} ({s['exchange_bytes_per_delegation']:,.0f} "
@@ -262,9 +262,9 @@ def main():
   print(f"MrlX sub-agent trajectory bytes per step (lower bound, 9 B/token): "
         f"{s['mrlx_trajectory_bytes_per_step_lower_bound']:,.0f} with byte tokens, "
         f"{s['mrlx_trajectory_bytes_per_step_bpe_equivalent']:,.0f} BPE-equivalent")
-  print(f"wave round trip: {ms(s['wave_round_trip_s'])}; sub-agent work: "
-        f"{ms(s['wave_sub_service_s'])}; exchange overhead: "
-        f"{ms(s['wave_exchange_overhead_s'])}")
+  print(f"delegation round trip: {ms(s['delegation_round_trip_s'])}; "
+        f"{s['result_polls_per_delegation']:.1f} result polls per delegation; the sub "
+        f"side's serving per step: {ms(s['sub_serve_s_per_step'])}")
   print(f"wrote {out}")
   print(f"trajectory bytes / exchange bytes (BPE-equivalent lower bound): "
         f"{s['ratio_mrlx_bpe_equivalent_over_exchange']:.1f}x written+read, "

@@ -260,6 +260,13 @@ class Exchange:
     path = self._record_path(kind, key)
     return self._decode_read(path, self._store.read(path).result(), kind)
 
+  def try_get_many(self, kind: str, keys: Sequence[Sequence[int]]) -> list[dict | None]:
+    """The records under `keys` (None where there is none yet), read concurrently: one
+    round trip however many keys."""
+    paths = [self._record_path(kind, k) for k in keys]
+    futures = [self._store.read(path) for path in paths]
+    return [self._decode_read(path, f.result(), kind) for path, f in zip(paths, futures)]
+
   def get(self, kind: str, key: Sequence[int], *, timeout_s: float | None = None,
           poll_s: float = 0.05) -> dict:
     """The record under (kind, key), waiting for it up to `timeout_s` (None: forever)."""
@@ -285,6 +292,11 @@ class Exchange:
                 poll_s: float = 0.05) -> dict:
     """The marker record of `step`, waiting for it up to `timeout_s`."""
     return self._wait([self._mark_path(kind, step)], f"_mark/{kind}", timeout_s, poll_s)[0]
+
+  def try_mark(self, kind: str, step: int) -> dict | None:
+    """The marker record of `step`, or None if it is not there yet (no waiting)."""
+    path = self._mark_path(kind, step)
+    return self._decode_read(path, self._store.read(path).result(), f"_mark/{kind}")
 
   def marks(self, kind: str) -> list[int]:
     """The marked steps of `kind`, ascending (where a restarted program resumes)."""

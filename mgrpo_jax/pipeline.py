@@ -165,8 +165,11 @@ class Pipeline:
       raise RuntimeError(f"The rollout thread played step {played.step}; step {step} is due.")
     # Both the version played and every version the rows recorded (delegations included).
     check(step, self.k, [played.version], "rollouts")
+    lag = step - played.version
     if self._versions_of is not None:
-      check(step, self.k, self._versions_of(played.rollouts), "recorded rows")
+      recorded = list(self._versions_of(played.rollouts))
+      check(step, self.k, recorded, "recorded rows")
+      lag = max([lag] + [step - v for v in recorded])
     t_host = self._now()
     batches, m = self._learn(step, played.rollouts)
     t_train = self._now()
@@ -180,7 +183,8 @@ class Pipeline:
     dt = played.end_s - played.start_s
     m.update({"time/rollout_s": dt, "time/rollout_wait_s": t_host - t_wait,
               "time/host_s": t_train - t_host, "time/update_s": t_end - t_train,
-              "pipeline/version_lag": float(step - played.version)})
+              "pipeline/version_lag": float(step - played.version),
+              "pipeline/max_lag": float(lag)})  # The most any row trained here lags.
     if hasattr(played.rollouts, "num_generated"):
       m["tokens_per_s"] = played.rollouts.num_generated / max(dt, 1e-9)
     return m

@@ -9,9 +9,9 @@ from typing import Sequence
 import tensorstore as ts
 
 from mgrpo_jax.agents import rollout
-from mgrpo_jax.exchange import Exchange, ExchangeError
+from mgrpo_jax.exchange import Exchange
 from mgrpo_jax.mgrpo.delegation import (EXCHANGE_DIR, ExchangeSubAgent, get_outcome,
-                                        publish_outcome, serve_wave)
+                                        publish_outcome, serve_requests)
 from mgrpo_jax.mgrpo import hierarchy
 
 
@@ -24,9 +24,9 @@ def memory_exchange() -> Exchange:
 class LoopbackSubAgent:
   """A sub-agent in this process behind an exchange (the decoupled path, in one process).
 
-  Every wave takes the decoupled path: the main side's `ExchangeSubAgent` writes the
-  requests and the wave record, `serve_wave` serves that wave through `service` (which
-  keeps the episodes), and the main side reads the results back. `relay_outcome` does
+  Every batch takes the decoupled path: the main side's `ExchangeSubAgent` writes the
+  requests, `serve_requests` serves them through `service` (which keeps the episodes) and
+  writes their results, and the main side reads the results back. `relay_outcome` does
   the same for R_M. Nothing waits, since both sides are here.
   """
 
@@ -43,10 +43,9 @@ class LoopbackSubAgent:
     return self.main_side.waves
 
   def delegate(self, requests: Sequence[rollout.DelegationRequest]):
-    wave = self.main_side.send(requests)
-    if not serve_wave(self.exchange, self.service, self.step, wave):
-      raise ExchangeError(f"Wave {wave} of step {self.step} was sent but reads as absent "
-                          f"in {self.exchange!r}.")
+    self.main_side.send(requests)
+    serve_requests(self.exchange, self.service, [(self.step, r.q, r.k, r.call)
+                                                 for r in requests])
     return self.main_side.receive(requests)
 
   def relay_outcome(self, outcome: hierarchy.MainOutcome) -> hierarchy.MainOutcome:

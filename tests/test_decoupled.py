@@ -1,6 +1,7 @@
 """Main and sub-agent over an exchange give the same episodes as the colocated run."""
 
 import threading
+import time
 
 import jax
 import numpy as np
@@ -11,7 +12,7 @@ from mgrpo_jax.mgrpo import delegation
 from mgrpo_jax import byte_tokenizer
 from mgrpo_jax.agents import experts, rollout
 from mgrpo_jax.envs import retrieval, search, world
-from mgrpo_jax.exchange import Exchange
+from mgrpo_jax.exchange import Exchange, ExchangeConflict
 from mgrpo_jax.mgrpo import hierarchy
 
 TOK = byte_tokenizer.ByteTokenizer()
@@ -84,7 +85,7 @@ def test_loopback_is_the_colocated_service_through_the_exchange(env):
   assert [e.tokens for e in loop.episodes] == [e.tokens for e in colocated_sub.episodes]
   calls = {(step, e.q, e.k, e.call) for e in loop.episodes}
   assert set(exchange.list("request")) == set(exchange.list("result")) == calls
-  assert len(exchange.list("wave")) == loop.waves > 0
+  assert loop.waves > 0
   outcome = _outcome(got, qs, k)
   relayed = loop.relay_outcome(outcome)  # What the sub-agent's side trains on.
   for name in ("reward", "correct", "format_ok"):
@@ -138,10 +139,141 @@ def test_restarted_sub_agent_rewrites_identical_results(env, tmp_path):
   assert [e.tokens for e in again.episodes] == [e.tokens for e in first.episodes]
 
 
+def _two_questions(env):
+  """Questions of 1 and 2 hops, and the colocated run of them: episodes, sub episodes."""
+  qs, index = env
+  questions, key = [qs[0], qs[4]], jax.random.key(3)
+  sub = _noise_free_sub(search.local_tools(index), key)
+  eps = rollout.rollout_main(_noise_free_main(), sub, questions, num_rollouts=1,
+                             tokenizer=TOK, limits=LIMITS, key=key, step=2)
+  return questions, key, eps, sub.episodes
+
+
+def _noise_free_sub(tools, key):
+  policy = rollout.ExpertPolicy(experts.SubExpert(), TOK, seed=5)
+  return rollout.ColocatedSubAgent(policy, TOK, tools, limits=LIMITS, key=key)
+
+
+def _noise_free_main():
+  return rollout.ExpertPolicy(experts.MainExpert(), TOK, seed=6)
+
+
+def _put_request(exchange, ep):
+  exchange.put("request", (ep.task.step, ep.q, ep.k, ep.call),
+               {"subtask": ep.task.subtask, "context": ep.task.context})
+
+
+def test_sub_agent_answers_each_delegation_as_it_ends(env, tmp_path):
+  """A request that arrives while another's episode is held up in its tool is served and
+  answered at once; released, every result is the colocated run's."""
+  _, index = env
+  questions, key, _, want = _two_questions(env)
+  first, second = want[0], [e for e in want if e.q == 1][0]
+  gate, held = threading.Event(), []
+
+  def hold(tool):  # Holds the tool calls about question 0's entity until released.
+    def call(arg):
+      if questions[0].hops[0].entity.lower() in arg.lower():
+        held.append(arg)
+        assert gate.wait(60)
+      return tool(arg)
+    return call
+
+  exchange = Exchange(f"file://{tmp_path}/exchange")
+  sub = _noise_free_sub({k: hold(t) for k, t in search.local_tools(index).items()}, key)
+  thread = threading.Thread(target=delegation.serve_step, args=(exchange, sub, 2),
+                            kwargs=dict(timeout_s=60, read_outcome=False))
+  _put_request(exchange, first)
+  thread.start()
+  try:
+    deadline = time.monotonic() + 30
+    while not held and time.monotonic() < deadline:
+      time.sleep(0.01)
+    assert held  # The first episode waits in its tool call...
+    _put_request(exchange, second)  # ...when the second request comes: it is answered.
+    got = exchange.get("result", (2, 1, 0, 0), timeout_s=30)
+    assert exchange.try_get("result", (2, 0, 0, 0)) is None
+  finally:
+    gate.set()
+  for ep in want[1:]:
+    _put_request(exchange, ep)
+  exchange.mark("requests_done", 2)
+  thread.join(timeout=60)
+  assert not thread.is_alive()
+  assert got["text"] == rollout.result_of(second).text
+  assert [e.tokens for e in sub.episodes] == [e.tokens for e in want]
+
+
+def test_main_agent_goes_on_as_each_result_arrives(env, tmp_path):
+  """Two delegations sent in one batch: the one whose result comes back goes on to its next
+  delegation while the other still waits; served, the run is the colocated one."""
+  _, index = env
+  questions, key, want, want_sub = _two_questions(env)
+  exchange = Exchange(f"file://{tmp_path}/exchange")
+  main_side = delegation.ExchangeSubAgent(exchange, step=2, timeout_s=60)
+  got = {}
+  thread = threading.Thread(target=lambda: got.setdefault("eps", rollout.rollout_main(
+      _noise_free_main(), main_side, questions, num_rollouts=1, tokenizer=TOK, limits=LIMITS,
+      key=key, step=2)))
+  thread.start()
+  # Only question 1's first result is there: its episode goes on to its second delegation.
+  exchange.get_many("request", [(2, 0, 0, 0), (2, 1, 0, 0)], timeout_s=30)
+  answer = rollout.result_of([e for e in want_sub if e.q == 1][0])
+  exchange.put("result", (2, 1, 0, 0), {"text": answer.text, "format_ok": answer.format_ok,
+                                        "policy_version": answer.policy_version})
+  exchange.get("request", (2, 1, 0, 1), timeout_s=30)
+  assert exchange.try_get("result", (2, 0, 0, 0)) is None
+  # Both first calls went in one batch (a wave would have held question 1 with question 0).
+  assert (main_side.waves, main_side.requests) == (2, 3)
+  sub = _noise_free_sub(search.local_tools(index), key)  # Serves the rest.
+  server = threading.Thread(target=delegation.serve_step, args=(exchange, sub, 2),
+                            kwargs=dict(timeout_s=60, read_outcome=False))
+  server.start()
+  thread.join(timeout=60)
+  main_side.close()
+  server.join(timeout=60)
+  assert not thread.is_alive() and not server.is_alive()
+  assert [e.tokens for e in got["eps"]] == [e.tokens for e in want]
+
+
+def test_restarted_sub_agent_reads_back_its_stored_episodes(env, tmp_path):
+  """With stored episodes a restarted sub-agent playing another version (max_staleness >= 1)
+  answers what was answered with the episodes that answered it; played again, they differ."""
+  qs, index = env
+  key, step = jax.random.key(1), 0
+  exchange = Exchange(f"file://{tmp_path}/exchange")
+
+  def sub_service(version):
+    policy = rollout.ExpertPolicy(experts.SubExpert(noise=0.4), TOK, seed=5, version=version)
+    return rollout.ColocatedSubAgent(policy, TOK, search.local_tools(index), limits=LIMITS,
+                                     key=key)
+
+  first = sub_service(0)
+  thread = threading.Thread(target=delegation.serve_step, args=(exchange, first, step),
+                            kwargs=dict(timeout_s=60, read_outcome=False, stored=True))
+  thread.start()
+  main_side = delegation.ExchangeSubAgent(exchange, step=step, timeout_s=60)
+  rollout.rollout_main(_main_policy(), main_side, qs[:3], num_rollouts=2, tokenizer=TOK,
+                       limits=LIMITS, key=key, step=step)
+  main_side.close()
+  thread.join(timeout=60)
+  assert first.episodes and set(exchange.list("sub_episode")) == set(exchange.list("result"))
+  before = exchange.stats()["records_written"]
+  again = sub_service(1)  # Restarted from a later checkpoint: another version.
+  delegation.serve_step(exchange, again, step, timeout_s=60, read_outcome=False, stored=True)
+  assert exchange.stats()["records_written"] == before  # Nothing new: exactly once.
+  for a, b in zip(again.episodes, first.episodes, strict=True):
+    assert (a.tokens, a.logprobs, a.loss_mask, a.turns, a.observations, a.failure,
+            a.policy_version) == (b.tokens, b.logprobs, b.loss_mask, b.turns, b.observations,
+                                  b.failure, 0)
+  with pytest.raises(ExchangeConflict):  # Played again by version 1, the results differ.
+    delegation.serve_step(exchange, sub_service(1), step, timeout_s=60, read_outcome=False)
+
+
 def test_missing_main_agent_times_out_with_a_message(env, tmp_path):
   _, index = env
   exchange = Exchange(f"file://{tmp_path}/exchange")
-  with pytest.raises(TimeoutError, match="wave 0 of step 7"):
+  with pytest.raises(TimeoutError, match="no new request of step 7"):
     delegation.serve_step(exchange, _sub_service(index, jax.random.key(0)), 7, timeout_s=0.3)
 
 

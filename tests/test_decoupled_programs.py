@@ -134,12 +134,10 @@ def _assert_exactly_once(pair):
   requests, results = ex.list("request"), ex.list("result")
   assert len(set(requests)) == len(requests) and len(set(results)) == len(results)
   assert set(requests) == set(results)  # Every request answered, no stray result.
-  waves = ex.list("wave")
-  in_waves = [tuple(k) for w in waves for k in ex.get("wave", w)["keys"]]
-  assert sorted(in_waves) == sorted(requests)  # Each request in exactly one wave.
-  for step in (0, 1):  # Training steps: one outcome each, a marker counting its waves.
-    assert ex.wait_mark("rollouts_done", step, timeout_s=0)["waves"] == \
-        len([w for w in waves if w[0] == step])
+  for step in (0, 1):  # Training steps: markers counting the requests and batches sent.
+    sent = ex.wait_mark("requests_done", step, timeout_s=0)
+    assert sent["requests"] == len([k for k in requests if k[0] == step])
+    assert ex.wait_mark("rollouts_done", step, timeout_s=0)["waves"] == sent["waves"]
   assert ex.array_steps("main_reward") == ex.array_steps("main_correct") == [0, 1]
   for record in results:
     assert ex.get("result", record)["policy_version"] is not None
@@ -310,3 +308,42 @@ def test_pair_over_an_object_store(store, env, request, tmp_path, monkeypatch):
   # Evaluated from the bucket alone: step 1's evaluation of the pair.
   saved = _evaluate_run(store_env, run, str(tmp_path / "eval"), extra=["--config.num_steps=1"])
   _assert_eval_matches(saved, pair.merged()[-1])
+
+
+def test_pipelined_pair_survives_a_sub_agent_restart(env, tmp_path):
+  """config.max_staleness=1: each program plays step t + 1 while step t updates; the
+  sub-agent program, killed mid-run and restarted from its checkpoint (another policy
+  version than the one that served), loses no step, and no row of either agent is trained
+  more than one version behind (what it had answered is answered by the stored episodes
+  that answered it, not played again)."""
+  rng = random.Random("pipelined")
+  pair = Pair(str(tmp_path), f"file://{tmp_path}/run", env, config=README_CONFIG,
+              extra=["--config.max_staleness=1"])
+  pair.start("sub")
+  pair.start("main")
+  _wait_for_lines(pair, "sub", 1)
+  time.sleep(rng.uniform(0.0, 0.3))
+  alive = pair.procs["sub"].poll() is None
+  pair.kill("sub")
+  pair.start("sub")
+  pair.wait()
+  assert alive, "the sub-agent had finished before the kill; kill earlier"
+  for role in ("main", "sub"):
+    assert _steps_in_file(pair.workdir(role)) == STEPS, role  # No step lost or repeated.
+    trained = [r for r in metrics.read_metrics(pair.workdir(role)) if r["step"] < STEPS[-1]]
+    for r in trained:  # Every row of the step, delegations' serving versions included.
+      assert r["pipeline/version_lag"] <= r["pipeline/max_lag"] <= 1, (role, r["step"])
+      assert r[f"{role}/staleness/max"] <= 1, (role, r["step"])
+    assert max(r["pipeline/max_lag"] for r in trained) == 1  # Step 1 played by version 0.
+  ex = delegation.open_exchange(pair.run)
+  requests, results = ex.list("request"), ex.list("result")
+  assert sorted(requests) == sorted(results) and {0, 1} <= {k[0] for k in requests}
+  for key in results:
+    if key[0] < delegation.EVAL_STEP_BASE:  # Training: served at most one version behind.
+      assert ex.get("result", key)["policy_version"] >= key[0] - 1, key
+  # Each training answer's episode is stored before the answer is written.
+  assert {k for k in results if k[0] < delegation.EVAL_STEP_BASE} == set(ex.list("sub_episode"))
+  # The main program's step 1 rollouts began before its step 0 update ended.
+  with open(os.path.join(pair.workdir("main"), "timeline.jsonl")) as f:
+    spans = {(e["kind"], e["step"]): e for e in map(json.loads, f)}
+  assert spans["rollout", 1]["start_s"] < spans["update", 0]["end_s"]

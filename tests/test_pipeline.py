@@ -117,10 +117,10 @@ def test_every_version_a_step_recorded_is_checked_delegations_included():
       validator=None, policy_version=v, delegation_versions=list(served))
   # A main episode of version 6 whose two delegations two sub-agent versions served.
   r = play.Rollouts(None, [], [ep("main", 6, served=(6, 4)), ep("main", 6)], [ep("sub", 5)])
-  assert sorted(colocated.behaviour_versions(r)) == [4, 5, 6, 6, 6]
-  pipeline.check(6, 2, colocated.behaviour_versions(r))
+  assert sorted(play.behaviour_versions(r)) == [4, 5, 6, 6, 6]
+  pipeline.check(6, 2, play.behaviour_versions(r))
   with pytest.raises(pipeline.StalenessError, match="version 4 are 3 versions behind"):
-    pipeline.check(7, 2, colocated.behaviour_versions(r))
+    pipeline.check(7, 2, play.behaviour_versions(r))
 
 
 def test_close_stops_a_rollout_thread_waiting_for_a_version():

@@ -27,7 +27,10 @@ import numpy as np
 
 from mgrpo_jax import kv_cache_plan, sampling
 from mgrpo_jax import tokenizer as tk
-from mgrpo_jax.agents import native, protocol
+from mgrpo_jax.agents import native, protocol, subagent
+# Re-exported: the main <-> sub interface's names, as callers know them.
+from mgrpo_jax.agents.subagent import (NO_RESULT, DelegationRequest, DelegationResult,
+                                       SubAgentService, main_tool_fn, result_of)
 from mgrpo_jax.agents.validator import EpisodeValidator
 from mgrpo_jax.engine import lanes
 from mgrpo_jax.engine import run as engine_run
@@ -277,25 +280,27 @@ def _reply_ids_fn(tokenizer: tk.Tokenizer, limits: Limits):
 
 def _run(policies: dict, episodes: list[Episode], tools: dict, *, tokenizer: tk.Tokenizer,
          limits: Limits, key: jax.Array, record=None, sub=None, step: int = 0,
-         force: dict | None = None) -> list[Episode]:
+         force: dict | None = None, remote=None) -> list[Episode]:
   """Runs the episodes (and, with `sub` a `ColocatedSubAgent`, its sub-agent's episodes in
-  the same engine) to their end; see `engine/run.py`."""
+  the same engine) to their end; `remote`: the engine's `Roles.remote` (streamed
+  delegations); see `engine/run.py`."""
   live = _abort_too_long(episodes, limits)
   if not live:
     return episodes
   roles = engine_run.Roles(
       lanes={role: _lane(role, p, key=key, rows=len(live), record=record, force=force)
              for role, p in policies.items()},
-      tools=tools, reply_ids=_reply_ids_fn(tokenizer, limits))
+      tools=tools, reply_ids=_reply_ids_fn(tokenizer, limits), remote=remote)
   if sub is not None:
     sub_limits = sub.limits
     roles.lanes["sub"] = _lane("sub", sub.policy, key=sub.key, rows=len(live), record=record,
                                force=force)
     roles.tools["sub"] = sub._tools
-    roles.delegate = lambda ep, turn: _delegation(ep, turn, step=step, limits=limits)
+    roles.delegate = lambda ep, turn: subagent.request_of(ep, turn, step=step,
+                                                          limits=limits)
     roles.sub_episode = lambda req: sub.new_episode(req)
-    roles.result = lambda ep, req, sub_ep, seconds: _record_delegation(ep, result_of(sub_ep),
-                                                                        seconds)
+    roles.result = lambda ep, req, sub_ep, seconds: subagent.record_delegation(
+        ep, result_of(sub_ep), seconds)
     reply = roles.reply_ids
     sub_reply = _reply_ids_fn(tokenizer, sub_limits)
     roles.reply_ids = lambda ep, r: (sub_reply if ep.role == "sub" else reply)(ep, r)
@@ -312,43 +317,13 @@ def _run(policies: dict, episodes: list[Episode], tools: dict, *, tokenizer: tk.
 # ------------------------------------------------------------------ main <-> sub interface
 
 
-@dataclasses.dataclass(frozen=True)
-class DelegationRequest:
-  """What crosses from the main agent to the sub-agent (text and ids only)."""
-
-  step: int
-  q: int
-  k: int
-  call: int
-  subtask: str
-  context: str | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class DelegationResult:
-  """What comes back: the result text and the version of the policy that produced it."""
-
-  text: str
-  policy_version: int
-  format_ok: bool
-
-
-class SubAgentService(Protocol):
-  """Serves a batch of delegations; colocated here, over the exchange when decoupled."""
-
-  def delegate(self, requests: Sequence[DelegationRequest]) -> list[DelegationResult]:
-    ...
-
-
-NO_RESULT = "The sub-agent returned no valid result."
-
-
 class ColocatedSubAgent:
   """Runs sub-agent episodes in this process and keeps them (for the sub-agent's update).
 
   `rollout_main` runs them in its own engine, beside the main agent's turns; `delegate`
-  serves a batch of requests alone (the decoupled sub-agent program). Either way a request's
-  episode samples from `key` and its own stream (`engine.run.stream_of`): the same tokens.
+  serves a batch of requests alone, `serve` requests as they come (the decoupled sub-agent
+  program). Either way a request's episode samples from `key` and its own stream
+  (`engine.run.stream_of`): the same tokens.
   """
 
   def __init__(self, policy: TurnPolicy, tokenizer: tk.Tokenizer, tools: dict, *,
@@ -373,17 +348,34 @@ class ColocatedSubAgent:
     episodes = [self.new_episode(r) for r in requests]
     live = [ep for ep in episodes if not ep.done]
     if live:
-      roles = engine_run.Roles(
-          lanes={"sub": _lane("sub", self.policy, key=self.key, rows=len(live))},
-          tools={"sub": self._tools}, reply_ids=_reply_ids_fn(self.tokenizer, self.limits))
-      engine = engine_run.Engine(roles, tokenizer=self.tokenizer,
-                                 chunk=getattr(self.policy, "chunk", 32))
-      for ep in live:
-        engine.lanes_add(ep, engine_run.stream_of(ep.task))
-      engine.run()
-      tool_health.check_error_rate()
+      batches = [live]
+      self.serve(lambda idle: batches.pop() if batches else None, rows=len(live), keep=False)
     self.keep(episodes)
     return [result_of(ep) for ep in episodes]
+
+  def serve(self, feed, *, rows: int, done=None, keep: bool = True, record=None,
+            force: dict | None = None) -> None:
+    """Runs the episodes `feed` hands over (`engine.run.Engine.run`) in one engine of `rows`
+    episodes' slots, telling `done(ep)` of each as it ends; keeps them (with `keep`).
+    `record`, `force`: as `rollout_main`'s (the streaming benchmark's)."""
+    roles = engine_run.Roles(
+        lanes={"sub": _lane("sub", self.policy, key=self.key, rows=rows, record=record,
+                            force=force)},
+        tools={"sub": self._tools}, reply_ids=_reply_ids_fn(self.tokenizer, self.limits),
+        finished=done)
+    engine = engine_run.Engine(roles, tokenizer=self.tokenizer,
+                               chunk=getattr(self.policy, "chunk", 32), record=record)
+    served = []
+
+    def stream(idle: bool):
+      new = feed(idle)
+      served.extend(new or ())
+      return None if new is None else [(ep, engine_run.stream_of(ep.task)) for ep in new]
+
+    engine.run(feed=stream)
+    tool_health.check_error_rate()
+    if keep:
+      self.keep(served)
 
   def keep(self, episodes) -> None:
     """Adds finished episodes to `episodes`, kept in (q, k, call) order: the same list
@@ -395,63 +387,9 @@ class ColocatedSubAgent:
   def _tools(self, pending):
     # The calls of a batch run at once (a retriever's requests overlap).
     if len(pending) == 1:
-      return [_call_tool(self.tools, pending[0][1])]
+      return [subagent.call_tool(self.tools, pending[0][1])]
     with futures.ThreadPoolExecutor(min(16, len(pending))) as pool:
-      return list(pool.map(lambda p: _call_tool(self.tools, p[1]), pending))
-
-
-def result_of(ep: Episode) -> "DelegationResult":
-  """What a finished sub-agent episode returns to the main agent."""
-  return DelegationResult(ep.final if ep.format_ok else NO_RESULT, ep.policy_version,
-                          ep.format_ok)
-
-
-def _call_tool(tools: dict, turn: protocol.Turn) -> str:
-  """The reply of the tool named by the turn's action; an error text when there is none."""
-  tool = tools.get(turn.action)
-  return tool(turn.argument) if tool else f"Error: no {turn.action} tool here."
-
-
-def _record_delegation(ep: Episode, res: "DelegationResult", seconds: float) -> str:
-  """The reply text of a served delegation; its serving version kept with the episode."""
-  tool_health.HEALTH.record_call("delegate", seconds, error=not res.format_ok)
-  ep.delegation_versions.append(res.policy_version)  # Versions travel with the data.
-  return res.text
-
-
-def _delegation(ep: Episode, turn: protocol.Turn, *, step: int, limits: Limits):
-  """The request a main turn's delegation makes, or the reply when it may make none."""
-  if ep.delegations >= limits.max_delegations:
-    return "Delegation limit reached; give your final answer."
-  ep.delegations += 1
-  return DelegationRequest(step, ep.q, ep.k, ep.delegations - 1, turn.argument, turn.context)
-
-
-def main_tool_fn(service: SubAgentService, *, step: int, limits: Limits,
-                 tools: dict | None = None) -> ToolFn:
-  """The main agent's tools: a batch's delegations served together by `service`; others by
-  name."""
-
-  def tool_fn(pending):
-    requests, replies = [], [None] * len(pending)
-    for j, (ep, turn) in enumerate(pending):
-      if turn.action != "delegate":
-        replies[j] = _call_tool(tools or {}, turn)
-        continue
-      req = _delegation(ep, turn, step=step, limits=limits)
-      if isinstance(req, str):
-        replies[j] = req
-      else:
-        requests.append((j, req))
-    if requests:
-      start = time.perf_counter()
-      results = service.delegate([r for _, r in requests])
-      seconds = (time.perf_counter() - start) / len(requests)  # The batch ran together.
-      for (j, _), res in zip(requests, results):
-        replies[j] = _record_delegation(pending[j][0], res, seconds)
-    return replies
-
-  return tool_fn
+      return list(pool.map(lambda p: subagent.call_tool(self.tools, p[1]), pending))
 
 
 def rollout_main(policy: TurnPolicy, service: SubAgentService, questions: Sequence[Any], *,
@@ -473,14 +411,20 @@ def rollout_main(policy: TurnPolicy, service: SubAgentService, questions: Sequen
                           q=q, k=k, call=-1, task=question, max_turns=limits.max_turns,
                           policy_version=policy.version, protocol_name=name)
               for q, question in enumerate(questions) for k in range(num_rollouts)]
-  tools = {"main": lambda pending: [_call_tool(tools_in or {}, turn) for _, turn in pending]}
+  tools = {"main": lambda pending: [subagent.call_tool(tools_in or {}, turn)
+                                   for _, turn in pending]}
   if isinstance(service, ColocatedSubAgent):
     # The sub-agent's turns run in the same engine as the main agent's.
     return _run({"main": policy}, episodes, tools, tokenizer=tokenizer, limits=limits, key=key,
                 record=record, sub=service, step=step, force=force)
   tools["main"] = main_tool_fn(service, step=step, limits=limits, tools=tools_in)
+  # A service that answers each request on its own: each episode goes on as soon as its
+  # result is back. Several processes keep the batch (a reply's arrival time is per process,
+  # and their schedules must line up).
+  remote = (subagent.streamed(service, step=step, limits=limits)
+            if hasattr(service, "submit") and jax.process_count() == 1 else None)
   return _run({"main": policy}, episodes, tools, tokenizer=tokenizer, limits=limits, key=key,
-              record=record, force=force)
+              record=record, force=force, remote=remote)
 
 
 def rollout_single(policy: TurnPolicy, questions: Sequence[Any], *, num_rollouts: int,
@@ -504,6 +448,6 @@ def rollout_single(policy: TurnPolicy, questions: Sequence[Any], *, num_rollouts
                  for k in range(num_rollouts)]
 
   def tool_fn(pending):
-    return [_call_tool(tools, turn) for _, turn in pending]
+    return [subagent.call_tool(tools, turn) for _, turn in pending]
 
   return run_episodes(policy, episodes, tool_fn, tokenizer=tokenizer, limits=limits, key=key)

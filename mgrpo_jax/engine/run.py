@@ -7,10 +7,14 @@ waiting (a tool call or a delegation is out) or done. Each pass of the loop:
 2. one decode call runs every model's running slots together, until a slot stops;
 3. each turn that ended is appended to its episode and validated; the episode ends, or its
    tool call is dispatched: a delegation starts a sub-agent episode in the sub-agent's lane
-   (or goes to a `SubAgentService` in a thread), any other tool runs in a thread, the turns
-   of one pass that call tools of one role in one batch (a retriever answers them together);
+   (or goes to a remote service that answers each on its own, `Roles.remote`, or to a
+   `SubAgentService` in a thread), any other tool runs in a thread, the turns of one pass
+   that call tools of one role in one batch (a retriever answers them together);
 4. replies that have arrived are appended (the continuation tokens) and their turns made
    ready. When nothing decodes and nothing is ready, the loop waits for the next reply.
+
+A `feed` hands the loop new episodes while it runs (the decoupled sub-agent program's
+requests, admitted as they arrive), and `Roles.finished` hears of each as it ends.
 
 A turn's tokens depend on its episode's key, turn and stream only (`SlotLane`), not on when
 or in which slot it ran, so a seed reproduces the episodes whatever the tools' timing. With
@@ -33,6 +37,8 @@ from mgrpo_jax.engine import slots as slots_lib
 from mgrpo_jax.engine.record import Record
 from mgrpo_jax.envs import tool_health
 
+FEED_POLL_S = 0.005  # How long a wait for a reply lasts before the feed is looked at again.
+
 
 @dataclasses.dataclass
 class Roles:
@@ -44,6 +50,10 @@ class Roles:
   request, sub episode, seconds) -> reply text` serve it in the sub-agent's lane.
   `reply_ids(ep, reply) -> ids | None` is a reply's continuation tokens (None: the episode
   was ended, its context full).
+  `remote(pending, deliver)`: delegations served elsewhere, each answered on its own: it
+  calls `deliver(ep, reply text or exception, seconds)` (from any thread) once per
+  (episode, turn) of `pending`. `finished(ep)`: told of each episode that ends (sub-agent
+  episodes of this engine's delegations excepted), as it ends.
   """
 
   lanes: dict
@@ -52,6 +62,8 @@ class Roles:
   delegate: Callable | None = None
   sub_episode: Callable | None = None
   result: Callable | None = None
+  remote: Callable | None = None
+  finished: Callable | None = None
 
 
 class Engine:
@@ -78,10 +90,24 @@ class Engine:
     """A new episode with its own stream."""
     self.lane(ep).add(ep, stream)
 
-  def run(self) -> None:
-    """Runs until every added episode (and every sub-agent episode started) is done."""
+  def run(self, feed: Callable | None = None) -> None:
+    """Runs until every added episode (and every sub-agent episode started) is done.
+
+    `feed(idle) -> [(episode, stream)] | None`, called each pass, hands over new episodes
+    while the engine runs (None: no more will come, the feed is closed); `idle` says that
+    nothing else is to be done, so the feed may wait for work.
+    """
     lanes = self.roles.lanes
     while True:
+      if feed is not None:
+        new = feed(not self._busy())
+        if new is None:
+          feed = None
+        for ep, stream in new or ():
+          if ep.done:  # Ended before its first turn (its prompt does not fit).
+            self._episode_done(ep, added=False)
+          else:
+            self.lane(ep).add(ep, stream)
       for lane in lanes.values():
         if isinstance(lane, lanes_lib.SlotLane):
           lane.admit()
@@ -94,12 +120,19 @@ class Engine:
       if running:
         ended += self._decode(running)
       self._turns_ended(ended)
-      self._collect(block=not running and not ended and not self._ready())
-      if not running and not ended and not self._ready() and not self.out:
+      # With a feed open, a wait for a reply is cut short to look for new episodes.
+      self._collect(block=not running and not ended and not self._ready(),
+                    timeout=None if feed is None else FEED_POLL_S)
+      if not running and not ended and not self._ready() and not self.out and feed is None:
         return
 
   def _ready(self) -> bool:
     return any(lane.ready for lane in self.roles.lanes.values())
+
+  def _busy(self) -> bool:
+    return bool(self.out) or self._ready() or any(
+        lane.running() for lane in self.roles.lanes.values()
+        if isinstance(lane, lanes_lib.SlotLane))
 
   # ---------------------------------------------------------------- decoding
 
@@ -115,7 +148,7 @@ class Engine:
   def _turns_ended(self, ended: list) -> None:
     """Appends each turn to its episode; dispatches the tool calls of those that go on."""
     calls: dict[str, list] = {}
-    delegations = []
+    delegations, remote = [], []
     for seat, ids, logps, routes in ended:
       ep = seat.ep
       ep.tokens += ids
@@ -131,12 +164,28 @@ class Engine:
         self._episode_done(ep)
       elif parsed.action == "delegate" and self.roles.delegate is not None:
         delegations.append((ep, parsed))
+      elif parsed.action == "delegate" and self.roles.remote is not None:
+        remote.append((ep, parsed))
       else:
         calls.setdefault(ep.role, []).append((ep, parsed))
     for role, pending in calls.items():
       self._send(pending, lambda p=pending, role=role: self.roles.tools[role](p))
     if delegations:
       self._delegations(delegations)
+    if remote:
+      self._remote(remote)
+
+  def _remote(self, pending: list) -> None:
+    """Sends delegations to `Roles.remote`: each episode goes on when its own reply is in."""
+    clock = self.record.clock if self.record else 0
+    self.out += len(pending)
+
+    def deliver(ep, reply, seconds: float) -> None:
+      # An exception is raised in the loop's thread (`_collect`).
+      self.replies.put(([ep], reply if isinstance(reply, BaseException) else [reply],
+                        seconds, clock, ()))
+
+    self.roles.remote(pending, deliver)
 
   def _delegations(self, pending: list) -> None:
     """Starts a sub-agent episode per delegation (or sends them to the service)."""
@@ -160,10 +209,12 @@ class Engine:
   def _last_turn(self, ep) -> tuple:
     return (lanes_lib.turn_id(ep, len(ep.turns) - 1),) if ep.turns else ()
 
-  def _episode_done(self, ep) -> None:
-    lane = self.lane(ep)
-    lane.finish(ep)
+  def _episode_done(self, ep, *, added: bool = True) -> None:
+    if added:
+      self.lane(ep).finish(ep)
     parent = self.parents.pop(id(ep), None)
+    if parent is None and self.roles.finished is not None:
+      self.roles.finished(ep)
     if parent is not None:
       main, req, t0 = parent
       text = self.roles.result(main, req, ep, time.perf_counter() - t0)
@@ -207,11 +258,11 @@ class Engine:
     if self.record is not None:
       self.record.tools.append((start, time.perf_counter()))
 
-  def _collect(self, *, block: bool) -> None:
-    """Appends the replies that have arrived (waits for one if `block`)."""
+  def _collect(self, *, block: bool, timeout: float | None = None) -> None:
+    """Appends the replies that have arrived (waits for one, up to `timeout`, if `block`)."""
     while True:
       try:
-        item = self.replies.get(block=block and self.out > 0, timeout=None)
+        item = self.replies.get(block=block and self.out > 0, timeout=timeout)
       except queue.Empty:
         return
       block = False

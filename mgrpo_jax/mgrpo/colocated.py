@@ -50,11 +50,5 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict:
                train=functools.partial(mgrpo_step.update, p.wiring, p.agents),
                evaluate=evaluate, desc=c.variant,
                show=("main/reward", "single/reward", "eval/accuracy"),
-               play=rollout, versions=None if c.policy == "expert" else behaviour_versions)
+               play=rollout, versions=play.behaviour_versions)
 
-
-def behaviour_versions(r: play.Rollouts) -> list[int]:
-  """Every policy version a step's rows were sampled by: each main (or single) episode's,
-  the sub-agent version that served each of its delegations, each sub-agent episode's."""
-  out = [ep.policy_version for ep in r.episodes + r.sub_episodes]
-  return out + [v for ep in r.episodes for v in getattr(ep, "delegation_versions", ())]

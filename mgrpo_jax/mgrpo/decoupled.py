@@ -47,14 +47,25 @@ def _start(c, workdir: str, run, role: str) -> setup.Program:
 
 def _run(p: setup.Program, workdir: str, role: str, **phases) -> None:
   p.run(workdir, train=functools.partial(mgrpo_step.update, p.wiring, p.agents),
-        desc=f"{p.c.variant}:{role}", show=(f"{role}/reward", "eval/accuracy"), **phases)
+        desc=f"{p.c.variant}:{role}", show=(f"{role}/reward", "eval/accuracy"),
+        versions=play.behaviour_versions, **phases)
+
+
+def _policies(c, p: setup.Program, env, step: int, weights) -> dict:
+  """Step `step`'s turn policies: the agent's current weights, or the published sampler
+  `weights` of one policy version (`max_staleness >= 1`: the pipeline's)."""
+  version = step if weights is None else max(w.version for w in weights.values())
+  return play.make_policies(c, p.wiring, env, p.agents if weights is None else weights,
+                            c.sampling, version=version)
 
 
 def run_main_agent(c, workdir: str, run, *, timeout_s: float = 600.0) -> None:
   """The main agent's program: rollouts that delegate over the exchange, then its update.
 
   `run` is the run location shared with the sub-agent (kvstore URL, JSON spec or path);
-  `workdir` is this program's own directory (metrics, logs, final HF weights).
+  `workdir` is this program's own directory (metrics, logs, final HF weights). With
+  `config.max_staleness = k >= 1` the rollouts of the next k steps play while a step
+  updates (`pipeline.py`), and so do the sub-agent program's.
   """
   # One writer per role: a second "main" program on this run stops here, naming the
   # live one, before it writes anything (its checkpoints included).
@@ -63,16 +74,15 @@ def run_main_agent(c, workdir: str, run, *, timeout_s: float = 600.0) -> None:
     ex = delegation.open_exchange(run)
     training_questions = tasks.TrainingQuestions(c, p.env)
 
-    def rollout(step: int) -> play.Rollouts:
+    def rollout(step: int, weights: dict | None = None) -> play.Rollouts:
       env, questions = training_questions(step)
-      policies = play.make_policies(c, p.wiring, env, p.agents, c.sampling, version=step)
-      # Scripted experts (config.policy="expert") have no weight version to go stale.
-      version = None if c.policy == "expert" else step
-      svc = delegation.ExchangeSubAgent(ex, step=step, timeout_s=timeout_s, version=version,
+      policies = _policies(c, p, env, step, weights)
+      svc = delegation.ExchangeSubAgent(ex, step=step, timeout_s=timeout_s, version=step,
                                         max_staleness=c.max_staleness)
       eps, _ = play.run_rollouts(c, p.wiring, env, policies, questions,
                                  num_rollouts=c.num_rollouts, key=keys.step_key(c, step),
                                  step=step, service=svc)
+      svc.close()  # No request of this step will come: the sub-agent's serving ends.
       return play.Rollouts(env, questions, eps, [], service=svc)
 
     def learn(step: int, r: play.Rollouts) -> tuple[dict, dict]:
@@ -86,14 +96,15 @@ def run_main_agent(c, workdir: str, run, *, timeout_s: float = 600.0) -> None:
                                         timeout_s=timeout_s)
       m = play.evaluate(c, p.wiring, p.env, p.agents, step=step, service=svc,
                         questions_file=play.questions_path(workdir, step))
-      ex.mark("rollouts_done", delegation.EVAL_STEP_BASE + step, {"waves": svc.waves})
+      svc.close()
       return m
 
-    _run(p, workdir, "main", rollout=rollout, learn=learn, evaluate=evaluate)
+    _run(p, workdir, "main", rollout=rollout, learn=learn, evaluate=evaluate, play=rollout)
 
 
 def run_sub_agent(c, workdir: str, run, *, timeout_s: float = 600.0) -> None:
-  """The sub-agent's program: serves every wave of a step, then trains on its own episodes."""
+  """The sub-agent's program: serves each delegation of a step as it comes, then trains on
+  its own episodes once the main agent's outcome of the step is published."""
   # One writer per role: a second "sub" program on this run stops here, naming the
   # live one, before it writes anything (its checkpoints included).
   with _lease(run, "sub"):
@@ -101,18 +112,23 @@ def run_sub_agent(c, workdir: str, run, *, timeout_s: float = 600.0) -> None:
     ex = delegation.open_exchange(run)
     # The main program's step questions come from this step's task: its tools serve them.
     training_questions = tasks.TrainingQuestions(c, p.env)
+    rows = c.num_queries * c.num_rollouts  # Delegations in flight at most: one per episode.
 
-    def rollout(step: int) -> play.Rollouts:
+    def rollout(step: int, weights: dict | None = None) -> play.Rollouts:
       env, questions = training_questions(step)
-      policy = play.make_policies(c, p.wiring, env, p.agents, c.sampling, version=step)["sub"]
+      policy = _policies(c, p, env, step, weights)["sub"]
       svc = play.colocated_sub_agent(c, env, policy, keys.step_key(c, step))
-      # Serves every wave of the step, then reads R_M as the main program published it.
-      outcome = delegation.serve_step(ex, svc, step, timeout_s=timeout_s)
-      return play.Rollouts(env, questions, [], svc.episodes, outcome=outcome)
+      # With k >= 1 a restart plays another version than the one that served: the
+      # episodes behind results already written are kept on the exchange and read back.
+      delegation.serve_step(ex, svc, step, timeout_s=timeout_s, read_outcome=False, rows=rows,
+                            stored=c.max_staleness >= 1)
+      return play.Rollouts(env, questions, [], svc.episodes)
 
     def learn(step: int, r: play.Rollouts) -> tuple[dict, dict]:
+      # R_M as the main program published it (with k >= 1, while later steps are served).
+      outcome = delegation.get_outcome(ex, step, timeout_s=timeout_s)
       batch, m = mgrpo_step.sub_side(c, p.wiring, r.env, r.questions, r.sub_episodes,
-                                     r.outcome, jax.random.fold_in(keys.step_key(c, step), 2))
+                                     outcome, jax.random.fold_in(keys.step_key(c, step), 2))
       return {"sub": batch}, m  # frozen_sub: `update` trains nothing on it.
 
     def evaluate(step: int) -> dict:
@@ -120,10 +136,11 @@ def run_sub_agent(c, workdir: str, run, *, timeout_s: float = 600.0) -> None:
                                   version=step)["sub"]
       svc = play.colocated_sub_agent(c, p.env, policy, keys.eval_key(c, step))
       delegation.serve_step(ex, svc, delegation.EVAL_STEP_BASE + step, timeout_s=timeout_s,
-                            read_outcome=False)
+                            read_outcome=False,
+                            rows=len(tasks.eval_questions(c, p.env)))
       eps = svc.episodes
       return {"eval/sub_format": float(np.mean([e.format_ok for e in eps])),
               "eval/sub_overflow": float(np.mean([play.overflowed(e) for e in eps]))
               } if eps else {}
 
-    _run(p, workdir, "sub", rollout=rollout, learn=learn, evaluate=evaluate)
+    _run(p, workdir, "sub", rollout=rollout, learn=learn, evaluate=evaluate, play=rollout)

@@ -29,7 +29,7 @@ class Rollouts:
   `questions` are the step's, in the order asked: main episode (q, k) answers
   `questions[q]`. A decoupled program holds one column: the main program no sub-agent
   episodes (`service`: the exchange it delegated over), the sub program no main episodes
-  but the main program's `outcome` (R_M), read from the exchange.
+  (it reads R_M from the exchange when it learns).
   """
 
   env: Env  # The step's task: its tools served the episodes.
@@ -37,22 +37,31 @@ class Rollouts:
   episodes: list  # Main (or single) episodes in (q, k) order.
   sub_episodes: list
   service: object = None
-  outcome: hierarchy.MainOutcome | None = None
 
   @property
   def num_generated(self) -> int:
     return sum(e.num_generated for e in self.episodes + self.sub_episodes)
 
 
+def behaviour_versions(r: Rollouts) -> list[int]:
+  """Every policy version a step's rows were sampled by: each main (or single) episode's,
+  the sub-agent version that served each of its delegations, each sub-agent episode's."""
+  out = [ep.policy_version for ep in r.episodes + r.sub_episodes]
+  return out + [v for ep in r.episodes for v in getattr(ep, "delegation_versions", ())]
+
+
 def limits(c) -> rollout.Limits:
   return rollout.Limits(**c.limits.to_dict())
 
 
-def expert_policies(c, w: Wiring, env: Env, *, noise: float = 0.0, seed: int = 0) -> dict:
-  """The scripted experts, one per role."""
+def expert_policies(c, w: Wiring, env: Env, *, noise: float = 0.0, seed: int = 0,
+                    version: int = 0) -> dict:
+  """The scripted experts, one per role; `version` labels what they play (they have no
+  weights: only the versions' bookkeeping follows it)."""
   tok, kw = env.tokenizer, dict(noise=noise, think=c.expert_think)
   mk = lambda expert, i: rollout.ExpertPolicy(expert, tok, seed=seed * 10 + i,
-                                              protocol=c.get("protocol", "tags"))
+                                              protocol=c.get("protocol", "tags"),
+                                              version=version)
   if "data" in c:  # task=qa: the gold structure's experts (noise-free; none for "jsonl").
     if not w.has_sub:
       raise ConfigValueError("task=qa has experts for the main and sub-agent only, not for "
@@ -73,7 +82,7 @@ def make_policies(c, w: Wiring, env: Env, agents: dict, sampling_cfg, version: i
   plays it.
   """
   if c.policy == "expert":
-    return expert_policies(c, w, env, noise=c.expert_noise)
+    return expert_policies(c, w, env, noise=c.expert_noise, version=version)
   kw = dict(limits=limits(c), temperature=sampling_cfg.temperature, top_p=sampling_cfg.top_p,
             top_k=sampling_cfg.top_k, version=version, chunk=sampling_cfg.chunk,
             kv_cache_budget_bytes=sampling_cfg.kv_cache_budget_bytes or None,
