@@ -19,7 +19,6 @@ for the trainer to replay.
 import dataclasses
 import threading
 from concurrent import futures
-import time
 from typing import Any, Callable, Protocol, Sequence
 
 import jax

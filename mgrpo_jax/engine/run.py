@@ -189,7 +189,7 @@ class Engine:
 
   def _delegations(self, pending: list) -> None:
     """Starts a sub-agent episode per delegation (or sends them to the service)."""
-    requests, remote = [], []
+    requests = []
     for ep, turn in pending:
       req = self.roles.delegate(ep, turn)
       if isinstance(req, str):  # No delegation may be made: the reply says why.
