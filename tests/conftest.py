@@ -275,7 +275,6 @@ def _multi_turn_episodes(cfg, params, *, temperature: float, top_k: int = 20,
   Every token is routed (a MoE policy's `Episode.experts`): episodes end on a turn.
   """
   import jax  # Not at the top: the flags above must come before JAX is imported.
-  import numpy as np
 
   from mgrpo_jax import byte_tokenizer
   from mgrpo_jax.agents import rollout
@@ -299,12 +298,7 @@ def _multi_turn_episodes(cfg, params, *, temperature: float, top_k: int = 20,
       return eps
     for seat, ids, logps, routes in engine_run.decode([lane], policy.chunk, None):
       ep = seat.ep
-      ep.tokens += ids
-      ep.loss_mask += [1] * len(ids)
-      ep.logprobs += logps
-      if routes is not None:
-        ep.experts = routes if ep.experts is None else np.concatenate([ep.experts, routes])
-      ep.turns.append(tok.decode(ids))
+      engine_run.append_turn(ep, ids, logps, routes, tok.decode(ids))
       if len(ep.turns) == turns[ep.q]:
         lane.finish(ep)
         continue

@@ -151,13 +151,8 @@ class Engine:
     delegations, remote = [], []
     for seat, ids, logps, routes in ended:
       ep = seat.ep
-      ep.tokens += ids
-      ep.loss_mask += [1] * len(ids)
-      ep.logprobs += logps
-      if routes is not None:
-        ep.experts = routes if ep.experts is None else np.concatenate([ep.experts, routes])
       text = self.tokenizer.decode(ids)
-      ep.turns.append(text)
+      append_turn(ep, ids, logps, routes, text)
       parsed = ep.validator.step(text)
       ep.actions.append(parsed.action or "invalid")
       if ep.done:
@@ -283,6 +278,17 @@ class Engine:
     clock = self.record.clock if self.record else 0
     self.lane(ep).extend(ep, ids, deps=self._last_turn(ep)[:1] + tuple(deps),
                          input_steps=0 if sent is None else max(0, clock - sent))
+
+
+def append_turn(ep, ids: list, logps: list, routes, text: str) -> None:
+  """A turn that ended, appended to its episode: its tokens (loss mask 1), their behaviour
+  log-probs, the routes of every position not routed yet (MoE) and its text."""
+  ep.tokens += ids
+  ep.loss_mask += [1] * len(ids)
+  ep.logprobs += logps
+  if routes is not None:
+    ep.experts = routes if ep.experts is None else np.concatenate([ep.experts, routes])
+  ep.turns.append(text)
 
 
 def decode(running: list, chunk: int, record: Record | None) -> list:
