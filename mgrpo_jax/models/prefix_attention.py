@@ -171,11 +171,11 @@ def cascade_ragged(q_BxKxGx1xH, k_BxKxSxH, v_BxKxSxH, own_len_B, pool_k_PxKxLxH,
   the queries' producer writes), and each slot reads back its own row's results. Fewer
   members than slots take the gather (`gather_queries`, `scatter_back`)."""
   b, kv, g, _, h = q_BxKxGx1xH.shape
-  p, m = members_PxM.shape
+  p, width = members_PxM.shape
   q = q_BxKxGx1xH[:, :, :, 0]
   run = functools.partial(_kernel_parts, splits=splits, interpret=interpret)
   # A pool row without members is still read to its length: a free row should have 0.
-  if m >= b:
+  if width >= b:
     # [K, B, G, H]: one layout for both kernels (they index q where it lies).
     q, q_axes = jnp.transpose(q, (1, 0, 2, 3)), (1, 0)
     o_p, l_p, m_p = run(q.reshape(kv, b * g, h), pool_k_PxKxLxH, pool_v_PxKxLxH,
