@@ -332,20 +332,38 @@ def test_engine_decode_step_reads_a_window_of_the_cache_in_place(engine_steps, a
   assert found == [], [(c["reads"], c["writes"], c["roots"]) for c in found]
 
 
+@pytest.fixture(scope="module")
+def shared_steps():
+  """{(attention, layers): stats} of `engine_steps`' step with the slots also attending to a
+  pool of shared prompts (`engine.slots.Pool`: 2 rows of REACHED positions)."""
+  out = {}
+  for attention, layers in (("auto", 1), ("auto", 2), ("ragged", 1), ("ragged", 2)):
+    _, compiled, lanes = step_cases.engine_decode_case(
+        (PRESET, PRESET), ROWS, REACHED, MAX_LEN, attention=attention,
+        device_list=_devices(1), return_compiled=True,
+        model_overrides=dict(num_layers=layers), pool=(2, REACHED))
+    out[attention, layers] = hlo_stats.step_stats(compiled.as_text(), lanes)
+  return out
+
+
 @pytest.mark.parametrize("attention", ["auto", "ragged"])
 def test_engine_decode_step_with_shared_prompts_writes_under_a_tenth_of_what_it_reads(
-    attention):
-  # The slots also attend to a pool of shared prompts (`engine.slots.Pool`: 2 rows of
-  # REACHED positions): the cascade moves queries and outputs, not a copy of the pool.
-  # (Its kernels: 21 a layer with the Pallas path, 24 with XLA's, over issue 35's 20:
-  # docs/results/engine.md.)
-  _, compiled, lanes = step_cases.engine_decode_case(
-      (PRESET, PRESET), ROWS, REACHED, MAX_LEN, attention=attention,
-      device_list=_devices(1), return_compiled=True, model_overrides=LAYERS,
-      pool=(2, REACHED))
-  stats = hlo_stats.step_stats(compiled.as_text(), lanes)
+    shared_steps, attention):
+  # The cascade moves queries and outputs, not a copy of the pool.
+  stats = shared_steps[attention, 2]
   assert stats["copies"] == [], stats["copies"]
   assert stats["written_to_read"] < 0.1, (stats["written_to_read"], stats["top_writers"])
   if attention == "ragged":  # Two Pallas kernels a layer of each model: prefix, own.
     cfg = models.get_preset(PRESET, **LAYERS)
     assert stats["custom_calls_per_step"].get("__gpu$xla.gpu.triton") == 4 * cfg.num_layers
+
+
+def test_engine_decode_step_with_shared_prompts_runs_at_most_20_kernels_a_layer(
+    shared_steps):
+  # The Pallas path, the GPU engine's (the XLA path's cascade takes two softmaxes of four
+  # kernels each: docs/results/engine.md). Counted as `engine_steps`' are.
+  k1, k2 = (shared_steps["ragged", n]["kernels_per_step"] for n in (1, 2))
+  per_layer = (k2 - k1) / 2
+  layers = models.get_preset(PRESET).num_layers
+  assert 5 < per_layer <= 20, (k1, k2)
+  assert (k2 + (layers - 2) * 2 * per_layer) / (2 * layers) <= 20, (k1, k2)

@@ -7,7 +7,9 @@ its own suffix (own positions 0..own_len-1; the step's query is own position own
 Attention over the concatenation is computed per part and merged (as Hydragen does):
 
 - prefix: the queries of a pool row's M member slots gathered into one batch of M * G
-  query heads per kv head, attending to the row's keys: one read of the prefix per row;
+  query heads per kv head, attending to the row's keys: one read of the prefix per row
+  (with a members table as wide as the slots, the engine's, the Pallas path takes every
+  slot's queries as they lie instead: the same work, no gather);
 - own: ordinary attention of each slot's G query heads over its own suffix;
 - merge: softmax over the union from each part's normalised output and log-sum-exp,
   exactly (o = sum_i exp(lse_i - lse) o_i, lse = log sum_i exp(lse_i)).
@@ -139,41 +141,66 @@ def _parts(q_QxH, k_SxH, v_SxH, length, *, n: int, bk: int, interpret: bool):
 
 
 def _kernel_parts(q_NxKxQxH, k_NxKxSxH, v_NxKxSxH, length_N, *, splits: int,
-                  interpret: bool):
-  """`_parts` over every row and kv head: o [N, K, n, Q, H], l and m [N, K, n, Q]."""
+                  interpret: bool, q_axes=(0, 1)):
+  """`_parts` over every row and kv head: o [N, K, n, Q, H], l and m [N, K, n, Q].
+
+  `q_axes`: q's (row, kv head) axes; None for one q that every row reads. The kernel's
+  blocks index q where it lies (vmapping a Pallas call moves no axis), so q needs no copy
+  into the rows' order."""
   n, bk = ragged_attention.tiles(k_NxKxSxH.shape[2], splits)
   one = functools.partial(_parts, n=n, bk=bk, interpret=interpret)
-  per_head = jax.vmap(one, in_axes=(0, 0, 0, None))
-  return jax.vmap(per_head)(q_NxKxQxH, k_NxKxSxH, v_NxKxSxH, length_N.astype(jnp.int32))
+  row_axis, head_axis = q_axes
+  # The rows are mapped first: a kv head axis after the row axis moves down one.
+  head_axis -= row_axis is not None and row_axis < head_axis
+  per_head = jax.vmap(one, in_axes=(head_axis, 0, 0, None))
+  return jax.vmap(per_head, in_axes=(row_axis, 0, 0, 0))(
+      q_NxKxQxH, k_NxKxSxH, v_NxKxSxH, length_N.astype(jnp.int32))
 
 
 def cascade_ragged(q_BxKxGx1xH, k_BxKxSxH, v_BxKxSxH, own_len_B, pool_k_PxKxLxH,
                    pool_v_PxKxLxH, pool_len_P, members_PxM, pool_row_B, *,
                    splits: int = ragged_attention.SPLITS, interpret: bool = False):
   """`cascade` through the Pallas decode kernel (keys and values [N, K, S, H]): the prefix
-  per pool row with its members' M * G query heads in one block, the suffix per slot,
-  each read to its own length; the parts of both merged together by their maxima. L and
-  S must be multiples of 16 (`ragged_attention.tiles`)."""
-  g = q_BxKxGx1xH.shape[2]
+  per pool row with its members' M * G query heads of a kv head in one block, the suffix
+  per slot, each read to its own length; the parts of both merged together by their
+  maxima. L and S must be multiples of 16 (`ragged_attention.tiles`).
+
+  With a members table as wide as the slots (M = B, the engine's: a row may hold every
+  slot) a gather of members saves no work: every pool row attends with every slot's
+  queries as they lie, kv heads major ([K, B * G, H] is a reshape of [K, B, G, H], which
+  the queries' producer writes), and each slot reads back its own row's results. Fewer
+  members than slots take the gather (`gather_queries`, `scatter_back`)."""
+  b, kv, g, _, h = q_BxKxGx1xH.shape
+  p, width = members_PxM.shape
   q = q_BxKxGx1xH[:, :, :, 0]
-  p = pool_k_PxKxLxH.shape[0]
+  run = functools.partial(_kernel_parts, splits=splits, interpret=interpret)
   # A pool row without members is still read to its length: a free row should have 0.
-  o_p, l_p, m_p = _kernel_parts(gather_queries(q, members_PxM), pool_k_PxKxLxH,
-                                pool_v_PxKxLxH, pool_len_P, splits=splits,
-                                interpret=interpret)
-  # [P, K, n, M * G, ...] -> per slot [B, K, n, G, ...] (the member axis moved to 2).
-  back = lambda x: jnp.moveaxis(scatter_back(jnp.moveaxis(x, 2, 3), members_PxM,
-                                             pool_row_B, g), 3, 2)
+  if width >= b:
+    # [K, B, G, H]: one layout for both kernels (they index q where it lies).
+    q, q_axes = jnp.transpose(q, (1, 0, 2, 3)), (1, 0)
+    o_p, l_p, m_p = run(q.reshape(kv, b * g, h), pool_k_PxKxLxH, pool_v_PxKxLxH,
+                        pool_len_P, q_axes=(None, 0))
+    # Per slot b, row pool_row[b]'s results for b's queries: [P, K, n, B * G, ...] ->
+    # [B, K, n, G, ...].
+    rows, slots = jnp.minimum(pool_row_B, p - 1), jnp.arange(b)
+    back = lambda x: x.reshape(p, kv, x.shape[2], b, g, *x.shape[4:])[rows, :, :, slots]
+  else:
+    q_axes = (0, 1)
+    o_p, l_p, m_p = run(gather_queries(q, members_PxM), pool_k_PxKxLxH, pool_v_PxKxLxH,
+                        pool_len_P)
+    # [P, K, n, M * G, ...] -> per slot [B, K, n, G, ...] (the member axis moved to 2).
+    back = lambda x: jnp.moveaxis(scatter_back(jnp.moveaxis(x, 2, 3), members_PxM,
+                                               pool_row_B, g), 3, 2)
   # A slot without a row takes row P - 1's parts: zeroed, so they weigh nothing.
   has = (pool_row_B < p)[:, None, None, None]
   o_p, l_p = jnp.where(has[..., None], back(o_p), 0), jnp.where(has, back(l_p), 0.0)
   m_p = jnp.where(has, back(m_p), jnp.finfo(jnp.float32).min)
-  o_o, l_o, m_o = _kernel_parts(q, k_BxKxSxH, v_BxKxSxH, own_len_B, splits=splits,
-                                interpret=interpret)
+  # The suffix, each slot over its own cache, q read where it lies: results [B, K, ...].
+  o_o, l_o, m_o = run(q, k_BxKxSxH, v_BxKxSxH, own_len_B, q_axes=q_axes)
   # Flash-decoding's merge over all parts of both, as static terms (as
-  # `ragged_attention.kernel`'s; three kernels here, fewer than a reduction over the
-  # concatenated parts took). A skipped part has l = 0 and the kernel's initial max
-  # (float32's min), so it weighs 0.
+  # `ragged_attention.kernel`'s: two kernels, the maxima's and the output's, which read the
+  # prefix's parts through the slots' gather). A skipped part has l = 0 and the kernel's
+  # initial max (float32's min), so it weighs 0.
   parts = [(o[:, :, i], l[:, :, i], m[:, :, i]) for o, l, m in ((o_p, l_p, m_p),
                                                               (o_o, l_o, m_o))
            for i in range(o.shape[2])]
@@ -182,7 +209,7 @@ def cascade_ragged(q_BxKxGx1xH, k_BxKxSxH, v_BxKxSxH, own_len_B, pool_k_PxKxLxH,
   num = sum(o.astype(jnp.float32) * w[..., None] for (o, _, _), w in zip(parts, ws))
   den = sum(l * w for (_, l, _), w in zip(parts, ws))
   out = num / jnp.where(den > 0, den, 1.0)[..., None]
-  return out.astype(q.dtype)[:, :, :, None]
+  return out.astype(q_BxKxGx1xH.dtype)[:, :, :, None]
 
 
 def decode(q_BxKxGx1xH, k_BxKx__, v_BxKxSxH, q_idx_Bx1, pool_k_PxKx__, pool_v_PxKxLxH,

@@ -101,10 +101,18 @@ PATHS = {"xla": (prefix_attention.cascade, True),
                                       interpret=True), False)}
 
 
+def _every_slot(members):
+  """The engine's members table, [P, B]: as wide as the slots (padded with B)."""
+  return np.pad(members, ((0, 0), (0, B - members.shape[1])), constant_values=B)
+
+
+# Members: M < B (the Pallas path gathers them) or the engine's [P, B] (it takes every slot).
+@pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("path", sorted(PATHS))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cascade_equals_softmax_over_prefix_and_own(path, dtype):
+def test_cascade_equals_softmax_over_prefix_and_own(path, dtype, wide):
   a, own_len, pool_len, members, pool_row = _case(dtype)
+  members = _every_slot(members) if wide else members
   want = _numpy_reference(a, own_len, pool_len, pool_row)
   fn, keys_minor = PATHS[path]
   with jax.default_matmul_precision("highest"):
@@ -121,8 +129,9 @@ def test_cascade_equals_softmax_over_prefix_and_own(path, dtype):
 def test_slot_without_any_key_gives_zeros():
   a, own_len, pool_len, members, pool_row = _case("float32")
   own_len[3] = 0  # Slot 3: no prefix and an empty suffix (an idle slot).
-  for fn, keys_minor in PATHS.values():
-    got = _run(fn, jnp.float32, a, own_len, pool_len, members, pool_row, keys_minor)
+  for (fn, keys_minor), table in zip([*PATHS.values()] * 2,
+                                     [members] * 2 + [_every_slot(members)] * 2):
+    got = _run(fn, jnp.float32, a, own_len, pool_len, table, pool_row, keys_minor)
     assert np.all(np.isfinite(got))
     np.testing.assert_array_equal(got[3], 0.0)
 
