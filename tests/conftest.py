@@ -32,12 +32,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if (os.environ["JAX_PLATFORMS"] == "cpu"
     and "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]):
   os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
-# Likewise XLA:CPU's older elemental emitters instead of its MLIR fusion emitters: they
-# compile the same fusions in about 40% less time (a one-step colocated smoke run 26 -> 18.5 s
-# of CPU on 2 cores, its compiles 48 -> 29 s), with XLA's fast math still off.
-if (os.environ["JAX_PLATFORMS"] == "cpu"
-    and "--xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]):
-  os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
 # XLA:CPU aborts the process when one fake device reaches a collective 40 s after the first
 # (its default); on 2 oversubscribed cores (two workers, the programs they start, XLA's own
 # threads) a late thread is load, not a deadlock. A real deadlock still aborts, later.
