@@ -28,8 +28,9 @@ from mgrpo_jax import kv_cache_plan, sampling
 from mgrpo_jax import tokenizer as tk
 from mgrpo_jax.agents import native, protocol, subagent
 # Re-exported: the main <-> sub interface's names, as callers know them.
-from mgrpo_jax.agents.subagent import (NO_RESULT, DelegationRequest, DelegationResult,
-                                       SubAgentService, main_tool_fn, result_of)
+from mgrpo_jax.agents.subagent import (NO_RESULT, DelegationRequest,  # noqa: F401
+                                       DelegationResult, SubAgentService, main_tool_fn,
+                                       result_of)
 from mgrpo_jax.agents.validator import EpisodeValidator
 from mgrpo_jax.engine import lanes
 from mgrpo_jax.engine import run as engine_run
