@@ -7,8 +7,8 @@ counts what that holds). A new episode's prompt is prefilled once per distinct p
 restored into the slot of every other episode that starts from it; with `share_prompts`,
 held once in a pool row that their slots attend to (`slots.Pool`, `engine/shared.py`), each
 slot caching only its own positions. Ready tokens (a prompt, a tool reply's continuation)
-are prefilled in chunks of at most `width` tokens per slot, the chunks of one call of
-similar lengths, so little is computed that is not needed.
+are prefilled in chunks of at most `width` tokens per slot, grouped into calls by
+`prefill_plan` (little computed that is not needed, at the fewest weight reads).
 
 `ScriptedLane` runs a `TurnPolicy` that is not a sampler (the scripted experts): every turn
 that is ready is acted at once.
@@ -26,13 +26,11 @@ import numpy as np
 
 from mgrpo_jax import kv_cache_plan, sampling
 from mgrpo_jax.distributed import fetch
-from mgrpo_jax.engine import shared
+from mgrpo_jax.engine import prefill_plan, shared
 from mgrpo_jax.engine import slots as slots_lib
 from mgrpo_jax.engine.record import Record
 from mgrpo_jax.models import ragged_attention
 
-UNITS = (1, 2, 4, 8, 16)  # Slots prefilled in one call: its batch sizes (few compiles).
-MAX_UNITS = UNITS[-1]
 # A prefill call computing at most this many FLOPs pads its units to MAX_UNITS: one program
 # per width. On a small model (the CPU demo's) padded rows cost milliseconds where each
 # (units, width) program costs about a second to compile; a real model's call is far above
@@ -215,7 +213,7 @@ class SlotLane:
       return
     # Room for each slot's first chunk (a chunk ends at most at its tokens' bucketed end).
     self._ensure(max(len(s.ep.tokens) - s.prefix
-                     + kv_cache_plan.bucket(min(len(s.pending), self.width), 16)
+                     + prefill_plan.width_of(len(s.pending), self.width, fine=False)
                      for s in placed))
     fresh, joins = [], []
     for seat in restores:
@@ -335,19 +333,15 @@ class SlotLane:
 
   def _prefill(self, seats: list, pool: bool = False) -> None:
     """Prefills every seat's pending tokens (`pool`: `_PoolFill`s, into pool rows): per call
-    one chunk per slot, chunks of similar size together (a call's width is its longest
-    chunk's, rounded up to 16), its slots padded to one of UNITS."""
+    one chunk per slot, chunks of similar size together (`prefill_plan.next_call`)."""
     while seats:
-      seats.sort(key=lambda s: -min(len(s.pending), self.width))
-      width = kv_cache_plan.bucket(min(len(seats[0].pending), self.width), 16)
-      call = [s for s in seats if kv_cache_plan.bucket(min(len(s.pending), self.width), 16)
-              * 2 > width][:MAX_UNITS]
-      # The next batch size up: one call, not one per power of two in its count, so the
-      # weights are read once (prefill of a few short chunks is bound by that read). Where
-      # 16 rows cost less than compiling another program, always 16.
-      units = next(u for u in UNITS if u >= len(call))
-      if MAX_UNITS * width * 2 * self.config.num_params() <= self.pad_units_flops:
-        units = MAX_UNITS
+      longest = min(max(len(s.pending) for s in seats), self.width)
+      # Where 16 rows cost less than compiling another program, always 16.
+      pad = (prefill_plan.MAX_UNITS * prefill_plan.width_of(longest, self.width, fine=False)
+             * 2 * self.config.num_params() <= self.pad_units_flops)
+      take, units, width = prefill_plan.next_call([len(s.pending) for s in seats],
+                                                  self.width, pad_to_max=pad)
+      call = [seats[i] for i in take]
       # Each unit writes `width` positions from its row's length: they must fit the row.
       if pool:
         self._ensure_pool(max(s.done for s in call) + width)
