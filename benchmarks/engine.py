@@ -224,6 +224,9 @@ def main(argv=None) -> dict:
   p.add_argument("--price_as", default="qwen3_8b", help="Model preset priced on an H100.")
   p.add_argument("--share_prompts", action="store_true",
                  help="A prompt several episodes start from held once, in a pool row.")
+  p.add_argument("--warmup", type=int, default=1, help="Run the workload this many times "
+                 "before the measured run: its programs compiled (once per run of training), "
+                 "so compiling does not hold the engine while tools run.")
   p.add_argument("--out", default="")
   args = p.parse_args(argv)
   from mgrpo_jax import models
@@ -232,9 +235,13 @@ def main(argv=None) -> dict:
   # prefill pads no unit, and its slots grow by need (their whole context is far over 1 GiB).
   lanes.PAD_UNITS_FLOPS = 0
   kv_cache_plan.WHOLE_CONTEXT_BYTES = 0
-  start, cpu = time.perf_counter(), time.process_time()
   given = [int(x) for x in args.slots.split(",")] if args.slots else []
   run = run_magrpo if args.task == "magrpo" else run_agents
+  start = time.perf_counter()
+  for _ in range(args.warmup):
+    run(args, record_lib.Record(), _parse_lengths(args), given)
+  warmup_s = time.perf_counter() - start
+  start, cpu = time.perf_counter(), time.process_time()
   ran = run(args, record, _parse_lengths(args), given)
   record = record.as_dict()
   shape = ran.pop("shape")
@@ -251,6 +258,7 @@ def main(argv=None) -> dict:
              per_model={m: _per_model(record, m) for m in models_ran},
              ran=dict(ran, model=dict(layers=shape.num_layers, hidden=shape.hidden_size,
                                       vocab=shape.vocab_size)),
+             warmup=args.warmup, warmup_seconds=round(warmup_s, 1),
              wall_seconds=round(time.perf_counter() - start, 1),
              cpu_seconds=round(time.process_time() - cpu, 1))
   if args.out:

@@ -99,7 +99,7 @@ def test_h100_price_of_a_qwen3_8b_decode_step():
 
 def _run_script(load_benchmark, tmp_path, *flags) -> dict:
   out = tmp_path / "engine.json"
-  load_benchmark("engine").main([*flags, "--tool_latency_ms=1", f"--out={out}"])
+  load_benchmark("engine").main([*flags, "--tool_latency_ms=1", "--warmup=0", f"--out={out}"])
   return json.loads(out.read_text())
 
 

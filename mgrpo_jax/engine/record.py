@@ -9,6 +9,7 @@ intervals of tool calls and device work. `metrics(record, shape)` turns any engi
 into the figures, `modelled_h100_seconds` included (`step_seconds`).
 """
 
+import bisect
 import dataclasses
 
 import numpy as np
@@ -84,7 +85,16 @@ def _overlap(intervals, spans) -> float:
       merged[-1][1] = max(merged[-1][1], b)
     else:
       merged.append([a, b])
-  return sum(max(0.0, min(b, y) - max(a, x)) for a, b in intervals for x, y in merged)
+  starts = [x for x, _ in merged]
+  total = 0.0
+  for a, b in intervals:
+    # The merged spans are disjoint and sorted: those that can meet [a, b] start before b,
+    # from the last one that starts at or before a.
+    i = max(0, bisect.bisect_right(starts, a) - 1)
+    while i < len(merged) and merged[i][0] < b:
+      total += max(0.0, min(b, merged[i][1]) - max(a, merged[i][0]))
+      i += 1
+  return total
 
 
 def metrics(record: dict, shape) -> dict:
