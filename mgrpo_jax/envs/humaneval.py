@@ -18,6 +18,7 @@ import gzip
 import json
 import re
 import textwrap
+import threading
 
 from mgrpo_jax import sandbox
 
@@ -25,6 +26,17 @@ MAX_REWARD = 4.0
 AUX = "aux"
 _MAX_FEEDBACK = 600  # Feedback becomes part of the next turn's prompt: keep it short.
 _MAX_TEXT = 20_000  # Longer completions are cut before parsing (bounds the prefix search).
+# CPython 3.11's ast.parse, called from several threads at once (the reward workers of
+# `code_rewards`), can fail with "SystemError: AST constructor recursion depth mismatch"
+# (python/cpython#106905): one parse at a time. A parse takes microseconds next to a sandbox.
+_PARSE_LOCK = threading.Lock()
+
+
+def _parse(source: str, **kw) -> ast.AST:
+  with _PARSE_LOCK:
+    return ast.parse(source, **kw)
+
+
 _FENCE = re.compile(r"```[^\n]*\n(.*?)(?:```|\Z)", re.S)  # An unclosed fence runs to the end.
 _PARSE_ERRORS = (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError)
 
@@ -140,7 +152,7 @@ def check_cases(problem: Problem) -> tuple[tuple[str, str], ...]:
   with candidate renamed, for feedback.
   """
   try:
-    module = ast.parse(problem.test)
+    module = _parse(problem.test)
   except _PARSE_ERRORS as e:
     raise ValueError(f"does not parse ({e})") from None
   checks = [n for n in module.body if isinstance(n, ast.FunctionDef) and n.name == "check"]
@@ -172,7 +184,7 @@ def check_cases(problem: Problem) -> tuple[tuple[str, str], ...]:
 def _display(stmt, param, entry_point) -> str:
   """The (first) assert of a test as a reader would write it: `assert add_sq(1, 2) == 5`."""
   inner = next(n for n in ast.walk(stmt) if isinstance(n, ast.Assert))
-  shown = ast.Assert(_Rename(param, entry_point).visit(ast.parse(ast.unparse(inner.test),
+  shown = ast.Assert(_Rename(param, entry_point).visit(_parse(ast.unparse(inner.test),
                                                                  mode="eval").body))
   text = ast.unparse(shown)
   text = text if len(text) <= 120 else text[:117] + "..."
@@ -193,7 +205,7 @@ class _Rename(ast.NodeTransformer):
 def _context(problem: Problem) -> str:
   """What the prompt gives the solution: its imports and helpers (e.g. `poly`), not the stub."""
   try:
-    body = ast.parse(problem.prompt).body
+    body = _parse(problem.prompt).body
   except _PARSE_ERRORS:  # Fall back to the import lines alone.
     return "\n".join(line for line in problem.prompt.splitlines()
                      if line.startswith(("import ", "from ")))
@@ -243,7 +255,7 @@ def find_def(text: str, name: str) -> tuple[str, bool]:
 def _def_in(source, name):
   try:  # The common case: the whole block is Python.
     lines = textwrap.dedent(source).splitlines()
-    found = [n for n in ast.parse("\n".join(lines)).body if _is_def(n, name)]
+    found = [n for n in _parse("\n".join(lines)).body if _is_def(n, name)]
     if found:
       first = min([found[-1].lineno] + [d.lineno for d in found[-1].decorator_list])
       return "\n".join(lines[first - 1:found[-1].end_lineno]), True
@@ -263,7 +275,7 @@ def _def_in(source, name):
     ends.append(len(body))
     for end in ends[::-1][:200]:
       try:
-        node = ast.parse("\n".join(body[:end])).body[0]
+        node = _parse("\n".join(body[:end])).body[0]
       except _PARSE_ERRORS:
         continue
       if _is_def(node, name):
@@ -290,7 +302,7 @@ def _returns_value(fn) -> bool:
 
 def _defined_with_return(source, parsed) -> bool:
   if parsed:
-    return _returns_value(ast.parse(source).body[0])
+    return _returns_value(_parse(source).body[0])
   # Unparseable: credit a `return <something>` line, as the paper's level 1 is textual.
   return any(re.match(r"return\b\s*\S", line.strip()) for line in source.splitlines()[1:])
 
@@ -374,7 +386,7 @@ def code_reward(problem: Problem, aux_text: str, main_text: str, *,
   tests = suite.passed / suite.total
   cooperation, coop_note = 0.0, ""
   if suite.passed and aux:
-    cooperation, coop_note = cooperation_level(ast.parse(main).body[0])
+    cooperation, coop_note = cooperation_level(_parse(main).body[0])
   feedback = _test_feedback(suite, [display for _, display in cases], timeout_per_test_s)
   feedback = "\n".join(s for s in (feedback, coop_note, aux_note.strip()) if s)
   total = structure + 0.5 + tests + cooperation

@@ -3,6 +3,8 @@
 import ast
 import dataclasses
 import json
+import threading
+import time
 
 import pytest
 
@@ -91,6 +93,29 @@ def test_parallel_equals_sequential(scored):
   assert sequential == [scored[n] for n in names]
   with pytest.raises(ValueError, match="lengths differ"):
     humaneval.code_rewards([ADD_SQ], [AUX], [])
+
+
+def test_reward_workers_parse_one_at_a_time(monkeypatch):
+  """CPython 3.11's ast.parse from several threads at once can fail with a SystemError
+  (python/cpython#106905): the reward workers must never be inside it together."""
+  inside, most, lock = [0], [0], threading.Lock()
+  parse = ast.parse
+
+  def watched(*a, **kw):
+    with lock:
+      inside[0] += 1
+      most[0] = max(most[0], inside[0])
+    time.sleep(0.002)  # Widens the window another thread could enter in.
+    try:
+      return parse(*a, **kw)
+    finally:
+      with lock:
+        inside[0] -= 1
+
+  monkeypatch.setattr(ast, "parse", watched)
+  names = list(CASES) * 3
+  humaneval.code_rewards(*zip(*(CASES[n] for n in names)), workers=8, timeout_per_test_s=5.0)
+  assert most[0] == 1
 
 
 @pytest.mark.parametrize("aux_text, main_text, expected", [
