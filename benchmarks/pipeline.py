@@ -41,8 +41,8 @@ from mgrpo_jax import handoff, metrics, pipeline, sharding  # noqa: E402
 from mgrpo_jax.mgrpo import colocated, setup  # noqa: E402
 from mgrpo_jax.models import decode, qwen3  # noqa: E402
 
-LANES = {"rollout": "tab:blue", "handoff": "tab:purple", "host": "tab:orange",
-         "update": "tab:green"}  # The timeline's lanes and their colours.
+LANES = {"rollout": "tab:blue", "handoff": "tab:purple", "warm": "tab:gray",
+         "host": "tab:orange", "update": "tab:green"}  # The timeline's lanes and colours.
 # smoke's turns stop at 24 tokens: rollouts far shorter than any real policy's (whose
 # generation is most of an RL step); a random policy's turns here run 30-100 tokens.
 TURN_TOKENS = 192
