@@ -11,9 +11,11 @@ its own metrics; the two files merged equal the colocated run's.
 
 One URL (any kvstore URL or JSON spec) holds a whole decoupled run:
 
-  <run>/exchange/...            the exchange's records and arrays
-  <run>/main/checkpoints/<step> the main agent's orbax checkpoints
-  <run>/sub/checkpoints/<step>  the sub-agent's
+  <run>/exchange/...             the exchange's records and arrays (the main's attempt 0)
+  <run>/exchange/attempt-<a>/... those of the main program's attempt a >= 1
+                                 (max_staleness >= 1: `delegation.Attempts`)
+  <run>/main/checkpoints/<step>  the main agent's orbax checkpoints
+  <run>/sub/checkpoints/<step>   the sub-agent's
 """
 
 import contextlib

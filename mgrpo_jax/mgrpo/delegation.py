@@ -28,10 +28,10 @@ sub-agent program follows: it serves and trains those steps again (`MainRestarte
 
 One URL (any kvstore URL or JSON spec) holds a whole decoupled run:
 
-  <run>/exchange/...            the exchange's records and arrays (the main's attempt 0)
-  <run>/exchange/attempt-<a>/...  those of the main's attempt a >= 1 (max_staleness >= 1)
-  <run>/main/checkpoints/<step> the main agent's orbax checkpoints
-  <run>/sub/checkpoints/<step>  the sub-agent's
+  <run>/exchange/...             the exchange's records and arrays (the main's attempt 0)
+  <run>/exchange/attempt-<a>/... those of the main program's attempt a >= 1 (`Attempts`)
+  <run>/main/checkpoints/<step>  the main agent's orbax checkpoints
+  <run>/sub/checkpoints/<step>   the sub-agent's
 """
 
 import threading
