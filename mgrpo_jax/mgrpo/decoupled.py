@@ -50,9 +50,12 @@ def _start(c, workdir: str, run, role: str) -> setup.Program:
 
 
 def _run(p: setup.Program, workdir: str, role: str, **phases) -> None:
+  # Pipelined: the learner compiles its host programs while the first step plays.
+  warm = lambda: mgrpo_step.compile_host(p.c, p.wiring,
+                                         jax.random.fold_in(keys.step_key(p.c, p.start), 2))
   p.run(workdir, train=functools.partial(mgrpo_step.update, p.wiring, p.agents),
         desc=f"{p.c.variant}:{role}", show=(f"{role}/reward", "eval/accuracy"),
-        versions=play.behaviour_versions, **phases)
+        versions=play.behaviour_versions, warm=warm, **phases)
 
 
 class _ReadBack:
