@@ -10,9 +10,11 @@ Runs the colocated program (`configs/mgrpo.py:smoke`, a random tiny pair, its tu
 update: `pipeline.TIMELINE_FILE`; for k = 0 the sequential step's own phase times),
 `overlap_fraction` (the share of update time during which a rollout was in flight, over
 all steps and over the `steady` ones: no XLA compilation during the update or the
-rollouts beside it), the staleness histogram per agent, the handoff's bytes per version,
-and the handoff compiled for 8 GPUs of `--gpu_target` split 4 + 4 at Qwen3-8B (bytes per GPU;
-XLA:GPU without a GPU, as benchmarks/gpu_compile.py).
+rollouts beside it), what the first update spent tracing, lowering and compiling its
+programs (`first_update`: only the rollout of step 1 may play beside it), the staleness
+histogram per agent, the handoff's bytes per version, and the handoff compiled for 8 GPUs
+of `--gpu_target` split 4 + 4 at Qwen3-8B (bytes per GPU; XLA:GPU without a GPU, as
+benchmarks/gpu_compile.py).
 """
 
 import os
@@ -29,6 +31,7 @@ os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # No driver: comp
 import functools  # noqa: E402
 import json  # noqa: E402
 import tempfile  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -41,12 +44,17 @@ from mgrpo_jax import handoff, metrics, pipeline, sharding  # noqa: E402
 from mgrpo_jax.mgrpo import colocated, setup  # noqa: E402
 from mgrpo_jax.models import decode, qwen3  # noqa: E402
 
-LANES = {"rollout": "tab:blue", "handoff": "tab:purple", "host": "tab:orange",
-         "update": "tab:green"}  # The timeline's lanes and their colours.
+LANES = {"rollout": "tab:blue", "handoff": "tab:purple", "warm": "tab:gray",
+         "host": "tab:orange", "update": "tab:green"}  # The timeline's lanes and colours.
 # smoke's turns stop at 24 tokens: rollouts far shorter than any real policy's (whose
 # generation is most of an RL step); a random policy's turns here run 30-100 tokens.
 TURN_TOKENS = 192
 _COMPILES = []  # (end, seconds) of every XLA compilation, on the perf_counter clock.
+# (phase, thread, end, seconds) of JAX's work before a program runs: tracing, lowering and
+# compiling (or loading from the compilation cache).
+_JAX_WORK = []
+_PHASES = {"jaxpr_trace_duration": "trace_s", "jaxpr_to_mlir_module_duration": "lower_s",
+           "backend_compile_duration": "compile_s"}
 
 
 def _cuts(a: float, b: float, spans) -> float:
@@ -79,6 +87,31 @@ def overlap_fraction(timeline: list[dict], steps=None) -> float:
       total += e["end_s"] - e["start_s"]
       covered += _cuts(e["start_s"], e["end_s"], rolls)  # One rollout thread: disjoint.
   return covered / total if total else 0.0
+
+
+def first_update(timeline: list[dict], work, steady: set[int]) -> dict:
+  """Update 0: its seconds, a steady update's (median), the rollout time beside it, and
+  JAX's tracing, lowering and compiling on the learner's thread during it (`work` on the
+  timeline's clock; events of nested programs overlap their parents')."""
+  u = next(e for e in timeline if e["kind"] == "update" and e["step"] == 0)
+  rolls = [(e["start_s"], e["end_s"]) for e in timeline if e["kind"] == "rollout"]
+  out = dict(update_s=u["end_s"] - u["start_s"], rollout_beside_s=_cuts(u["start_s"],
+                                                                         u["end_s"], rolls))
+  ups = [e["end_s"] - e["start_s"] for e in timeline if e["kind"] == "update"
+         and e["step"] in steady]
+  out["steady_update_s"] = float(np.median(ups)) if ups else None
+  for phase, key in _PHASES.items():
+    out[key] = sum(dt for p, thread, end, dt in work if p == phase and thread == "MainThread"
+                   and u["start_s"] <= end <= u["end_s"])
+  return {key: None if v is None else round(v, 3) for key, v in out.items()}
+
+
+def _jax_work(event: str, seconds: float, **kw) -> None:
+  phase = event.rsplit("/", 1)[-1]
+  if phase == "backend_compile_duration":
+    _COMPILES.append((time.perf_counter(), seconds))
+  if phase in _PHASES:
+    _JAX_WORK.append((phase, threading.current_thread().name, time.perf_counter(), seconds))
 
 
 def sequential_timeline(lines: list[dict]) -> list[dict]:
@@ -200,9 +233,7 @@ def main(argv):
                 eval_every=_STEPS.value + 1, checkpoint_every=_STEPS.value + 1))
   c.limits.max_new_tokens = TURN_TOKENS
   c.log_to = "jsonl"  # metrics.jsonl only: no TensorBoard events between the steps.
-  jax.monitoring.register_event_duration_secs_listener(
-      lambda event, seconds, **kw: _COMPILES.append((time.perf_counter(), seconds))
-      if event.endswith("backend_compile_duration") else None)
+  jax.monitoring.register_event_duration_secs_listener(_jax_work)
   with tempfile.TemporaryDirectory() as workdir:
     t0 = time.perf_counter()
     colocated.train_and_evaluate(c, workdir)
@@ -226,6 +257,9 @@ def main(argv):
                 compile_s=round(sum(dt for _, dt in _COMPILES), 2),
                 phase_s={kind: round(sum(e["end_s"] - e["start_s"] for e in timeline
                                          if e["kind"] == kind), 3) for kind in LANES},
+                first_update=first_update(timeline, [(p, t, e - origin, dt)
+                                                     for p, t, e, dt in _JAX_WORK], steady)
+                if k else None,
                 staleness=staleness(lines, k), handoff=handoff_bytes(c) if k else None,
                 timeline=timeline)
   if _GPU_TARGET.value:

@@ -91,18 +91,22 @@ class Pipeline:
   sequential step's phases; `publish(version)` snapshots the agents' current weights for
   the sampler (`handoff.Handoff.publish`); `versions(rollouts)` lists the behaviour
   versions the rows recorded (checked against the bound; None: only the version played).
-  Steps `start .. num_steps - 1` are played; `timeline_dir` (process 0's workdir) gets the
-  intervals of every phase of this process's steps (`TIMELINE_FILE`) at `close`.
+  `warm()` (optional) compiles the learner's host programs ahead: it runs on the learner
+  while the first step plays, time the learner would spend waiting, so that the first
+  batches are ready when the first rollouts are. Steps `start .. num_steps - 1` are played;
+  `timeline_dir` (process 0's workdir) gets the intervals of every phase of this process's
+  steps (`TIMELINE_FILE`) at `close`.
   """
 
   def __init__(self, *, play: Callable[[int, Any], Any], learn, train,
                publish: Callable[[int], Any], k: int, start: int, num_steps: int,
                versions: Callable[[Any], Iterable[int]] | None = None,
-               timeline_dir: str = ""):
+               warm: Callable[[], Any] | None = None, timeline_dir: str = ""):
     if k < 1:
       raise ValueError(f"A pipeline needs max_staleness >= 1, got {k}.")
     self._play, self._learn, self._train, self._publish = play, learn, train, publish
     self.k, self.start, self.num_steps, self._versions_of = k, start, num_steps, versions
+    self._warm = warm
     self._timeline_dir, self.timeline, self._t0 = timeline_dir, [], time.perf_counter()
     self._stopped, self._published = threading.Event(), _Versions()
     # At most k finished rollouts wait: the version gate allows no more (see the module doc).
@@ -157,6 +161,9 @@ class Pipeline:
           raise RuntimeError(f"step {step}: the rollout thread stopped without its rollouts.")
 
   def __call__(self, step: int) -> dict:
+    if self._warm is not None:
+      t0, self._warm = self._now(), self._warm()  # Once, while the first step plays.
+      self._event("warm", step, t0, self._now())
     t_wait = self._now()
     played = self._next(step)
     if played.error is not None:

@@ -326,3 +326,57 @@ def test_stale_results_are_refused(tmp_path):
   strict = delegation.ExchangeSubAgent(exchange, step=5, timeout_s=1, version=5, max_staleness=2)
   with pytest.raises(delegation.StaleResultError, match="version 2"):
     strict.delegate([req])
+
+
+def test_a_main_attempt_owns_its_steps_and_a_sub_agent_waiting_on_another_learns_it(tmp_path):
+  """Attempt a owns the training steps from its first one and the evaluations after it; a
+  sub-agent waiting for requests or an outcome of a step another attempt took over is told
+  (`MainRestarted`) rather than waiting for its timeout."""
+  run = f"file://{tmp_path}/run"
+  attempts = delegation.Attempts(run)
+  assert attempts.begin(0) == 0 and attempts.owner(3) == 0
+  old = attempts.exchange(0)
+  old.mark("rollouts_done", 0)  # Step 0's outcome published by attempt 0, step 1's not.
+  assert attempts.published(0, 3) == 1
+  raised = {}
+
+  def wait_for_requests():  # Step 1 of attempt 0, whose main program was killed.
+    try:
+      delegation.serve_step(old, _sub_service(None, jax.random.key(0)), 1, timeout_s=30,
+                            read_outcome=False, check=lambda: attempts.check(1, 0))
+    except delegation.MainRestarted as e:
+      raised["step"] = e.step
+
+  thread = threading.Thread(target=wait_for_requests)
+  thread.start()
+  time.sleep(0.2)
+  assert thread.is_alive()  # Nothing says yet that step 1 is void.
+  assert attempts.begin(1) == 1
+  thread.join(timeout=10)
+  assert raised == {"step": 1}
+  assert attempts.firsts() == {0: 0, 1: 1}
+  assert [attempts.owner(s) for s in range(3)] == [0, 1, 1]
+  # The weights evaluated at step 1 are every attempt's: the old evaluation still counts.
+  assert [attempts.owner(s, evaluation=True) for s in range(3)] == [0, 0, 1]
+  with pytest.raises(delegation.MainRestarted):
+    delegation.get_outcome(old, 1, timeout_s=30, check=lambda: attempts.check(1, 0))
+  assert attempts.exchange(1).list("request") == [] and attempts.exchange(1) is not old
+
+
+def test_stored_main_episodes_read_back_as_played(env, tmp_path):
+  qs, index = env
+  key, step, k = jax.random.key(2), 4, 2
+  eps = rollout.rollout_main(_main_policy(), _sub_service(index, key), qs[:3], num_rollouts=k,
+                             tokenizer=TOK, limits=LIMITS, key=key, step=step)
+  exchange = Exchange(f"file://{tmp_path}/exchange")
+  delegation.put_main_episodes(exchange, step, eps)
+  back = delegation.read_main_episodes(exchange, step, qs[:3], k, LIMITS.max_turns)
+  fields = lambda e: (e.q, e.k, e.tokens, e.loss_mask, e.logprobs, e.turns, e.observations,
+                      e.final, e.failure, e.format_ok, e.policy_version,
+                      e.delegation_versions, e.delegations, e.task)
+  assert [fields(e) for e in back] == [fields(e) for e in eps]
+  assert any(e.delegations for e in eps)
+  np.testing.assert_array_equal(_outcome(back, qs[:3], k).reward,
+                                _outcome(eps, qs[:3], k).reward)
+  with pytest.raises(Exception, match="without its main episodes"):
+    delegation.read_main_episodes(exchange, step + 1, qs[:3], k, LIMITS.max_turns)

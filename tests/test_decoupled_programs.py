@@ -347,3 +347,45 @@ def test_pipelined_pair_survives_a_sub_agent_restart(env, tmp_path):
   with open(os.path.join(pair.workdir("main"), "timeline.jsonl")) as f:
     spans = {(e["kind"], e["step"]): e for e in map(json.loads, f)}
   assert spans["rollout", 1]["start_s"] < spans["update", 0]["end_s"]
+
+
+def test_pipelined_pair_survives_a_main_program_restart(env, tmp_path):
+  """config.max_staleness=1, the main program killed after its first step and restarted
+  from its checkpoint (another policy version than the one that played): it reads back
+  the steps whose outcome it had published and plays the others again as a new attempt,
+  in a namespace of its own that the sub-agent program follows. No step is lost or
+  repeated in either metrics file, and no row of either agent lags more than one version."""
+  rng = random.Random("pipelined main")
+  pair = Pair(str(tmp_path), f"file://{tmp_path}/run", env, config=README_CONFIG,
+              extra=["--config.max_staleness=1"])
+  pair.start("sub")
+  pair.start("main")
+  _wait_for_lines(pair, "main", 1)
+  time.sleep(rng.uniform(0.0, 0.3))
+  alive = pair.procs["main"].poll() is None
+  pair.kill("main")
+  pair.start("main")
+  pair.wait()
+  assert alive, "the main program had finished before the kill; kill earlier"
+  for role in ("main", "sub"):
+    assert _steps_in_file(pair.workdir(role)) == STEPS, role  # No step lost or repeated.
+    trained = [r for r in metrics.read_metrics(pair.workdir(role)) if r["step"] < STEPS[-1]]
+    for r in trained:  # Every row of the step, delegations' serving versions included.
+      assert r["pipeline/version_lag"] <= r["pipeline/max_lag"] <= 1, (role, r["step"])
+      assert r[f"{role}/staleness/max"] <= 1, (role, r["step"])
+  attempts = delegation.Attempts(pair.run)
+  firsts = attempts.firsts()
+  assert sorted(firsts) == [0, 1] and firsts[0] == 0, firsts
+  for step in (0, 1):  # The attempt that owns a training step: all of it there, answered.
+    ex = attempts.exchange(attempts.owner(step))
+    requests = [k for k in ex.list("request") if k[0] == step]
+    assert requests and requests == [k for k in ex.list("result") if k[0] == step], step
+    assert ex.wait_mark("rollouts_done", step, timeout_s=0)
+    assert len(ex.list("main_episode", (step,))) == 8  # Q * K, stored before the outcome.
+  for a in firsts:  # Every answer of every attempt: at most one version behind.
+    ex = attempts.exchange(a)
+    for key in ex.list("result"):
+      if key[0] < delegation.EVAL_STEP_BASE:
+        assert ex.get("result", key)["policy_version"] >= key[0] - 1, (a, key)
+  with open(pair.logs["main"]) as f:  # The restart's own account of what it read back.
+    assert "main: attempt 1 plays from step" in f.read(), pair.tail("main")

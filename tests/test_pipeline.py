@@ -17,6 +17,7 @@ from configs import mgrpo
 from mgrpo_jax import config_checks, handoff, keys, metrics, models, pipeline, sharding
 from mgrpo_jax.agents import rollout
 from mgrpo_jax.models import decode
+from mgrpo_jax.rl import alignment
 from mgrpo_jax.mgrpo import colocated, play, setup, tasks
 from mgrpo_jax.mgrpo import step as mgrpo_step
 
@@ -123,6 +124,18 @@ def test_every_version_a_step_recorded_is_checked_delegations_included():
     pipeline.check(7, 2, play.behaviour_versions(r))
 
 
+def test_warm_runs_once_on_the_learner_while_the_first_step_plays():
+  f, seen = _Fake(play_s=0.05), []
+  warm = lambda: seen.append((threading.current_thread(), list(f.played), list(f.trained)))
+  p = pipeline.Pipeline(play=f.play, learn=f.learn, train=f.train, publish=f.publish, k=1,
+                        start=0, num_steps=3, warm=warm)
+  p(0), p(1), p(2)
+  p.close()
+  # Once, before the first update, on the loop's thread, while step 0 was still playing.
+  assert seen == [(threading.current_thread(), [], [])]
+  assert [e["kind"] for e in p.timeline].count("warm") == 1
+
+
 def test_close_stops_a_rollout_thread_waiting_for_a_version():
   f = _Fake()
   p = _pipe(f, 1, num_steps=50)
@@ -179,6 +192,25 @@ def test_max_staleness_0_is_the_sequential_loop_bit_for_bit(tmp_path):
       np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def test_the_host_programs_compiled_ahead_are_the_ones_the_first_batches_run(tmp_path):
+  # `compile_host` on dummy inputs, then a real step's `batches`: no new program to compile.
+  c = _config()
+  p = setup.start(c, str(tmp_path))
+  env, questions = tasks.TrainingQuestions(c, p.env)(0)
+  policies = play.make_policies(c, p.wiring, env, p.agents, c.sampling, version=0)
+  eps, sub_eps = play.run_rollouts(c, p.wiring, env, policies, questions,
+                                   num_rollouts=c.num_rollouts, key=keys.step_key(c, 0), step=0)
+  programs = (mgrpo_step._group_advantages, alignment.align)
+  for f in programs:
+    f.clear_cache()
+  key = jax.random.fold_in(keys.step_key(c, 0), 2)
+  mgrpo_step.compile_host(c, p.wiring, key)
+  compiled = [f._cache_size() for f in programs]
+  assert compiled == [2, 1]  # [Q, K] and [Q, K, D] advantages, the alignment.
+  mgrpo_step.batches(c, p.wiring, play.Rollouts(env, questions, eps, sub_eps), key)
+  assert [f._cache_size() for f in programs] == compiled
+
+
 @pytest.mark.devices(8)
 def test_pipelined_run_is_deterministic_and_bounded_on_split_devices(tmp_path):
   # k = 1 with the sampler on devices 0-3 and training on 4-7: twice the same numbers.
@@ -196,7 +228,7 @@ def test_pipelined_run_is_deterministic_and_bounded_on_split_devices(tmp_path):
   assert all(m["main/staleness/count_1"] == (0 if m["step"] == 0 else 8) for m in a[:3])
   kinds = {line.split('"kind": "')[1].split('"')[0]
            for line in open(os.path.join(runs[0], pipeline.TIMELINE_FILE))}
-  assert kinds == {"start", "rollout", "host", "update", "handoff"}
+  assert kinds == {"start", "warm", "rollout", "host", "update", "handoff"}
 
 
 def test_two_steps_of_lag_on_shared_devices(tmp_path):

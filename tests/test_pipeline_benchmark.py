@@ -27,6 +27,18 @@ def test_a_compilation_beside_an_update_makes_its_step_unsteady(load_benchmark):
   assert bench.steady_steps(TIMELINE, [(3.75, 0.1)]) == {0, 2}
 
 
+def test_the_first_update_s_own_jax_work_and_the_rollout_beside_it(load_benchmark):
+  bench = load_benchmark("pipeline")
+  work = [("jaxpr_trace_duration", "MainThread", 1.5, 0.5),  # In update 0, the learner's.
+          ("jaxpr_to_mlir_module_duration", "MainThread", 2.0, 0.25),
+          ("backend_compile_duration", "MainThread", 2.5, 0.125),
+          ("jaxpr_trace_duration", "rollouts", 1.5, 0.5),  # The rollout thread's.
+          ("backend_compile_duration", "MainThread", 4.0, 1.0)]  # In update 1.
+  assert bench.first_update(TIMELINE, work, {1, 2}) == dict(
+      update_s=2.0, rollout_beside_s=1.0, steady_update_s=1.5, trace_s=0.5, lower_s=0.25,
+      compile_s=0.125)
+
+
 def test_the_sequential_step_is_laid_end_to_end(load_benchmark):
   bench = load_benchmark("pipeline")
   lines = [{"step": 0, "time/rollout_s": 1.0, "time/host_s": 0.5, "time/update_s": 2.0},

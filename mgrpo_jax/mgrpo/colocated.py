@@ -42,6 +42,9 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict:
   def learn(step: int, r: play.Rollouts) -> tuple[dict, dict]:
     return mgrpo_step.batches(c, p.wiring, r, jax.random.fold_in(keys.step_key(c, step), 2))
 
+  def warm() -> None:  # `learn`'s programs, compiled while the first rollouts play.
+    mgrpo_step.compile_host(c, p.wiring, jax.random.fold_in(keys.step_key(c, p.start), 2))
+
   def evaluate(step: int) -> dict:
     return play.evaluate(c, p.wiring, p.env, p.agents, step=step,
                          questions_file=play.questions_path(workdir, step))
@@ -50,5 +53,5 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> dict:
                train=functools.partial(mgrpo_step.update, p.wiring, p.agents),
                evaluate=evaluate, desc=c.variant,
                show=("main/reward", "single/reward", "eval/accuracy"),
-               play=rollout, versions=play.behaviour_versions)
+               play=rollout, versions=play.behaviour_versions, warm=warm)
 

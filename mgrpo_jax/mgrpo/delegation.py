@@ -19,15 +19,19 @@ sub-agent episode samples from a key derived from the step and its own stream, e
 the colocated `ColocatedSubAgent` does, whatever else runs beside it, so a restarted program
 rewrites identical records (`Exchange.put` returns False) and never double-counts a step; a
 record that differs raises `ExchangeConflict` instead of passing silently. With
-`max_staleness >= 1` a restarted sub-agent plays from another version than the one that
-served before: the episodes behind results already written are read back instead
-(`SubEpisodes`).
+`max_staleness >= 1` a restarted program plays from another version than the one that
+played before. A restarted sub-agent reads back the episodes behind results already
+written (`sub_episode`). A restarted main program reads back the episodes of the steps
+whose outcome was published (`main_episode`: the sub-agent may have trained on them), and
+plays the others again as a new attempt in a namespace of its own (`Attempts`), which the
+sub-agent program follows: it serves and trains those steps again (`MainRestarted`).
 
 One URL (any kvstore URL or JSON spec) holds a whole decoupled run:
 
-  <run>/exchange/...            the exchange's records and arrays
-  <run>/main/checkpoints/<step> the main agent's orbax checkpoints
-  <run>/sub/checkpoints/<step>  the sub-agent's
+  <run>/exchange/...             the exchange's records and arrays (the main's attempt 0)
+  <run>/exchange/attempt-<a>/... those of the main program's attempt a >= 1 (`Attempts`)
+  <run>/main/checkpoints/<step>  the main agent's orbax checkpoints
+  <run>/sub/checkpoints/<step>   the sub-agent's
 """
 
 import threading
@@ -40,7 +44,8 @@ from absl import logging
 
 from mgrpo_jax.agents import native, rollout, subagent
 from mgrpo_jax.envs import tool_health
-from mgrpo_jax.exchange import Exchange, ExchangeTimeout, kvstore_spec
+from mgrpo_jax.exchange import (Exchange, ExchangeConflict, ExchangeError, ExchangeTimeout,
+                                kvstore_spec)
 from mgrpo_jax.mgrpo import hierarchy
 
 EXCHANGE_DIR = "exchange"  # The exchange's namespace inside a run location.
@@ -49,6 +54,7 @@ POLL_S = 0.005  # First wait between polls for results or requests; it grows whi
 MAX_POLL_S = 0.5  # Its cap: object stores bill per request.
 BUSY_POLL_S = 0.02  # While its engine decodes, the sub-agent looks for requests this often.
 WAIT_SLICE_S = 1.0  # The longest one look for requests waits (the engine then looks again).
+ATTEMPT = "main_attempt"  # Marker kind: the main program's attempt a -> the first step it plays.
 
 
 def open_exchange(run) -> Exchange:
@@ -59,6 +65,69 @@ def open_exchange(run) -> Exchange:
 def checkpoint_location(run, role: str) -> dict:
   """The kvstore spec of `role`'s checkpoints in the run at `run`."""
   return kvstore_spec(run, f"{role}/checkpoints")
+
+
+class MainRestarted(RuntimeError):
+  """The main program restarted and plays step `step` (or evaluates it) again, as another
+  attempt: what this program did of that step is void, and it does the step again."""
+
+  def __init__(self, step: int):
+    super().__init__(f"The main program restarted: step {step} is played again in its new "
+                     f"attempt's namespace.")
+    self.step = step
+
+
+class Attempts:
+  """The main program's attempts on a run (with max_staleness >= 1), each with a namespace
+  of its own on the exchange: attempt 0 the exchange itself, attempt a `<exchange>/attempt-a`.
+
+  A restarted main program plays from its restored version, not from the ones that played
+  before, so a step it plays again makes other requests than its killed attempt's. A new
+  attempt (`begin`) reads back the steps whose outcome was published (the sub-agent may
+  have trained on them; `read_main_episodes`) and plays from the first other one, `first`:
+  it owns the training steps >= first and the evaluations of steps > first (the weights
+  evaluated at `first` are those every attempt had there), until a later attempt takes
+  over. Only the main program (under its lease) writes attempts.
+  """
+
+  def __init__(self, run):
+    self.run, self.base = run, open_exchange(run)
+    self._open = {0: self.base}
+
+  def firsts(self) -> dict[int, int]:
+    """{attempt: its first step}, as the main program registered them."""
+    return {a: self.base.wait_mark(ATTEMPT, a, timeout_s=0)["first"]
+            for a in self.base.marks(ATTEMPT)}
+
+  def owner(self, step: int, *, evaluation: bool = False) -> int:
+    """The attempt whose records of training step `step` (of its evaluation) count."""
+    firsts = self.firsts()
+    return max([a for a, f in firsts.items() if (f < step if evaluation else f <= step)],
+               default=0)
+
+  def exchange(self, attempt: int) -> Exchange:
+    if attempt not in self._open:
+      self._open[attempt] = Exchange(self.run, run=f"{EXCHANGE_DIR}/attempt-{attempt}")
+    return self._open[attempt]
+
+  def check(self, step: int, attempt: int, *, evaluation: bool = False) -> None:
+    """Raises `MainRestarted` if another attempt than `attempt` now owns `step`."""
+    if self.owner(step, evaluation=evaluation) != attempt:
+      raise MainRestarted(step)
+
+  def published(self, start: int, num_steps: int) -> int:
+    """The first step from `start` whose outcome no attempt published."""
+    step = start
+    while step < num_steps and self.exchange(self.owner(step)).try_mark(
+        "rollouts_done", step) is not None:
+      step += 1
+    return step
+
+  def begin(self, first: int) -> int:
+    """Registers a new attempt that plays from step `first`; returns its number."""
+    attempt = max(self.base.marks(ATTEMPT), default=-1) + 1
+    self.base.mark(ATTEMPT, attempt, {"first": first})
+    return attempt
 
 
 class StaleResultError(RuntimeError):
@@ -177,8 +246,14 @@ class ExchangeSubAgent:
 
   def close(self) -> None:
     """Marks the step's requests as all sent: the sub-agent's `serve_step` may end it."""
-    self.exchange.mark("requests_done", self.step, {"waves": self.waves,
-                                                     "requests": self.requests})
+    try:
+      self.exchange.mark("requests_done", self.step, {"waves": self.waves,
+                                                       "requests": self.requests})
+    except ExchangeConflict as e:
+      # An evaluation played again (by a restarted main program) sends the same requests,
+      # each checked by its own record, but may batch them otherwise: their count agrees.
+      if self.step < EVAL_STEP_BASE or e.existing.get("requests") != self.requests:
+        raise
 
 
 def publish_outcome(exchange: Exchange, step: int, outcome: hierarchy.MainOutcome,
@@ -190,8 +265,23 @@ def publish_outcome(exchange: Exchange, step: int, outcome: hierarchy.MainOutcom
   exchange.mark("rollouts_done", step, {"waves": waves})
 
 
-def get_outcome(exchange: Exchange, step: int, *, timeout_s: float) -> hierarchy.MainOutcome:
-  """The main agent's outcome of `step`, as `publish_outcome` wrote it."""
+def get_outcome(exchange: Exchange, step: int, *, timeout_s: float,
+                check: Callable[[], None] | None = None) -> hierarchy.MainOutcome:
+  """The main agent's outcome of `step`, as `publish_outcome` wrote it.
+
+  With `check` (which raises when the step's records no longer count: `Attempts.check`)
+  its marker is awaited first, `check` called between looks: a main program killed while
+  publishing leaves arrays but no marker, and its next attempt plays the step again.
+  """
+  if check is not None:
+    deadline, delay = time.monotonic() + timeout_s, POLL_S
+    while exchange.try_mark("rollouts_done", step) is None:
+      check()
+      if time.monotonic() > deadline:
+        raise ExchangeTimeout(f"No outcome of step {step} within {timeout_s} s in "
+                              f"{exchange!r}; is the main agent running?", [str(step)])
+      time.sleep(delay)
+      delay = min(delay * 1.5, MAX_POLL_S)
   get = lambda name: np.asarray(exchange.get_array(name, step, timeout_s=timeout_s))
   return hierarchy.MainOutcome(get("main_reward"), get("main_correct"), get("main_format"))
 
@@ -219,7 +309,8 @@ def _issued(exchange: Exchange, step: int) -> bool:
 
 def serve_step(exchange: Exchange, service: rollout.ColocatedSubAgent, step: int, *,
                timeout_s: float, poll_s: float = POLL_S, read_outcome: bool = True,
-               rows: int = 8, stored: bool = False) -> hierarchy.MainOutcome | None:
+               rows: int = 8, stored: bool = False,
+               check: Callable[[], None] | None = None) -> hierarchy.MainOutcome | None:
   """Serves every delegation of `step` through `service` (which keeps the episodes), each
   admitted into one running engine as its request appears and answered as it ends.
 
@@ -227,9 +318,11 @@ def serve_step(exchange: Exchange, service: rollout.ColocatedSubAgent, step: int
   engine's sub-agent lane). `stored`: each served episode is also written to the exchange
   (`sub_episode`), and one already there is read back rather than played again (the
   episodes of a restarted sub-agent whose version differs from the one that served them).
-  Returns the main agent's outcome for the step once it is published (None for evaluation
-  steps, `read_outcome=False`, which publish no outcome). Raises `TimeoutError` naming what
-  is missing when the main agent does not show up for `timeout_s`.
+  `check()` is called while no request comes (it raises when the step's requests no longer
+  count: `Attempts.check`). Returns the main agent's outcome for the step once it is
+  published (None for evaluation steps, `read_outcome=False`, which publish no outcome).
+  Raises `TimeoutError` naming what is missing when the main agent does not show up for
+  `timeout_s`.
   """
   seen: set = set()
   # When the requests were last listed; since when nothing came while idle; the next wait.
@@ -260,6 +353,8 @@ def serve_step(exchange: Exchange, service: rollout.ColocatedSubAgent, step: int
         reqs = exchange.get_many("request", keys, timeout_s=timeout_s)
         eps = exchange.try_get_many("sub_episode", keys) if stored else [None] * len(keys)
         return keys, reqs, eps, False
+      if wait and check is not None and not over:
+        check()  # A main program's next attempt may play this step again elsewhere.
       if over or not wait or time.monotonic() > slice_end:
         if wait and time.monotonic() - idle_since[0] > timeout_s:
           raise TimeoutError(f"Sub-agent: no new request of step {step} and no "
@@ -294,15 +389,17 @@ def serve_step(exchange: Exchange, service: rollout.ColocatedSubAgent, step: int
   service.serve(feed, rows=rows, done=done)
   if not read_outcome:
     return None
-  return get_outcome(exchange, step, timeout_s=timeout_s)
+  return get_outcome(exchange, step, timeout_s=timeout_s, check=check)
 
 
 _EPISODE_FIELDS = ("tokens", "loss_mask", "logprobs", "policy_version", "protocol", "turns",
-                   "observations", "actions", "gen_seconds", "tool_seconds")
+                   "observations", "actions", "gen_seconds", "tool_seconds",
+                   "delegation_versions", "delegations")
 
 
 def episode_record(ep) -> dict:
-  """A finished sub-agent episode as a JSON record (`episode_of` reads it back)."""
+  """A finished episode (of either agent) as a JSON record (`episode_of` and
+  `read_main_episodes` read it back)."""
   rec = {f: getattr(ep, f) for f in _EPISODE_FIELDS}
   rec["failure"] = ep.failure
   rec["experts"] = None if ep.experts is None else {"dtype": str(ep.experts.dtype),
@@ -311,11 +408,34 @@ def episode_record(ep) -> dict:
 
 
 def episode_of(rec: dict, req: subagent.DelegationRequest, service) -> rollout.Episode:
-  """The episode `episode_record` wrote: its turns replayed through a fresh validator."""
-  ep = rollout.Episode(role="sub", q=req.q, k=req.k, call=req.call, task=req,
-                       tokens=[], loss_mask=[], logprobs=[],
-                       validator=native.Dialect(rec["protocol"]).validator(
-                           "sub", service.limits.max_turns))
+  """The sub-agent episode `episode_record` wrote: its turns replayed through a fresh
+  validator."""
+  return _episode_of(rec, "sub", req.q, req.k, req.call, req, service.limits.max_turns)
+
+
+def put_main_episodes(exchange: Exchange, step: int, episodes) -> None:
+  """Stores step `step`'s main episodes (before its outcome: `read_main_episodes`)."""
+  for ep in episodes:
+    exchange.put("main_episode", (step, ep.q, ep.k), episode_record(ep))
+
+
+def read_main_episodes(exchange: Exchange, step: int, questions, num_rollouts: int,
+                       max_turns: int) -> list[rollout.Episode]:
+  """Step `step`'s main episodes in (q, k) order, as `put_main_episodes` stored them."""
+  keys = [(step, q, k) for q in range(len(questions)) for k in range(num_rollouts)]
+  recs = exchange.try_get_many("main_episode", keys)
+  if any(rec is None for rec in recs):
+    raise ExchangeError(f"Step {step}'s outcome is published in {exchange!r} without its "
+                        f"main episodes: was it written with max_staleness=0?")
+  return [_episode_of(rec, "main", q, k, -1, questions[q], max_turns)
+          for (_, q, k), rec in zip(keys, recs)]
+
+
+def _episode_of(rec: dict, role: str, q: int, k: int, call: int, task,
+                max_turns: int) -> rollout.Episode:
+  ep = rollout.Episode(role=role, q=q, k=k, call=call, task=task, tokens=[], loss_mask=[],
+                       logprobs=[], validator=native.Dialect(rec["protocol"]).validator(
+                           role, max_turns))
   for f in _EPISODE_FIELDS:
     setattr(ep, f, rec[f])
   for turn in ep.turns:
@@ -325,6 +445,6 @@ def episode_of(rec: dict, req: subagent.DelegationRequest, service) -> rollout.E
   if rec["experts"] is not None:
     ep.experts = np.asarray(rec["experts"]["ids"], rec["experts"]["dtype"])
   if ep.failure != rec["failure"]:
-    raise ValueError(f"Stored sub-agent episode {req} replays to failure {ep.failure!r}, "
-                     f"stored {rec['failure']!r}.")
+    raise ValueError(f"Stored {role} episode {(q, k, call)} replays to failure "
+                     f"{ep.failure!r}, stored {rec['failure']!r}.")
   return ep

@@ -225,13 +225,14 @@ class Program:
   def run(self, workdir: str, *, rollout: loop.Rollout | None, learn: loop.Learn,
           train: loop.Train, evaluate: Callable[[int], dict], desc: str, show,
           schedule: loop.Schedule | None = None, play: Callable | None = None,
-          versions: Callable | None = None) -> dict:
+          versions: Callable | None = None, warm: Callable | None = None) -> dict:
     """Runs the program's phases (`loop.step_driver`) from `start` in the one training loop;
     the schedule is the config's unless given.
 
     With `config.max_staleness` >= 1 and `play(step, weights)` (a rollout from published
     sampler weights) the steps are pipelined (`pipeline.Pipeline`; `versions(rollouts)`:
-    the behaviour versions the rows recorded, checked against the bound).
+    the behaviour versions the rows recorded, checked against the bound; `warm()`: the
+    learner's host programs compiled while the first step plays).
     """
     schedule = schedule or loop.Schedule.of(self.c)
     k = self.c.get("max_staleness", 0)
@@ -242,7 +243,7 @@ class Program:
                                   fixed=[a for a in self.agents if a not in self.wiring.trained])
       update = pipeline.Pipeline(
           play=play, learn=learn, train=train, publish=publisher.publish, k=k,
-          start=self.start, num_steps=schedule.num_steps, versions=versions,
+          start=self.start, num_steps=schedule.num_steps, versions=versions, warm=warm,
           timeline_dir=workdir if jax.process_index() == 0 else "")
     try:
       return loop.train_loop(

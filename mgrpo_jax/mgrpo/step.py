@@ -18,11 +18,14 @@ from mgrpo_jax import trainable
 from mgrpo_jax.mgrpo.tasks import Env
 from mgrpo_jax.mgrpo import play
 from mgrpo_jax.mgrpo.setup import Wiring
-from mgrpo_jax.rl import advantages
+from mgrpo_jax.rl import advantages, alignment
 from mgrpo_jax.mgrpo import hierarchy
 from mgrpo_jax.rl import batch as batch_lib
 
 MIN_LENGTH = 128  # Shortest batch length: episodes are a few hundred tokens, so one shape.
+# Jitted: one program per shape ([Q, K] and [Q, K, D], the config's), which `compile_host`
+# loads ahead; op by op it would be a dozen small programs, each loaded on the first step.
+_group_advantages = jax.jit(advantages.group_advantages, static_argnames=("scale", "eps"))
 
 
 def batches(c, w: Wiring, r: play.Rollouts, key: jax.Array) -> tuple[dict, dict]:
@@ -43,6 +46,29 @@ def batches(c, w: Wiring, r: play.Rollouts, key: jax.Array) -> tuple[dict, dict]
   return out, m
 
 
+def compile_host(c, w: Wiring, key: jax.Array) -> None:
+  """Compiles the device programs `batches` runs (their shapes are the config's) on dummy
+  inputs: `key` is a step's alignment key (`batches`'); the results are dropped.
+
+  A pipelined program runs this while its first rollouts play, so the first batches are
+  made as soon as those rollouts end and the next step's rollout plays beside the first
+  update, not beside this compilation.
+  """
+  q, k = c.num_queries, c.num_rollouts
+  _group_advantages(jnp.zeros((q, k), jnp.float32), scale=c.adv_scale, eps=c.adv_eps)
+  if not w.has_sub:
+    return
+  d, ones_QxK = w.align.d, jnp.ones((q, k), jnp.int32)
+  _group_advantages(jnp.zeros((q, k, d), jnp.float32), valid=jnp.ones((q, k, d), bool),
+                    scale=c.adv_scale, eps=c.adv_eps)
+  if w.align.mode == "pad":
+    return
+  if w.align.on_empty == "borrow":
+    alignment.align_borrow(ones_QxK, d, key)
+  else:
+    alignment.align(ones_QxK, d, key, on_empty=w.align.on_empty)
+
+
 def main_side(c, w: Wiring, env: Env, questions,
               episodes) -> tuple[batch_lib.Batch, hierarchy.MainOutcome, dict]:
   """R_M, A_M and the main (or single) agent's batch.
@@ -51,8 +77,7 @@ def main_side(c, w: Wiring, env: Env, questions,
   publishes it on the exchange).
   """
   outcome, m = play.score(c, w.lead, questions, episodes, c.num_rollouts)
-  adv_m = advantages.group_advantages(jnp.asarray(outcome.reward), scale=c.adv_scale,
-                                      eps=c.adv_eps)
+  adv_m = _group_advantages(jnp.asarray(outcome.reward), scale=c.adv_scale, eps=c.adv_eps)
   batch = batch_lib.make_batch(episodes, np.asarray(adv_m).reshape(-1),
                                max_len=c.limits.max_len, pad_id=env.tokenizer.pad_id,
                                minimum=MIN_LENGTH)
@@ -61,7 +86,7 @@ def main_side(c, w: Wiring, env: Env, questions,
 
 def sub_advantages(aligned: hierarchy.AlignedSub, *, scale: str, eps: float) -> np.ndarray:
   """A_S[Q, K, D]: R_S of the aligned rows, normalised per query over its valid rows."""
-  return np.asarray(advantages.group_advantages(
+  return np.asarray(_group_advantages(
       jnp.asarray(aligned.rewards_QxKxD), valid=jnp.asarray(aligned.valid_QxKxD), scale=scale,
       eps=eps))
 
