@@ -310,31 +310,46 @@ def test_pair_over_an_object_store(store, env, request, tmp_path, monkeypatch):
   _assert_eval_matches(saved, pair.merged()[-1])
 
 
-def test_pipelined_pair_survives_a_sub_agent_restart(env, tmp_path):
-  """config.max_staleness=1: each program plays step t + 1 while step t updates; the
-  sub-agent program, killed mid-run and restarted from its checkpoint (another policy
-  version than the one that served), loses no step, and no row of either agent is trained
-  more than one version behind (what it had answered is answered by the stored episodes
-  that answered it, not played again)."""
-  rng = random.Random("pipelined")
+def _pipelined_pair_restarted(env, tmp_path, role: str, *, seed: str) -> "Pair":
+  """The pair with config.max_staleness=1, `role`'s program SIGKILLed after its first
+  metrics line (plus a seeded jitter) and restarted; returns it once both have ended."""
   pair = Pair(str(tmp_path), f"file://{tmp_path}/run", env, config=README_CONFIG,
               extra=["--config.max_staleness=1"])
   pair.start("sub")
   pair.start("main")
-  _wait_for_lines(pair, "sub", 1)
-  time.sleep(rng.uniform(0.0, 0.3))
-  alive = pair.procs["sub"].poll() is None
-  pair.kill("sub")
-  pair.start("sub")
+  _wait_for_lines(pair, role, 1)
+  time.sleep(random.Random(seed).uniform(0.0, 0.3))
+  alive = pair.procs[role].poll() is None
+  pair.kill(role)
+  pair.start(role)
   pair.wait()
-  assert alive, "the sub-agent had finished before the kill; kill earlier"
+  assert alive, f"the {role} program had finished before the kill; kill earlier"
+  return pair
+
+
+def _trained_within_one_version(pair) -> dict:
+  """Asserts that each program's metrics hold every step once and no trained row lags
+  more than one version; returns each role's trained rows."""
+  out = {}
   for role in ("main", "sub"):
     assert _steps_in_file(pair.workdir(role)) == STEPS, role  # No step lost or repeated.
     trained = [r for r in metrics.read_metrics(pair.workdir(role)) if r["step"] < STEPS[-1]]
     for r in trained:  # Every row of the step, delegations' serving versions included.
       assert r["pipeline/version_lag"] <= r["pipeline/max_lag"] <= 1, (role, r["step"])
       assert r[f"{role}/staleness/max"] <= 1, (role, r["step"])
-    assert max(r["pipeline/max_lag"] for r in trained) == 1  # Step 1 played by version 0.
+    out[role] = trained
+  return out
+
+
+def test_pipelined_pair_survives_a_sub_agent_restart(env, tmp_path):
+  """config.max_staleness=1: each program plays step t + 1 while step t updates; the
+  sub-agent program, killed mid-run and restarted from its checkpoint (another policy
+  version than the one that served), loses no step, and no row of either agent is trained
+  more than one version behind (what it had answered is answered by the stored episodes
+  that answered it, not played again)."""
+  pair = _pipelined_pair_restarted(env, tmp_path, "sub", seed="pipelined")
+  for role, trained in _trained_within_one_version(pair).items():
+    assert max(r["pipeline/max_lag"] for r in trained) == 1, role  # Step 1 by version 0.
   ex = delegation.open_exchange(pair.run)
   requests, results = ex.list("request"), ex.list("result")
   assert sorted(requests) == sorted(results) and {0, 1} <= {k[0] for k in requests}
@@ -355,24 +370,8 @@ def test_pipelined_pair_survives_a_main_program_restart(env, tmp_path):
   the steps whose outcome it had published and plays the others again as a new attempt,
   in a namespace of its own that the sub-agent program follows. No step is lost or
   repeated in either metrics file, and no row of either agent lags more than one version."""
-  rng = random.Random("pipelined main")
-  pair = Pair(str(tmp_path), f"file://{tmp_path}/run", env, config=README_CONFIG,
-              extra=["--config.max_staleness=1"])
-  pair.start("sub")
-  pair.start("main")
-  _wait_for_lines(pair, "main", 1)
-  time.sleep(rng.uniform(0.0, 0.3))
-  alive = pair.procs["main"].poll() is None
-  pair.kill("main")
-  pair.start("main")
-  pair.wait()
-  assert alive, "the main program had finished before the kill; kill earlier"
-  for role in ("main", "sub"):
-    assert _steps_in_file(pair.workdir(role)) == STEPS, role  # No step lost or repeated.
-    trained = [r for r in metrics.read_metrics(pair.workdir(role)) if r["step"] < STEPS[-1]]
-    for r in trained:  # Every row of the step, delegations' serving versions included.
-      assert r["pipeline/version_lag"] <= r["pipeline/max_lag"] <= 1, (role, r["step"])
-      assert r[f"{role}/staleness/max"] <= 1, (role, r["step"])
+  pair = _pipelined_pair_restarted(env, tmp_path, "main", seed="pipelined main")
+  _trained_within_one_version(pair)
   attempts = delegation.Attempts(pair.run)
   firsts = attempts.firsts()
   assert sorted(firsts) == [0, 1] and firsts[0] == 0, firsts
