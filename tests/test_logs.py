@@ -14,11 +14,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LINE = re.compile(r"magrpo:pick step (\d+)/4 \([\d.e+-]+ step/s, ETA [\d:?]+\) .*train/reward=")
 
 
-def test_a_program_writing_to_a_file_logs_every_log_every_steps(tmp_path):
+def test_a_program_writing_to_a_file_logs_every_log_every_steps(tmp_path, one_device_env):
   workdir, log = tmp_path / "run", tmp_path / "out.txt"
-  env = dict(os.environ)  # One device: the test needs no sharding.
-  env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
-                              if not f.startswith("--xla_force_host_platform_device_count"))
+  env = one_device_env(os.environ)  # One device: the test needs no sharding.
   with open(log, "w") as f:  # stdout and stderr to a file: no terminal, no bar.
     rc = subprocess.run([sys.executable, "launch/train.py", "--config=configs/magrpo.py:smoke",
                          "--config.num_steps=4", "--config.log_every=2",

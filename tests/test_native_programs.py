@@ -18,53 +18,52 @@ QA = ["--config.data.train=tests/data/qa/musique.jsonl",
 SAME = ("accuracy", "format", "turns", "delegations", "reward", "sub_format", "overflow")
 
 
-def _env():
-  env = dict(os.environ)  # One device: no sharding needed.
-  env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
-                              if not f.startswith("--xla_force_host_platform_device_count"))
-  return env
+@pytest.fixture(name="env")
+def _env(one_device_env):
+  return one_device_env(os.environ)  # One device: no sharding needed.
 
 
-def _run(script, config, workdir, *flags):
+def _run(env, script, config, workdir, *flags):
   out = subprocess.run([sys.executable, f"launch/{script}", f"--config={config}", *flags,
-                        f"--workdir={workdir}"], cwd=ROOT, env=_env(), capture_output=True,
+                        f"--workdir={workdir}"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
 
 
-def _evaluate(tmp_path, config, *flags) -> dict:
+def _evaluate(env, tmp_path, config, *flags) -> dict:
   results = {}
   for protocol in ("tags", "native"):
     workdir = tmp_path / f"{protocol}{len(os.listdir(tmp_path))}"
-    _run("evaluate.py", config, workdir, f"--config.protocol={protocol}", *flags)
+    _run(env, "evaluate.py", config, workdir, f"--config.protocol={protocol}", *flags)
     results[protocol] = json.loads((workdir / "eval.json").read_text())
   return results
 
 
-def test_experts_score_the_same_in_both_protocols(tmp_path):
+def test_experts_score_the_same_in_both_protocols(tmp_path, env):
   # Noisy experts: their slips are drawn alike in both protocols, so accuracy < 1 matches too.
-  r = _evaluate(tmp_path, "configs/mgrpo.py:smoke,policy=expert", "--config.expert_noise=0.3",
-                "--config.num_eval_questions=24")
+  r = _evaluate(env, tmp_path, "configs/mgrpo.py:smoke,policy=expert",
+                "--config.expert_noise=0.3", "--config.num_eval_questions=24")
   assert {k: r["native"][k] for k in SAME} == {k: r["tags"][k] for k in SAME}
   assert 0 < r["native"]["accuracy"] < 1  # Slips (and smoke's 3 turns) cost answers alike.
   # The byte tokenizer's protocol words: a call costs what its tags do, an answer 2 ids less.
   assert r["native"]["gen_tokens"] < r["tags"]["gen_tokens"]
   # task=qa: the gold structure's experts.
-  r = _evaluate(tmp_path, "configs/mgrpo.py:task=qa,smoke,policy=expert", *QA)
+  r = _evaluate(env, tmp_path, "configs/mgrpo.py:task=qa,smoke,policy=expert", *QA)
   assert {k: r["native"][k] for k in SAME} == {k: r["tags"][k] for k in SAME}
   assert r["native"]["accuracy"] > 0
 
 
 @pytest.mark.parametrize("config,flags,accuracy", [("smoke", (), 1.0),
                                                    ("task=qa,smoke", QA, 0.5)])
-def test_train_py_runs_native_experts_at_the_sizes_limits(tmp_path, config, flags, accuracy):
+def test_train_py_runs_native_experts_at_the_sizes_limits(tmp_path, env, config, flags,
+                                                          accuracy):
   """`--config.protocol=native` on a size whose limits were set for tags (the byte tokenizer
   gives the tools' declarations and the calls' JSON one id each): train.py runs, and the
   experts' evaluations equal those of the tag run on the same questions."""
   records = {}
   for protocol in ("tags", "native"):
     workdir = tmp_path / protocol
-    _run("train.py", f"configs/mgrpo.py:{config},policy=expert", workdir,
+    _run(env, "train.py", f"configs/mgrpo.py:{config},policy=expert", workdir,
          f"--config.protocol={protocol}", "--config.num_steps=1", *flags)
     records[protocol] = metrics.read_metrics(str(workdir))
     assert json.loads((workdir / "config.json").read_text())["protocol"] == protocol
@@ -82,7 +81,7 @@ def test_train_py_runs_native_experts_at_the_sizes_limits(tmp_path, config, flag
   assert mgrpo.get_config(f"{config},policy=expert,protocol=native").to_dict() == flag.to_dict()
 
 
-def test_a_native_prompt_that_cannot_fit_is_refused_at_start_up(tmp_path):
+def test_a_native_prompt_that_cannot_fit_is_refused_at_start_up(tmp_path, env):
   """The native prompt is measured with its tools: at max_len=140 smoke's tag prompts fit
   (the longest main prompt 112 ids plus a turn of 24), the native ones, with their system
   turn of tools (11 ids more), do not; train.py refuses before it makes the workdir."""
@@ -96,7 +95,7 @@ def test_a_native_prompt_that_cannot_fit_is_refused_at_start_up(tmp_path):
                         "--config=configs/mgrpo.py:smoke,policy=expert",
                         "--config.protocol=native", "--config.limits.max_len=140",
                         f"--workdir={tmp_path / 'w'}"], cwd=ROOT,
-                       env=_env(), capture_output=True, text=True, timeout=600)
+                       env=env, capture_output=True, text=True, timeout=600)
   assert out.returncode == 1
   assert "config.limits.max_len=140 cannot hold the longest main prompt" in out.stderr
   assert not (tmp_path / "w").exists()

@@ -173,15 +173,14 @@ def test_a_run_without_wandb_never_imports_it(tmp_path):
   subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=300)
 
 
-def test_train_py_logs_to_offline_wandb(tmp_path):
+def test_train_py_logs_to_offline_wandb(tmp_path, one_device_env):
   """The whole path: --config.log_to and --config.wandb.* on the command line, the run's
   config and every step's scalars in the offline run."""
   pytest.importorskip("wandb")
   workdir = tmp_path / "run"
-  env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true",
-             WANDB_CONFIG_DIR=str(tmp_path / "cfg"), WANDB_CACHE_DIR=str(tmp_path / "cache"))
-  env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
-                              if not f.startswith("--xla_force_host_platform_device_count"))
+  env = one_device_env(dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true",
+                            WANDB_CONFIG_DIR=str(tmp_path / "cfg"),
+                            WANDB_CACHE_DIR=str(tmp_path / "cache")))
   out = subprocess.run([sys.executable, "launch/train.py", "--config=configs/magrpo.py:smoke",
                         "--config.log_to=jsonl,wandb", "--config.wandb.project=smoke",
                         "--config.wandb.name=magrpo-smoke", f"--workdir={workdir}"],

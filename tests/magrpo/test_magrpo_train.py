@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -28,22 +29,37 @@ def _lines(workdir):
   return metrics_lib.stable(metrics_lib.read_metrics(workdir))
 
 
-def test_two_turn_cross_run_then_resume_is_bit_identical(tmp_path):
+# The two-turn cross run and its resumes train once for the tests that read them (one
+# worker runs the group under .ci/run's --dist loadgroup, so the fixture runs once).
+TWO_TURN = pytest.mark.xdist_group("magrpo_two_turn")
+
+
+@pytest.fixture(scope="module")
+def two_turn_runs(tmp_path_factory):
+  """A straight 2-step run, and one stopped after the warm start, resumed to step 1, then
+  to step 2: (straight, resumed, the resumed run's records at step 1)."""
+  tmp_path = tmp_path_factory.mktemp("two_turn")
   straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
   magrpo_program.train_and_evaluate(_config(2), straight)
   # Stopped right after the warm start (only its step-0 checkpoint exists): the resumed run
   # does not repeat it and rewrites step 0's record whole, warm-start metrics included.
   magrpo_program.train_and_evaluate(_config(0), resumed)
   magrpo_program.train_and_evaluate(_config(1), resumed)
-  recs = metrics_lib.read_metrics(resumed)
+  at_step_1 = metrics_lib.read_metrics(resumed)
+  magrpo_program.train_and_evaluate(_config(2), resumed)  # Resumes mid-run, at step 1.
+  return straight, resumed, at_step_1
+
+
+@TWO_TURN
+def test_two_turn_cross_run_then_resume_is_bit_identical(two_turn_runs):
+  straight, resumed, recs = two_turn_runs
   assert [r["step"] for r in recs] == [0, 1]
   assert all("eval/accuracy" in r for r in recs)
   first = recs[0]
   # Two turns of a cross tree with G=2, N=2: 4 joint actions, then 16.
   assert {"train/reward_t0", "train/reward_t1", "a/loss", "b/loss", "warm/a/nll"} <= set(first)
   assert os.path.exists(os.path.join(resumed, "hf", "a", "config.json"))
-  assert _lines(resumed)[0] == _lines(straight)[0]
-  magrpo_program.train_and_evaluate(_config(2), resumed)  # Resumes mid-run, at step 1.
+  assert metrics_lib.stable(recs)[0] == _lines(straight)[0]
   assert _lines(resumed) == _lines(straight)
   with open(os.path.join(resumed, "config.json")) as f:
     assert json.load(f)["task"]["name"] == "pick"
@@ -97,15 +113,15 @@ def test_code_collaboration_runs_end_to_end_in_the_sandbox(tmp_path):
   assert {"eval/tests", "eval/cooperation", "eval/accuracy", "single/loss"} <= set(recs[0])
 
 
-def test_evaluate_binary_reads_the_runs_latest_checkpoint(tmp_path):
+@TWO_TURN
+def test_evaluate_binary_reads_the_runs_latest_checkpoint(two_turn_runs, tmp_path):
   from mgrpo_jax import evaluate
-  c = magrpo_config.get_config("smoke")
-  c.num_steps, c.warm_start.num_steps = 1, 0
-  workdir = str(tmp_path / "run")
-  magrpo_program.train_and_evaluate(c, workdir)
-  result = evaluate.run(c, workdir)
+  _, resumed, _ = two_turn_runs
+  workdir = str(tmp_path / "run")  # A copy: the run's own eval.json is not written over.
+  shutil.copytree(resumed, workdir)
+  result = evaluate.run(_config(2), workdir)
   final = metrics_lib.read_metrics(workdir)[-1]
-  assert result["step"] == 1 and result["accuracy"] == final["eval/accuracy"]
+  assert result["step"] == 2 and result["accuracy"] == final["eval/accuracy"]
   assert result["reward"] == final["eval/reward"]
   with open(os.path.join(workdir, "eval.json")) as f:
     assert json.load(f)["task"] == "pick"
