@@ -334,24 +334,28 @@ def test_engine_decode_step_reads_a_window_of_the_cache_in_place(engine_steps, a
 
 @pytest.fixture(scope="module")
 def shared_steps():
-  """{(attention, layers): stats} of `engine_steps`' step with the slots also attending to a
-  pool of shared prompts (`engine.slots.Pool`: 2 rows of REACHED positions)."""
+  """{(attention, layers, members): stats} of `engine_steps`' step with the slots also
+  attending to a pool of shared prompts (`engine.slots.Pool`: 2 rows of REACHED positions),
+  each row read by `members` slots: ROWS (a row may hold every slot) or 2 (fewer than the
+  slots: a prompt's K rollouts, its members' queries gathered)."""
   out = {}
   # The XLA path's bytes at 2 layers; the Pallas path's bytes and kernels a layer (1 and 2).
-  for attention, layers in (("auto", 2), ("ragged", 1), ("ragged", 2)):
+  for attention, layers, members in (("auto", 2, ROWS), ("ragged", 1, ROWS),
+                                     ("ragged", 2, ROWS), ("ragged", 1, 2), ("ragged", 2, 2)):
     _, compiled, lanes = step_cases.engine_decode_case(
         (PRESET, PRESET), ROWS, REACHED, MAX_LEN, attention=attention,
         device_list=_devices(1), return_compiled=True,
-        model_overrides=dict(num_layers=layers), pool=(2, REACHED))
-    out[attention, layers] = hlo_stats.step_stats(compiled.as_text(), lanes)
+        model_overrides=dict(num_layers=layers), pool=(2, REACHED, members))
+    out[attention, layers, members] = hlo_stats.step_stats(compiled.as_text(), lanes)
   return out
 
 
-@pytest.mark.parametrize("attention", ["auto", "ragged"])
+@pytest.mark.parametrize("attention,members", [("auto", ROWS), ("ragged", ROWS),
+                                               ("ragged", 2)])
 def test_engine_decode_step_with_shared_prompts_writes_under_a_tenth_of_what_it_reads(
-    shared_steps, attention):
+    shared_steps, attention, members):
   # The cascade moves queries and outputs, not a copy of the pool.
-  stats = shared_steps[attention, 2]
+  stats = shared_steps[attention, 2, members]
   assert stats["copies"] == [], stats["copies"]
   assert stats["written_to_read"] < 0.1, (stats["written_to_read"], stats["top_writers"])
   if attention == "ragged":  # Two Pallas kernels a layer of each model: prefix, own.
@@ -359,11 +363,12 @@ def test_engine_decode_step_with_shared_prompts_writes_under_a_tenth_of_what_it_
     assert stats["custom_calls_per_step"].get("__gpu$xla.gpu.triton") == 4 * cfg.num_layers
 
 
+@pytest.mark.parametrize("members", [ROWS, 2])
 def test_engine_decode_step_with_shared_prompts_runs_at_most_20_kernels_a_layer(
-    shared_steps):
+    shared_steps, members):
   # The Pallas path, the GPU engine's (the XLA path's cascade takes two softmaxes of four
   # kernels each: docs/results/engine.md). Counted as `engine_steps`' are.
-  k1, k2 = (shared_steps["ragged", n]["kernels_per_step"] for n in (1, 2))
+  k1, k2 = (shared_steps["ragged", n, members]["kernels_per_step"] for n in (1, 2))
   per_layer = (k2 - k1) / 2
   layers = models.get_preset(PRESET).num_layers
   assert 5 < per_layer <= 20, (k1, k2)

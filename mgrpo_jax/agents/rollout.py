@@ -32,7 +32,7 @@ from mgrpo_jax.agents.subagent import (NO_RESULT, DelegationRequest,  # noqa: F4
                                        DelegationResult, SubAgentService, main_tool_fn,
                                        result_of)
 from mgrpo_jax.agents.validator import EpisodeValidator
-from mgrpo_jax.engine import lanes
+from mgrpo_jax.engine import lanes, scripted
 from mgrpo_jax.engine import run as engine_run
 from mgrpo_jax.envs import tool_health
 
@@ -254,7 +254,7 @@ def _lane(role: str, policy, *, key, rows: int, record=None, force=None):
     return lanes.SlotLane(role, policy, key=key, num_slots=policy.slots_for(rows),
                           chunk=policy.chunk, record=record,
                           force=None if force is None else force.get(role))
-  return lanes.ScriptedLane(role, policy, key=key)
+  return scripted.ScriptedLane(role, policy, key=key)
 
 
 def _reply_ids_fn(tokenizer: tk.Tokenizer, limits: Limits):

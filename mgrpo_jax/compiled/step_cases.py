@@ -248,7 +248,7 @@ def prefill_case(preset: str, rows: int, length: int, *, device_list=None,
 def _engine_inputs(cfg, num_slots: int, capacity: int, max_len: int, device=None, pool=None):
   """A lane's abstract weights (`sampling.decode_params`' per-layer bf16 copies) and its
   `num_slots` Slots of `capacity` positions (`engine.slots.init`), on `device` if given;
-  `pool` = (rows, positions): with a pool of shared prompts (`engine.slots.Pool`)."""
+  `pool` = (rows, positions[, members]): with a pool of shared prompts (`engine.slots.Pool`)."""
   params = jax.eval_shape(functools.partial(sampling.decode_params, cfg),
                           qwen3.abstract_params(cfg))
 
@@ -281,8 +281,9 @@ def engine_decode_case(presets=("qwen3_8b",), slots: int = 64, reached: int = 81
   `device_list[0]` (default `jax.devices()[0]`) with the compiler options the engine sets
   on its platform. `return_compiled`: returns (stats, the compiled call, its models as
   `hlo_stats.step_stats` takes them). `model_overrides`: Qwen3Config fields over the
-  presets' (e.g. fewer layers). `pool` = (rows, positions): each model's slots also read a
-  pool of shared prompts that long (`engine.slots.Pool`), every row read whole."""
+  presets' (e.g. fewer layers). `pool` = (rows, positions[, members per row]): each model's
+  slots also read a pool of shared prompts that long (`engine.slots.Pool`), every row read
+  whole."""
   device = None if device_list is None else device_list[0]
   window = sampling.attention_window(reached, capacity)
   cfgs, params, lanes, models_ = [], [], [], []
@@ -295,7 +296,7 @@ def engine_decode_case(presets=("qwen3_8b",), slots: int = 64, reached: int = 81
     # length, here `reached` for every row), and the pool's rows.
     kv = kv_cache_plan.kv_cache_bytes(cfg, slots, window)
     if pool is not None:
-      kv += kv_cache_plan.kv_cache_bytes(cfg, *pool)
+      kv += kv_cache_plan.kv_cache_bytes(cfg, *pool[:2])
     models_.append((cfg, p, st.cache, kv))
   f32, i32 = _scalar(jnp.float32, device), _scalar(jnp.int32, device)
   sp = sampling.SamplingParams(f32, f32, i32, jax.ShapeDtypeStruct(

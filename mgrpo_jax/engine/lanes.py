@@ -10,8 +10,8 @@ slot caching only its own positions. Ready tokens (a prompt, a tool reply's cont
 are prefilled in chunks of at most `width` tokens per slot, grouped into calls by
 `prefill_plan` (little computed that is not needed, at the fewest weight reads).
 
-`ScriptedLane` runs a `TurnPolicy` that is not a sampler (the scripted experts): every turn
-that is ready is acted at once.
+A `TurnPolicy` that is not a sampler (the scripted experts) runs in a
+`scripted.ScriptedLane`.
 """
 
 import collections
@@ -78,7 +78,7 @@ class SlotLane:
   def __init__(self, name: str, policy, *, num_slots: int, key: jax.Array, width: int = 512,
                chunk: int = 32, record: Record | None = None,
                force: Callable | None = None, share_prompts: bool | None = None,
-               pool_rows: int | None = None):
+               pool_rows: int | None = None, pool_members: int | None = None):
     self.name, self.policy, self.key = name, policy, key
     self.num_slots, self.width, self.chunk = num_slots, width, chunk
     self.record, self.force = record, force
@@ -109,6 +109,7 @@ class SlotLane:
     # and not done, which waiting episodes can keep above the slots' share (Q=32, K=8 on
     # 32 slots took more than 16).
     self.pool_rows = pool_rows or num_slots
+    self.pool_members = pool_members  # None: set when the pool is made (`_ensure`).
     self.rows = shared.PromptRows(num_slots, self.pool_rows)
     self._pushed = self.rows.slot_row.copy()  # The slots' rows as the device has them.
     if record is not None:
@@ -122,11 +123,15 @@ class SlotLane:
     seat = Seat(ep, stream, list(ep.tokens), prompt=tuple(ep.tokens), deps=tuple(deps),
                 input_steps=input_steps)
     self.seats[id(ep)] = seat
-    entry = self.prompts.setdefault(seat.prompt, [None, 0, 0])
-    entry[1] += 1
-    entry[2] += 1
-    if seat.prompt in self.rows.row_of:
-      self.rows.users[self.rows.row_of[seat.prompt]] += 1
+    row = self.rows.row_of.get(seat.prompt)
+    if row is not None and not self.rows.fits(self.rows.users[row] + 1):
+      seat.prompt = None  # Its prompt's row has all the members it can: a copy of its own.
+    else:
+      entry = self.prompts.setdefault(seat.prompt, [None, 0, 0])
+      entry[1] += 1
+      entry[2] += 1
+      if row is not None:
+        self.rows.users[row] += 1
     self._ready(seat)
 
   def extend(self, ep, tokens: list, *, deps=(), input_steps: int = 0) -> None:
@@ -176,8 +181,13 @@ class SlotLane:
     if self.slots is None:
       pool = None
       if self.share:
+        # A row's members: the most episodes a prompt has so far (a power of two, at most
+        # the slots): each row attends with that many slots' queries, not every slot's.
+        most = max([e[2] for e in self.prompts.values()] + [2])
+        self.rows.members_width = self.pool_members or min(
+            self.num_slots, kv_cache_plan.bucket(most, 2))
         pool = slots_lib.init_pool(self.config, self.num_slots, self.pool_rows,
-                                   kv_cache_plan.MIN_CACHE_LEN)
+                                   kv_cache_plan.MIN_CACHE_LEN, self.rows.members_width)
       self.slots = slots_lib.init(self.config, self.num_slots, cap,
                                   max_new_tokens=self.limits.max_new_tokens,
                                   max_len=self.limits.max_len, pool=pool)
@@ -255,7 +265,9 @@ class SlotLane:
     self._sync_rows()
     self._prefill([s for s in placed if s not in copies and s.pending])
     for seat in first.values():
-      if seat.prompt is not None and self.prompts[seat.prompt][1] > 1:
+      if seat.prompt is None:
+        continue
+      if self.prompts[seat.prompt][1] > 1:
         self.prompts[seat.prompt][0] = self._save(seat.slot, len(seat.prompt))
       self._used_prompt(seat)
     for seat in copies:
@@ -287,9 +299,8 @@ class SlotLane:
     pooled = []
     for prompt in prompts:
       row = self.rows.claim(prompt, self.prompts[prompt][1])
-      if row is None:
-        break
-      pooled.append((row, prompt))
+      if row is not None:
+        pooled.append((row, prompt))
     self._prefill([_PoolFill(row, list(prompt)) for row, prompt in pooled if prompt],
                   pool=True)
     return {prompt for _, prompt in pooled}
@@ -552,43 +563,3 @@ def _turn_keys(key, turn_U, stream_U):
 
 def _nbytes(saved) -> int:
   return sum(x.nbytes for x in jax.tree.leaves(saved))
-
-
-class ScriptedLane:
-  """A `TurnPolicy` that is not a sampler: each ready turn is acted at once."""
-
-  def __init__(self, name: str, policy, *, key: jax.Array):
-    self.name, self.policy, self.key = name, policy, key
-    self.episodes: list = []
-    self.rows: dict[int, int] = {}
-    self.ready: list = []
-    self.seats: dict[int, Seat] = {}
-
-  def add(self, ep, stream: int, deps=()) -> None:
-    del deps
-    self.rows[id(ep)] = len(self.episodes)
-    self.episodes.append(ep)
-    self.seats[id(ep)] = Seat(ep, stream, [])
-    self.policy.begin(self.episodes)
-    self.ready.append(self.seats[id(ep)])
-
-  def extend(self, ep, tokens, *, deps=(), input_steps: int = 0) -> None:
-    del deps, input_steps
-    self.policy.append({self.rows[id(ep)]: list(tokens)})
-    self.ready.append(self.seats[id(ep)])
-
-  def finish(self, ep) -> None:
-    self.seats.pop(id(ep), None)
-
-  def running(self) -> bool:
-    return False
-
-  def act(self) -> list:
-    """[(seat, ids, logps, None)] of every ready turn."""
-    seats, self.ready = self.ready, []
-    if not seats:
-      return []
-    turn = len(seats[0].ep.turns)
-    outs = self.policy.act([self.rows[id(s.ep)] for s in seats],
-                           jax.random.fold_in(self.key, turn))
-    return [(s, ids, logps, None) for s, (ids, logps) in zip(seats, outs)]

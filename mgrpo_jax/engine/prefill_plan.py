@@ -3,13 +3,13 @@
 A lane's ready tokens (prompts, tool replies' continuations) are prefilled in chunks of at
 most `max_width` tokens per slot. One call computes a [units, width] batch: `units` one of
 UNITS, `width` the longest chunk's length rounded up to a power of two (at least 16), and
-above WIDTH_STEP to a multiple of it: few distinct shapes, so few compiles. Whatever in that
-batch is not a chunk's token is computed for nothing. A forward of fewer tokens than
+above WIDTH_STEP to a multiple of it: few distinct shapes, so few compiles. Whatever in
+that batch is not a chunk's token is computed for nothing. A forward of fewer tokens than
 RIDGE_TOKENS is bound by reading the weights: padding it is free, and a second call would
-read them again; past it, every padded token costs compute. So the chunks, longest first, are split into
-calls of consecutive chunks at the least total price (`call_price`); the first is made.
-A small model's calls (`pad_to_max`) instead always take MAX_UNITS units of power-of-two
-widths: there a padded row costs less than compiling another program.
+read them again; past it, every padded token costs compute. So the chunks, longest first,
+are split into calls of consecutive chunks at the least total price (`call_price`); the
+first is made. A small model's calls (`pad_to_max`) instead always take MAX_UNITS units of
+power-of-two widths: there a padded row costs less than compiling another program.
 """
 
 from typing import Sequence

@@ -33,6 +33,7 @@ import jax
 import numpy as np
 
 from mgrpo_jax.engine import lanes as lanes_lib
+from mgrpo_jax.engine import scripted
 from mgrpo_jax.engine import slots as slots_lib
 from mgrpo_jax.engine.record import Record
 from mgrpo_jax.envs import tool_health
@@ -113,7 +114,7 @@ class Engine:
           lane.admit()
       ended = []
       for lane in lanes.values():
-        if isinstance(lane, lanes_lib.ScriptedLane):
+        if isinstance(lane, scripted.ScriptedLane):
           ended += lane.act()
       running = [lane for lane in lanes.values()
                  if isinstance(lane, lanes_lib.SlotLane) and lane.running()]

@@ -11,22 +11,32 @@ import numpy as np
 
 
 class PromptRows:
-  """`rows` pool rows for `num_slots` slots (see the module doc)."""
+  """`rows` pool rows for `num_slots` slots, each row read by at most `members` episodes
+  (default: every slot; see the module doc)."""
 
-  def __init__(self, num_slots: int, rows: int):
+  def __init__(self, num_slots: int, rows: int, members: int | None = None):
     self.num_slots, self.rows = num_slots, rows
+    self.members_width = members or num_slots
     self.row_of: dict[tuple, int] = {}  # prompt -> its row
     self.prompt_of: dict[int, tuple] = {}  # row -> its prompt
     self.users = [0] * rows  # Episodes that read each row (0: free).
     self.slot_row = np.full(num_slots, rows, np.int32)
 
   def claim(self, prompt: tuple, users: int) -> int | None:
-    """A free row for `prompt`, read by `users` episodes; None if every row is taken."""
+    """A free row for `prompt`, read by `users` episodes; None if every row is taken or
+    the prompt has more users than a row's members (its slots then hold copies)."""
+    if not self.fits(users):
+      return None
     row = next((r for r in range(self.rows) if self.users[r] == 0), None)
     if row is not None:
       self.users[row] = users
       self.row_of[prompt], self.prompt_of[row] = row, prompt
     return row
+
+  def fits(self, users: int) -> bool:
+    """Whether a row can be read by `users` episodes: their slots, at most all of them, are
+    never more than a row's members."""
+    return self.members_width >= self.num_slots or users <= self.members_width
 
   def release(self, row: int) -> bool:
     """One of the row's users is done; True if it was the last (the row is free)."""
@@ -37,8 +47,8 @@ class PromptRows:
     return True
 
   def members(self) -> np.ndarray:
-    """Each row's slots, [rows, num_slots], padded with num_slots."""
-    out = np.full((self.rows, self.num_slots), self.num_slots, np.int32)
+    """Each row's slots, [rows, members], padded with num_slots."""
+    out = np.full((self.rows, self.members_width), self.num_slots, np.int32)
     for r in range(self.rows):
       ids = np.flatnonzero(self.slot_row == r)
       out[r, :len(ids)] = ids

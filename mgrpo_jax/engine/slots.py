@@ -94,10 +94,12 @@ class Pool:
     return self.len_P.shape[0]
 
 
-def init_pool(config: Qwen3Config, num_slots: int, rows: int, capacity: int) -> Pool:
-  """`rows` empty pool rows of `capacity` positions for `num_slots` slots (none in any)."""
+def init_pool(config: Qwen3Config, num_slots: int, rows: int, capacity: int,
+              members: int | None = None) -> Pool:
+  """`rows` empty pool rows of `capacity` positions for `num_slots` slots (none in any),
+  each read by at most `members` slots (default: all)."""
   return Pool(decode.init_cache(config, rows, capacity), jnp.zeros(rows, jnp.int32),
-              jnp.full((rows, num_slots), num_slots, jnp.int32),
+              jnp.full((rows, members or num_slots), num_slots, jnp.int32),
               jnp.full(num_slots, rows, jnp.int32),
               jnp.zeros((rows, config.vocab_size), jnp.float32),
               sampling.init_routes(config, rows, capacity))

@@ -185,12 +185,16 @@ def cascade_ragged(q_BxKxGx1xH, k_BxKxSxH, v_BxKxSxH, own_len_B, pool_k_PxKxLxH,
     rows, slots = jnp.minimum(pool_row_B, p - 1), jnp.arange(b)
     back = lambda x: x.reshape(p, kv, x.shape[2], b, g, *x.shape[4:])[rows, :, :, slots]
   else:
-    q_axes = (0, 1)
-    o_p, l_p, m_p = run(gather_queries(q, members_PxM), pool_k_PxKxLxH, pool_v_PxKxLxH,
-                        pool_len_P)
-    # [P, K, n, M * G, ...] -> per slot [B, K, n, G, ...] (the member axis moved to 2).
-    back = lambda x: jnp.moveaxis(scatter_back(jnp.moveaxis(x, 2, 3), members_PxM,
-                                               pool_row_B, g), 3, 2)
+    # [K, B, G, H] as above; each row's members' queries gathered from it, [K, P, M * G, H].
+    q, q_axes = jnp.transpose(q, (1, 0, 2, 3)), (1, 0)
+    q_p = jnp.take(q, members_PxM.reshape(-1), axis=1, mode="fill", fill_value=0)
+    o_p, l_p, m_p = run(q_p.reshape(kv, p, width * g, h), pool_k_PxKxLxH, pool_v_PxKxLxH,
+                        pool_len_P, q_axes=(1, 0))
+    # [P, K, n, M * G, ...] -> per slot [B, K, n, G, ...]: its row's results for its place
+    # among the row's members, a gather both merge fusions read (no transpose of its own).
+    rows = jnp.minimum(pool_row_B, p - 1)
+    at = member_index(members_PxM, pool_row_B)
+    back = lambda x: x.reshape(p, kv, x.shape[2], width, g, *x.shape[4:])[rows, :, :, at]
   # A slot without a row takes row P - 1's parts: zeroed, so they weigh nothing.
   has = (pool_row_B < p)[:, None, None, None]
   o_p, l_p = jnp.where(has[..., None], back(o_p), 0), jnp.where(has, back(l_p), 0.0)

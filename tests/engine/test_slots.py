@@ -189,14 +189,20 @@ def test_waiting_turns_give_their_slots_up_and_get_their_kv_back(tiny, share):
     np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-5)
 
 
-def _two_turn_jobs(lane, prompts, check=None):
+def _two_turn_jobs(lane, prompts, check=None, late=()):
   """Jobs of two turns each through `lane`, a tool reply between (the waiting job gives its
-  slot up when another is ready); `check()` after every admit. Returns each job's tokens."""
-  jobs = [engine_run.Job("m", i, list(p)) for i, p in enumerate(prompts)]
-  for job in jobs:
+  slot up when another is ready); `check()` after every admit; the jobs of `late` prompts
+  added after the first admit. Returns each job's tokens, `late`'s last."""
+  jobs = [engine_run.Job("m", i, list(p)) for i, p in enumerate(list(prompts) + list(late))]
+  for job in jobs[:len(prompts)]:
     lane.add(job, job.q)
+  first = True
   while True:
     lane.admit()
+    if first:
+      for job in jobs[len(prompts):]:
+        lane.add(job, job.q)
+      first = False
     if check:
       check()
     if not lane.running():
@@ -211,6 +217,34 @@ def _two_turn_jobs(lane, prompts, check=None):
         reply = TOK.encode(f" reply to {job.q}:")
         job.tokens += reply
         lane.extend(job, reply)
+
+
+def test_a_pool_row_has_at_most_its_members_and_the_rest_hold_copies(tiny):
+  """Rows of two members (`pool_members`) on four slots: two episodes of a prompt read its
+  row; a third of it, added once the row is full, and one of three episodes of another
+  prompt (more than a row's members) hold copies. Every episode samples what it does with
+  copies alone."""
+  river, why = TOK.encode("find the river"), TOK.encode("why not")
+  prompts, late = [river, river, why, why, why], [river]
+  want = _two_turn_jobs(lanes.SlotLane("m", _policy(tiny, slots=4, temperature=1.0),
+                                       key=jax.random.key(2), num_slots=4), prompts, late=late)
+  lane = lanes.SlotLane("m", _policy(tiny, slots=4, temperature=1.0, share=True),
+                        key=jax.random.key(2), num_slots=4, pool_members=2)
+  readers = {}
+
+  def check():
+    members = lane.rows.members()
+    assert members.shape == (lane.pool_rows, 2)
+    for seat in lane.seats.values():
+      if seat.row is not None:
+        readers[seat.ep.q] = seat.row
+        if seat.slot is not None:  # Its slot is among its row's members.
+          assert seat.slot in members[seat.row]
+
+  got = _two_turn_jobs(lane, prompts, check, late=late)
+  assert lane.slots.pool.members_PxM.shape[1] == 2
+  assert sorted(readers) == [0, 1]  # River's first two; "why not" had three episodes.
+  assert got == want
 
 
 def test_a_pool_row_lives_while_an_episode_reads_it(tiny):
