@@ -11,12 +11,12 @@ import numpy as np
 
 
 class PromptRows:
-  """`rows` pool rows for `num_slots` slots, each row read by at most `members` episodes
-  (default: every slot; see the module doc)."""
+  """`rows` pool rows for `num_slots` slots, each row read by at most `members_width`
+  episodes (every slot until the lane sets it with its pool; see the module doc)."""
 
-  def __init__(self, num_slots: int, rows: int, members: int | None = None):
+  def __init__(self, num_slots: int, rows: int):
     self.num_slots, self.rows = num_slots, rows
-    self.members_width = members or num_slots
+    self.members_width = num_slots
     self.row_of: dict[tuple, int] = {}  # prompt -> its row
     self.prompt_of: dict[int, tuple] = {}  # row -> its prompt
     self.users = [0] * rows  # Episodes that read each row (0: free).

@@ -185,7 +185,7 @@ def _display(stmt, param, entry_point) -> str:
   """The (first) assert of a test as a reader would write it: `assert add_sq(1, 2) == 5`."""
   inner = next(n for n in ast.walk(stmt) if isinstance(n, ast.Assert))
   shown = ast.Assert(_Rename(param, entry_point).visit(_parse(ast.unparse(inner.test),
-                                                                 mode="eval").body))
+                                                              mode="eval").body))
   text = ast.unparse(shown)
   text = text if len(text) <= 120 else text[:117] + "..."
   if inner is stmt:
